@@ -1,0 +1,20 @@
+# The two commands of the README. Each does its own set-up (idempotent, fast the second time).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test setup bench clean
+
+demo: setup
+	$(VENV)/bin/mctier demo
+
+test: setup
+	$(PY) -m pytest tests
+
+setup:
+	@bash scripts/setup.sh
+
+bench: setup
+	$(VENV)/bin/mctier bench
+
+clean:
+	rm -rf .cache/test-logs .pytest_cache

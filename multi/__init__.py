@@ -1,0 +1,1 @@
+"""Composite tier and the ``mctier`` command line."""

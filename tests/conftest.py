@@ -1,0 +1,53 @@
+"""Shared fixtures: the tiny model, a no-connector baseline engine, Mooncake masters."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.harness import LOGS, Engine, model_dir, start_engines
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return model_dir("tiny")
+
+
+class Baseline:
+    """Greedy token ids of a vLLM engine without any connector, memoised per prompt."""
+
+    def __init__(self):
+        self._engine: Engine | None = None
+        self._memo: dict[tuple, list[int]] = {}
+
+    def tokens(self, prompt: list[int], max_tokens: int = 8) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in self._memo:
+            if self._engine is None:
+                self._engine = start_engines(Engine("baseline", core=0))[0]
+            self._memo[key] = self._engine.tokens(prompt, max_tokens)
+        return self._memo[key]
+
+    def close(self):
+        if self._engine is not None:
+            self._engine.stop()
+
+
+@pytest.fixture(scope="session")
+def baseline(tiny_model):
+    b = Baseline()
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def store_cluster(tmp_path_factory):
+    """A real mooncake_master plus a store server (256 MiB segment), short leases and TTLs."""
+    from mcstore.server import StoreCluster
+
+    cluster = StoreCluster(
+        log_dir=LOGS,
+        segment_size=256 << 20,
+        extra_flags=["--default_kv_lease_ttl=500", "--client_ttl=2"],
+    ).start()
+    yield cluster
+    cluster.stop()

@@ -1,0 +1,171 @@
+"""Real components for tests: vLLM engines (served and offline), prompts, token-id checks.
+
+Every engine is a real ``mctier serve`` process pinned to one core, eager, block
+size 32, a 1 GiB KV cache; it is stopped by PID (its whole process group).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+from kvcore.procs import Proc, free_port
+from mcstore.server import CLIENT_ENV
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("MCTIER_CACHE", ROOT / ".cache"))
+LOGS = Path(os.environ.get("MCTIER_TEST_LOGS", ROOT / ".cache" / "test-logs"))
+BLOCK = 32
+VOCAB = 2048
+
+ENGINE_ENV = {
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    **CLIENT_ENV,
+}
+ENGINE_START_TIMEOUT = float(os.environ.get("MCTIER_ENGINE_START_TIMEOUT", "240"))
+REQUEST_TIMEOUT = 120.0
+
+
+def model_dir(preset: str = "tiny") -> Path:
+    from multi.models import build
+
+    return build(preset, CACHE / "models" / preset)
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    """``n`` pseudo-random token ids (no special tokens), reproducible from ``seed``."""
+    rng = random.Random(seed)
+    return [rng.randrange(4, VOCAB) for _ in range(n)]
+
+
+class Engine:
+    """A ``mctier serve`` OpenAI server on 127.0.0.1, pinned to ``core``."""
+
+    def __init__(
+        self,
+        name: str,
+        core: int,
+        kv_config: dict | None = None,
+        model: str | os.PathLike | None = None,
+        extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        max_model_len: int = 4096,
+    ):
+        self.name = name
+        self.port = free_port()
+        self.model = str(model or model_dir("tiny"))
+        argv = [
+            sys.executable, "-m", "multi.cli", "serve", self.model,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--enforce-eager", "--block-size", str(BLOCK),
+            "--max-model-len", str(max_model_len), "--max-num-seqs", "16",
+            "--seed", "0", "--served-model-name", "m",
+            "--enable-prompt-tokens-details",
+        ]
+        if kv_config is not None:
+            argv += ["--kv-transfer-config", json.dumps(kv_config)]
+        argv += list(extra_args or [])
+        full_env = {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core), **(env or {})}
+        self.proc = Proc(name, argv, LOGS / f"{name}-{self.port}.log", env=full_env, cwd=str(ROOT))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = ENGINE_START_TIMEOUT) -> Engine:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.proc.alive():
+                raise RuntimeError(f"engine {self.name} exited; log tail:\n{self.proc.tail(60)}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"engine {self.name} not ready in {timeout}s; log tail:\n{self.proc.tail(60)}")
+
+    def complete(self, prompt: list[int] | str, max_tokens: int = 8, timeout: float = REQUEST_TIMEOUT, **body) -> dict:
+        payload = {
+            "model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, **body,
+        }
+        r = requests.post(self.url + "/v1/completions", json=payload, timeout=timeout)
+        r.raise_for_status()
+        return r.json()
+
+    def tokens(self, prompt, max_tokens: int = 8, **body) -> list[int]:
+        return self.complete(prompt, max_tokens, **body)["choices"][0]["token_ids"]
+
+    def metrics_text(self) -> str:
+        return requests.get(self.url + "/metrics", timeout=10).text
+
+    def metric(self, name: str, **labels) -> float:
+        """Sum of the samples of ``name`` whose labels include ``labels``."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        total = 0.0
+        for fam in text_string_to_metric_families(self.metrics_text()):
+            for s in fam.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    total += s.value
+        return total
+
+    def stop(self) -> None:
+        self.proc.stop(grace=15)
+
+
+def cached_tokens(resp: dict) -> int:
+    details = (resp.get("usage") or {}).get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
+
+
+def start_engines(*engines: Engine) -> list[Engine]:
+    """Wait for engines started in parallel; stop all of them if any fails."""
+    try:
+        for e in engines:
+            e.wait_ready()
+    except BaseException:
+        for e in engines:
+            e.stop()
+        raise
+    return list(engines)
+
+
+OFFLINE_SCRIPT = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+spec = json.load(sys.stdin)
+llm = LLM(model=spec["model"], enforce_eager=True, block_size=spec["block"], max_model_len=spec["max_model_len"],
+          seed=0, kv_transfer_config=spec.get("kv"))
+sp = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
+outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], sp)
+print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
+"""
+
+
+def offline_generate(prompts: list[list[int]], max_tokens: int = 8, core: int = 0,
+                     model: str | None = None, kv: dict | None = None, timeout: float = 300) -> list[list[int]]:
+    """Greedy token ids from vLLM's offline ``LLM`` in a child process (spawn needs a main guard)."""
+    from kvcore.vllm_glue import _cpu_wheel_version  # noqa: F401  (import check: vLLM present)
+
+    spec = {"model": str(model or model_dir("tiny")), "prompts": prompts, "max_tokens": max_tokens,
+            "block": BLOCK, "max_model_len": 4096, "kv": kv}
+    env = {**os.environ, **ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+    r = subprocess.run([sys.executable, "-c", OFFLINE_SCRIPT], input=json.dumps(spec), capture_output=True,
+                       text=True, env=env, timeout=timeout, cwd=str(ROOT), start_new_session=True)
+    for line in r.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"offline generation failed (rc {r.returncode}):\n{r.stderr[-4000:]}")

@@ -1,0 +1,170 @@
+"""kvcore: page geometry against KV tensors allocated by vLLM's own CPU allocator, config, errors."""
+
+from __future__ import annotations
+
+import ctypes
+
+import msgspec
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcore.config import load, parse_size
+from kvcore.errors import ConfigError, LeaseExpired, MooncakeError, NoSpace, ObjectNotFound, check, first_error
+from kvcore.geometry import KVGeometry, block_runs
+
+pytestmark = pytest.mark.unit
+
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn", "model.layers.2.self_attn.attn"]
+NUM_BLOCKS = 12
+
+
+def vllm_kv_caches(layout_name: str, block_outer: bool) -> dict[str, torch.Tensor]:
+    """KV tensors exactly as vLLM's worker allocates them (``allocate_kv_cache``)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    page, n = spec.page_size_bytes, len(LAYERS)
+    layer_stride, block_stride = (page, page * n) if block_outer else (page * NUM_BLOCKS, page)
+    cfg = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[KVCacheTensor(size=page * NUM_BLOCKS * n, layers=LAYERS,
+                                        layer_stride=layer_stride, block_stride=block_stride)],
+        kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)],
+    )
+    kv = allocate_kv_cache(cfg, torch.device("cpu"), KVCacheLayout[layout_name])
+    for t in kv.values():
+        t.view(torch.int16).random_()
+    # Random bit patterns include NaNs; compare pages as integers.
+    return {name: t.view(torch.int16) for name, t in kv.items()}
+
+
+LAYOUTS = [(lay, outer) for lay in ("LBHNC", "LBNHC", "BLHNC", "BLNHC") for outer in (False, True)]
+block_lists = st.lists(st.integers(1, NUM_BLOCKS - 1), min_size=1, max_size=6, unique=True)
+
+
+def copy_image(src_ranges, dst_ranges) -> None:
+    """Scatter the concatenated bytes of ``src_ranges`` into ``dst_ranges`` (like a store get)."""
+    image = b"".join(ctypes.string_at(a, n) for a, n in src_ranges)
+    off = 0
+    for a, n in dst_ranges:
+        ctypes.memmove(a, image[off : off + n], n)
+        off += n
+    assert off == len(image)
+
+
+@pytest.mark.parametrize("layout,block_outer", LAYOUTS)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_ranges_round_trip_pages(layout, block_outer, data):
+    kv = vllm_kv_caches(layout, block_outer)
+    geo = KVGeometry.from_kv_caches(kv, NUM_BLOCKS)
+    src = data.draw(block_lists)
+    dst = data.draw(st.lists(st.sampled_from([b for b in range(1, NUM_BLOCKS) if b not in src]),
+                             min_size=len(src), max_size=len(src), unique=True)) if len(src) < NUM_BLOCKS // 2 else None
+    if dst is None:
+        return
+    before = {name: t[src].clone() for name, t in kv.items()}
+    untouched = [b for b in range(NUM_BLOCKS) if b not in dst]
+    others = {name: t[untouched].clone() for name, t in kv.items()}
+    src_r, dst_r = geo.ranges(src), geo.ranges(dst)
+    assert sum(n for _, n in src_r) == geo.nbytes(len(src)) == sum(n for _, n in dst_r)
+    copy_image(src_r, dst_r)
+    for name, t in kv.items():
+        assert torch.equal(t[dst], before[name]), name
+        assert torch.equal(t[untouched], others[name]), f"{name}: bytes outside the destination changed"
+
+
+@pytest.mark.parametrize("layout,block_outer", LAYOUTS)
+def test_adjacent_blocks_coalesce_only_when_dense(layout, block_outer):
+    geo = KVGeometry.from_kv_caches(vllm_kv_caches(layout, block_outer), NUM_BLOCKS)
+    ranges = geo.ranges([3, 4, 5, 9])
+    assert len(geo.regions) == len(LAYERS)
+    expected = 2 * len(LAYERS) if not block_outer else 4 * len(LAYERS)
+    assert len(ranges) == expected
+    assert len(geo.buffers) == 1  # all layers are views of one allocation
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_pair_ranges_moves_each_block_to_its_peer(data):
+    local = vllm_kv_caches("LBHNC", False)
+    remote = vllm_kv_caches("LBHNC", False)
+    lg, rg = KVGeometry.from_kv_caches(local, NUM_BLOCKS), KVGeometry.from_kv_caches(remote, NUM_BLOCKS)
+    lb = data.draw(block_lists)
+    rb = data.draw(st.permutations(range(1, NUM_BLOCKS)))[: len(lb)]
+    src, dst, lens = lg.pair_ranges(lb, rg.regions, rb)
+    for s, d, n in zip(src, dst, lens):
+        ctypes.memmove(d, s, n)
+    for name in LAYERS:
+        assert torch.equal(remote[name][list(rb)], local[name][lb])
+    # Each descriptor is one run consecutive on both sides.
+    pairs_runs = sum(1 for i in range(len(lb)) if i == 0 or lb[i] != lb[i - 1] + 1 or rb[i] != rb[i - 1] + 1)
+    assert len(lens) == pairs_runs * len(LAYERS)
+
+
+def test_geometry_rejects_bad_input():
+    kv = vllm_kv_caches("LBHNC", False)
+    geo = KVGeometry.from_kv_caches(kv, NUM_BLOCKS)
+    with pytest.raises(ValueError):
+        geo.ranges([NUM_BLOCKS])
+    with pytest.raises(ValueError):
+        geo.ranges([-1])
+    with pytest.raises(ConfigError):
+        KVGeometry.from_kv_caches(kv, NUM_BLOCKS + 1)
+    with pytest.raises(ConfigError):
+        KVGeometry.from_kv_caches({})
+    with pytest.raises(ValueError):
+        geo.pair_ranges([1, 2], geo.regions, [3])
+    with pytest.raises(ValueError):
+        geo.pair_ranges([1], geo.regions[:1], [3])
+
+
+def test_block_runs():
+    assert block_runs([]) == []
+    assert block_runs([4, 5, 6, 9, 10, 2]) == [(4, 3), (9, 2), (2, 1)]
+
+
+class Sample(msgspec.Struct, forbid_unknown_fields=True):
+    master: str = "127.0.0.1:50051"
+    chunk_tokens: int = 256
+    pin: bool = False
+
+
+def test_config_load_and_errors():
+    assert load(Sample, None, "x") == Sample()
+    assert load(Sample, {"chunk_tokens": 64}, "x").chunk_tokens == 64
+    with pytest.raises(ConfigError, match="chunk_tokn.*known keys: chunk_tokens, master, pin"):
+        load(Sample, {"chunk_tokn": 64}, "StoreConnector kv_connector_extra_config")
+    with pytest.raises(ConfigError, match="Expected `int`"):
+        load(Sample, {"chunk_tokens": "lots"}, "x")
+    with pytest.raises(ConfigError, match="x:"):
+        load(Sample, {"pin": [1]}, "x")
+
+
+@pytest.mark.parametrize("text,value", [(1024, 1024), ("512MB", 512 << 20), ("4 GiB", 4 << 30),
+                                        ("1g", 1 << 30), ("64k", 64 << 10), ("0", 0)])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("bad", ["", "lots", "-1", "1.5.3GB", True, -5])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ConfigError):
+        parse_size(bad)
+
+
+def test_status_codes_become_typed_errors():
+    assert check(0, "put") == 0 and check(4096, "get_into") == 4096
+    with pytest.raises(ObjectNotFound) as e:
+        check(-704, "get_into", "key k")
+    assert e.value.code == -704 and e.value.cause == "not_found" and "key k" in str(e.value)
+    with pytest.raises(NoSpace):
+        check(-200, "put")
+    assert isinstance(first_error([0, 0, -707], "batch_get"), LeaseExpired)
+    assert first_error([0, 12], "batch_get") is None
+    unknown = first_error([-12345], "op")
+    assert type(unknown) is MooncakeError and unknown.code == -12345

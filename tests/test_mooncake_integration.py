@@ -1,0 +1,140 @@
+"""Real Mooncake: put/get through a real master and store server, a Transfer Engine pair,
+and ``mctier master`` as a user starts it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from kvcore.errors import ObjectNotFound, check, first_error
+from kvcore.geometry import KVGeometry
+from kvcore.procs import free_port, port_open
+from mcstore.server import CLIENT_ENV
+
+pytestmark = pytest.mark.integration
+
+os.environ.update(CLIENT_ENV)
+
+
+def kv_like(num_blocks=16, layers=2):
+    """Per-layer views into one buffer, the CPU engine's shape ([B, H, bs, 2*D])."""
+    buf = torch.zeros(layers * num_blocks * 2 * 32 * 128, dtype=torch.int16)
+    buf.random_()
+    per = buf.view(layers, num_blocks, 2, 32, 128)
+    return {f"model.layers.{i}.self_attn.attn": per[i] for i in range(layers)}
+
+
+@pytest.fixture
+def client(store_cluster):
+    from mooncake.store import MooncakeDistributedStore
+
+    s = MooncakeDistributedStore()
+    check(s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", store_cluster.master_addr), "setup")
+    yield s
+    s.close()
+
+
+def test_put_get_pages_through_master(client):
+    kv = kv_like()
+    geo = KVGeometry.from_kv_caches(kv, 16)
+    for b in geo.buffers:
+        check(client.register_buffer(b.addr, b.size), "register_buffer")
+    src, dst = [2, 3, 4], [9, 11, 12]
+    keys = [f"itest/{time.time_ns()}"]
+    sr = geo.ranges(src)
+    rcs = client.batch_put_from_multi_buffers(keys, [[a for a, _ in sr]], [[n for _, n in sr]])
+    assert first_error(rcs, "put") is None, rcs
+    assert client.batch_is_exist(keys) == [1]
+    dr = geo.ranges(dst)
+    got = client.batch_get_into_multi_buffers(keys, [[a for a, _ in dr]], [[n for _, n in dr]])
+    assert got == [geo.nbytes(3)]
+    for t in kv.values():
+        assert torch.equal(t[dst], t[src])
+    missing = client.batch_get_into_multi_buffers([keys[0] + "-absent"], [[a for a, _ in dr]], [[n for _, n in dr]])
+    with pytest.raises(ObjectNotFound):
+        check(missing[0], "get")
+    for b in geo.buffers:
+        client.unregister_buffer(b.addr)
+
+
+TARGET = r"""
+import sys, torch
+from mooncake.engine import TransferEngine
+te = TransferEngine()
+assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+buf = torch.zeros(1 << 20, dtype=torch.uint8)
+assert te.register_memory(buf.data_ptr(), buf.numel()) == 0
+print(te.get_rpc_port(), buf.data_ptr(), flush=True)
+sys.stdin.readline()
+print(int(buf.to(torch.int64).sum()), bytes(buf[:8].tolist()).hex(), flush=True)
+"""
+
+
+def test_transfer_engine_pair_moves_bytes():
+    from mooncake.engine import TransferEngine
+
+    target = subprocess.Popen([sys.executable, "-c", TARGET], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, **CLIENT_ENV})
+    try:
+        port, remote_base = map(int, target.stdout.readline().split())
+        te = TransferEngine()
+        check(te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""), "te init")
+        src = torch.arange(1 << 16, dtype=torch.int64).to(torch.uint8)
+        check(te.register_memory(src.data_ptr(), src.numel()), "register")
+        peer = f"127.0.0.1:{port}"
+        rc = te.batch_transfer_sync_write(peer, [src.data_ptr(), src.data_ptr() + 4096],
+                                          [remote_base, remote_base + 8192], [4096, 4096])
+        check(rc, "batch_transfer_sync_write")
+        # Outside the peer's registered memory: refused, not written.
+        assert te.transfer_sync_write(peer, src.data_ptr(), remote_base + (1 << 21), 4096) < 0
+        target.stdin.write("\n")
+        target.stdin.flush()
+        total, head = target.stdout.readline().split()
+        assert int(total) == 2 * int(src[:4096].to(torch.int64).sum())
+        assert head == bytes(src[:8].tolist()).hex()
+    finally:
+        target.kill()
+        target.wait(timeout=10)
+
+
+def test_mctier_master_cli_serves_and_stops(tmp_path):
+    from mooncake.store import MooncakeDistributedStore
+
+    port, mport = free_port(), free_port()
+    cli = subprocess.Popen([sys.executable, "-m", "multi.cli", "master", "--port", str(port), "--metrics-port",
+                            str(mport), "--segment-size", "64MB", "--log-dir", str(tmp_path)],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        banner = ""
+        deadline = time.monotonic() + 30
+        while "Ctrl-C" not in banner and time.monotonic() < deadline:
+            banner += cli.stdout.readline()
+        assert f"127.0.0.1:{port}" in banner and "store server" in banner, banner
+        s = MooncakeDistributedStore()
+        check(s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", f"127.0.0.1:{port}"), "setup")
+        data = os.urandom(100_000)
+        check(s.put("cli-key", data), "put")  # lands in the store server's segment (ours is 0)
+        s.close()
+        s2 = MooncakeDistributedStore()
+        check(s2.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", f"127.0.0.1:{port}"), "setup")
+        assert s2.get("cli-key") == data  # outlived the writer
+        s2.close()
+        import requests
+
+        assert "master_key_count" in requests.get(f"http://127.0.0.1:{mport}/metrics", timeout=5).text
+        cli.send_signal(signal.SIGTERM)
+        assert cli.wait(timeout=40) == 0
+        assert not port_open(port) and not port_open(mport)
+        leftovers = subprocess.run(["pgrep", "-f", f"rpc_port={port}|--master 127.0.0.1:{port}"],
+                                   capture_output=True, text=True).stdout.split()
+        assert leftovers == []
+    finally:
+        if cli.poll() is None:
+            os.killpg(cli.pid, signal.SIGKILL)
+            cli.wait(timeout=10)

@@ -1,0 +1,47 @@
+"""``mctier serve`` is vLLM's server under the CPU wheel; the test models are sensitive to their KV."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.harness import Engine, offline_generate, prompt_ids, start_engines
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [prompt_ids(70, 1), prompt_ids(150, 2), prompt_ids(40, 3)]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model):
+    (engine,) = start_engines(Engine("serve-e2e", core=1))
+    yield engine
+    engine.stop()
+
+
+def test_served_tokens_equal_offline_generation(served):
+    offline = offline_generate(PROMPTS, max_tokens=12, core=0)
+    served_ids = [served.tokens(p, 12) for p in PROMPTS]
+    assert served_ids == offline
+    assert all(len(ids) == 12 for ids in served_ids)
+
+
+def test_model_output_depends_on_the_prompt(served):
+    """Without this no fidelity test could tell right KV from wrong."""
+    outs = [tuple(served.tokens(prompt_ids(96, seed), 8)) for seed in range(10, 16)]
+    assert len(set(outs)) == len(outs), "different prompts gave the same continuation"
+    assert all(len(set(o)) > 2 for o in outs), f"near-constant continuations: {outs}"
+    # Changing one early token (only its KV differs for the rest) changes the output.
+    p = prompt_ids(96, 10)
+    q = [p[0], (p[1] + 7) % 2000 + 4, *p[2:]]
+    assert tuple(served.tokens(q, 8)) != outs[0]
+
+
+def test_chat_and_text_prompts(served):
+    import requests
+
+    r = requests.post(served.url + "/v1/chat/completions", timeout=60, json={
+        "model": "m", "messages": [{"role": "user", "content": "the cache block layer"}],
+        "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+    r.raise_for_status()
+    assert r.json()["usage"]["completion_tokens"] == 5
+    assert len(served.tokens("hello world prompt", 4)) == 4
