@@ -14,7 +14,8 @@ setup:
 	@bash scripts/setup.sh
 
 bench: setup
-	$(VENV)/bin/mctier bench
+	$(VENV)/bin/pip install -q -e ".[cpu,test,bench]"
+	$(PY) bench/tiered_bench.py
 
 clean:
 	rm -rf .cache/test-logs .pytest_cache

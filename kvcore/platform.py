@@ -24,6 +24,23 @@ class Platform:
         """An object whose ``wait()`` returns once KV written so far is readable."""
         return _NoFence()
 
+    def prepare_worker(self) -> None:
+        """Per-process setup a KV-loading connector needs before the first forward.
+
+        On AMX CPUs the kernel only lets a process run AMX tile instructions after it
+        asked for them (arch_prctl XCOMP_PERM). vLLM's CPU attention picks its AMX path
+        for bf16 / block 32, but the permission is requested lazily by other kernels; an
+        engine whose first forward attends over loaded KV (1 new token, long context)
+        died with SIGILL. Asking up front is idempotent and harmless.
+        """
+        try:
+            import torch
+
+            if torch.cpu._is_amx_tile_supported():
+                torch.cpu._init_amx()
+        except (ImportError, AttributeError, RuntimeError):
+            pass
+
 
 class CudaPlatform(Platform):
     name = "cuda"
@@ -31,6 +48,9 @@ class CudaPlatform(Platform):
 
     def memory_location(self, device_index: int = 0) -> str:
         return f"cuda:{device_index}"
+
+    def prepare_worker(self) -> None:
+        return None
 
     def kv_ready_fence(self):
         import torch

@@ -171,3 +171,8 @@ def register_connector_name(name: str, module: str, class_name: str) -> None:
 def request_block_ids(kv_cache_manager, req_id: str) -> list[int]:
     """Block ids of the request's (single) KV cache group."""
     return list(kv_cache_manager.get_block_ids(req_id)[0])
+
+
+# --- added for the composite ---
+from vllm.config import KVTransferConfig  # noqa: E402,F401
+

@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo(sub)
 
+    from mcstore.inspect_cli import add_parser as add_inspect
+    from mcstore.warmup import add_parser as add_warmup
+
+    add_warmup(sub)
+    add_inspect(sub)
+
     md = sub.add_parser("model", help="build a deterministic random-weight Llama (no hub)")
     md.add_argument("preset", choices=["tiny", "small"])
     md.add_argument("dir")

@@ -1,7 +1,10 @@
-"""``mctier demo``: a whole deployment on one machine, a workload, a printed summary.
+"""``mctier demo``: a whole P/D deployment on one machine, a workload, a summary.
 
-Everything it starts (master, store server, engines, proxy) runs as a child
-process in its own group and is stopped at the end, also on Ctrl-C.
+A Mooncake master and store server, a prefill and a decode engine with
+``TieredConnector`` (one core each), ``mctier proxy`` in front, a warmup of a
+shared system prompt, then a mixed workload (shared-prefix chats, long documents,
+short questions) sent through the proxy one at a time. Everything it starts runs
+in its own process group and is stopped at the end, also on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 from pathlib import Path
 
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvcore.procs import Proc, free_port
 from mcstore.server import CLIENT_ENV, StoreCluster
@@ -32,6 +36,14 @@ ENGINE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     **CLIENT_ENV,
 }
+PLANS = ("recompute", "store", "p2p", "store+p2p")
+
+
+def tiered_config(role: str, master: str, bootstrap_port: int) -> dict:
+    return {"kv_connector": "TieredConnector", "kv_connector_module_path": "multi", "kv_role": role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"store": {"master": master, "chunk_tokens": 256},
+                                          "p2p": {"bootstrap_port": bootstrap_port}}}
 
 
 class Deployment:
@@ -42,18 +54,29 @@ class Deployment:
         self.procs: list[Proc] = []
         self.cluster: StoreCluster | None = None
 
-    def engine(self, name: str, model: str, core: int, kv_config: dict | None, extra: list[str] = ()) -> str:
+    def engine(self, name: str, model: str, core: int, kv_config: dict | None) -> tuple[str, Proc]:
         port = free_port()
         argv = [sys.executable, "-m", "multi.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
                 "--enforce-eager", "--block-size", "32", "--max-model-len", "8192", "--seed", "0",
-                "--served-model-name", "demo", "--enable-prompt-tokens-details", *extra]
+                "--served-model-name", "demo", "--enable-prompt-tokens-details"]
         if kv_config is not None:
             argv += ["--kv-transfer-config", json.dumps(kv_config)]
         env = {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
-        self.procs.append(Proc(name, argv, self.log_dir / f"{name}.log", env=env))
+        proc = Proc(name, argv, self.log_dir / f"{name}.log", env=env)
+        self.procs.append(proc)
+        return f"http://127.0.0.1:{port}", proc
+
+    def proxy(self, prefill: str, bootstrap: str, decode: str) -> str:
+        port = free_port()
+        proc = Proc("proxy", [sys.executable, "-m", "multi.cli", "proxy", "--port", str(port),
+                              "--prefill", f"{prefill}@{bootstrap}", "--decode", decode],
+                    self.log_dir / "proxy.log")
+        self.procs.append(proc)
+        proc.wait_port(port, 30)
         return f"http://127.0.0.1:{port}"
 
-    def wait_http(self, url: str, proc: Proc, timeout: float = 240) -> None:
+    @staticmethod
+    def wait_http(url: str, proc: Proc, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not proc.alive():
@@ -69,22 +92,54 @@ class Deployment:
     def stop(self) -> None:
         for p in reversed(self.procs):
             p.stop(grace=15)
+        self.procs = []
         if self.cluster is not None:
             self.cluster.stop()
+            self.cluster = None
 
 
-def workload(seed: int = 0) -> list[tuple[str, str]]:
-    """(kind, prompt) pairs: shared-prefix chats, long documents, short questions."""
+def metrics(url: str) -> dict[tuple[str, str], float]:
+    """``(sample name, kind label) -> value`` of an engine's mctier series."""
+    out: dict[tuple[str, str], float] = {}
+    for fam in text_string_to_metric_families(requests.get(url + "/metrics", timeout=10).text):
+        for s in fam.samples:
+            if s.name.startswith("vllm:mctier_"):
+                key = (s.name, s.labels.get("kind", ""))
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def workload(seed: int = 0) -> tuple[str, list[tuple[str, str]]]:
+    """The shared system prompt, and (kind, prompt) pairs."""
     rng = random.Random(seed)
-    words = ("cache block layer store transfer decode prefill model request engine memory disk "
-             "network latency bandwidth master segment chunk key value query answer document").split()
+    words = ("cache block layer store transfer decode prefill model request engine memory disk network "
+             "latency bandwidth master segment chunk key value query answer document section table").split()
     text = lambda n: " ".join(rng.choice(words) for _ in range(n))  # noqa: E731
-    system = "You are a careful assistant. " + text(300)
-    items = [("chat", f"{system}\nuser: {text(20)}") for _ in range(4)]
-    items += [("document", text(900)) for _ in range(2)]
-    items += [("short", text(12)) for _ in range(3)]
+    system = "You are a careful assistant. " + text(700)
+    items = [("chat", f"{system}\nuser: {text(30)}") for _ in range(4)]
+    items += [("document", text(1500)) for _ in range(2)]
+    items += [("short", text(10)) for _ in range(3)]
     rng.shuffle(items)
-    return items
+    return system, items
+
+
+def ask(url: str, prompt: str, max_tokens: int = 16) -> tuple[float, int]:
+    """Streamed completion: (seconds to the first token, prompt tokens)."""
+    t0 = time.monotonic()
+    ttft = None
+    usage = {}
+    with requests.post(url + "/v1/completions", stream=True, timeout=300, json={
+            "model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if ttft is None and chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                ttft = time.monotonic() - t0
+            usage = chunk.get("usage") or usage
+    return (ttft if ttft is not None else time.monotonic() - t0), int(usage.get("prompt_tokens", 0))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,34 +149,40 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or str(build("small", cache / "models" / "small"))
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="mctier-demo-"))
     dep = Deployment(log_dir)
-    stop = {"flag": False}
 
     def on_signal(*_):
-        stop["flag"] = True
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
     t0 = time.monotonic()
-    rows: list[dict] = []
     try:
         print(f"[demo] logs in {log_dir}")
-        dep.cluster = StoreCluster(log_dir=log_dir, segment_size=1 << 30,
-                                   extra_flags=["--client_ttl=2"]).start()
-        print(f"[demo] mooncake master {dep.cluster.master_addr} + store server (1 GiB DRAM)")
-        url = dep.engine("engine", model, core=0, kv_config=None)
-        dep.wait_http(url, dep.procs[-1])
-        print(f"[demo] engine ready at {url} ({time.monotonic() - t0:.0f}s)")
-        for kind, prompt in workload():
-            t = time.monotonic()
-            r = requests.post(url + "/v1/completions", timeout=300, json={
-                "model": "demo", "prompt": prompt, "max_tokens": 16, "temperature": 0, "stream": False})
-            r.raise_for_status()
-            body = r.json()
-            usage = body["usage"]
-            cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
-            rows.append({"kind": kind, "prompt_tokens": usage["prompt_tokens"], "cached": cached,
-                         "seconds": time.monotonic() - t})
-        print_summary(rows)
+        dep.cluster = StoreCluster(log_dir=log_dir, segment_size=2 << 30, extra_flags=["--client_ttl=2"]).start()
+        print(f"[demo] mooncake master {dep.cluster.master_addr} + store server (2 GiB DRAM)")
+        boot = free_port()
+        p_url, p_proc = dep.engine("prefill", model, 0, tiered_config("kv_producer", dep.cluster.master_addr, boot))
+        d_url, d_proc = dep.engine("decode", model, 1, tiered_config("kv_consumer", dep.cluster.master_addr,
+                                                                      free_port()))
+        dep.wait_http(p_url, p_proc)
+        dep.wait_http(d_url, d_proc)
+        proxy = dep.proxy(p_url, f"http://127.0.0.1:{boot}", d_url)
+        print(f"[demo] prefill {p_url}, decode {d_url}, proxy {proxy} ({time.monotonic() - t0:.0f}s)")
+        system, items = workload()
+        t = time.monotonic()
+        ask(p_url, system, max_tokens=1)  # warmup: the prefill instance saves the prompt's chunks
+        print(f"[demo] warmed up the shared system prompt ({time.monotonic() - t:.1f}s)")
+        rows = []
+        for kind, prompt in items:
+            before = metrics(d_url)
+            ttft, n = ask(proxy, prompt)
+            after = metrics(d_url)
+            plan = next((p for p in PLANS if after.get(("vllm:mctier_tiered_decisions_total", p), 0)
+                         > before.get(("vllm:mctier_tiered_decisions_total", p), 0)), "recompute")
+            store_tok = (after.get(("vllm:mctier_tiered_planned_tokens_total", "store"), 0)
+                         - before.get(("vllm:mctier_tiered_planned_tokens_total", "store"), 0))
+            rows.append({"kind": kind, "plan": plan, "ttft": ttft, "prompt_tokens": n, "store_tokens": store_tok})
+            print(f"[demo] {kind:<9} {n:>5} tokens -> {plan:<10} TTFT {ttft * 1e3:7.0f} ms")
+        summary(rows, metrics(d_url), metrics(p_url))
         return 0
     except KeyboardInterrupt:
         print("\n[demo] interrupted; stopping everything", file=sys.stderr)
@@ -131,16 +192,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"[demo] stopped all processes ({time.monotonic() - t0:.0f}s total)")
 
 
-def print_summary(rows: list[dict]) -> None:
-    print(f"\n{'kind':<10} {'requests':>8} {'prompt tok':>11} {'cached tok':>11} {'median s':>9}")
-    for kind in sorted({r['kind'] for r in rows}):
-        rs = [r for r in rows if r["kind"] == kind]
-        print(f"{kind:<10} {len(rs):>8} {sum(r['prompt_tokens'] for r in rs):>11} "
-              f"{sum(r['cached'] for r in rs):>11} {statistics.median(r['seconds'] for r in rs):>9.2f}")
-    total_p = sum(r["prompt_tokens"] for r in rows)
-    total_c = sum(r["cached"] for r in rows)
-    print(f"{'total':<10} {len(rows):>8} {total_p:>11} {total_c:>11}   hit rate {total_c / max(total_p, 1):.0%}")
-    print("\nnext: `mctier master`, `mctier serve MODEL --kv-transfer-config @examples/...`")
+def summary(rows: list[dict], d: dict, p: dict) -> None:
+    print(f"\n{'plan':<11} {'requests':>8} {'TTFT median ms':>15}")
+    for plan in PLANS:
+        rs = [r for r in rows if r["plan"] == plan]
+        if rs:
+            print(f"{plan:<11} {len(rs):>8} {statistics.median(r['ttft'] for r in rs) * 1e3:>15.0f}")
+    total = sum(r["prompt_tokens"] for r in rows)
+    hit = sum(r["store_tokens"] for r in rows)
+    mib = 1 << 20
+    print(f"\nrequests {len(rows)}; store hit rate {hit / max(total, 1):.0%} ({hit:.0f} of {total} prompt tokens)")
+    print(f"bytes moved: store -> decode {d.get(('vllm:mctier_store_loaded_bytes_total', ''), 0) / mib:.1f} MiB, "
+          f"prefill -> decode (P2P) {d.get(('vllm:mctier_p2p_bytes_total', 'pulled'), 0) / mib:.1f} MiB, "
+          f"saved to the store {p.get(('vllm:mctier_store_saved_bytes_total', ''), 0) / mib:.1f} MiB")
+    print("\nnext: `mctier inspect summary --master HOST:PORT` shows what is stored; "
+          "examples/launch-1p1d-tiered.sh runs this deployment by hand")
 
 
 def add_parser(sub) -> None:

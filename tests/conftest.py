@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import LOGS, Engine, model_dir, start_engines
+from tests.harness import LOGS, Engine, model_dir, reference_tokens, start_engines
 
 
 @pytest.fixture(scope="session")
@@ -19,12 +19,15 @@ class Baseline:
         self._engine: Engine | None = None
         self._memo: dict[tuple, list[int]] = {}
 
-    def tokens(self, prompt: list[int], max_tokens: int = 8) -> list[int]:
-        key = (tuple(prompt), max_tokens)
+    def tokens(self, prompt: list[int], max_tokens: int = 8, cached_prefix: int = 0) -> list[int]:
+        """``cached_prefix``: the no-connector run computes ``prompt[:cached_prefix]`` first and
+        serves it from its own prefix cache, the same split as a connector hit of that length
+        (see ``reference_tokens``)."""
+        key = (tuple(prompt), max_tokens, cached_prefix)
         if key not in self._memo:
             if self._engine is None:
                 self._engine = start_engines(Engine("baseline", core=0))[0]
-            self._memo[key] = self._engine.tokens(prompt, max_tokens)
+            self._memo[key] = reference_tokens(self._engine, prompt, max_tokens, cached_prefix)
         return self._memo[key]
 
     def close(self):

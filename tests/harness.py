@@ -125,6 +125,25 @@ class Engine:
         self.proc.stop(grace=15)
 
 
+def reference_tokens(engine: Engine, prompt: list[int], max_tokens: int = 8, cached_prefix: int = 0) -> list[int]:
+    """Greedy ids from a no-connector ``engine`` that computed ``prompt[:cached_prefix]``
+    in an earlier request and serves the rest from its own prefix cache.
+
+    A connector that loads ``[0, S)`` must reproduce exactly what vLLM's own prefix
+    cache gives for the same split: computing ``[S, N)`` against cached KV is not
+    bit-identical to one pass over ``[0, N)`` (bf16 kernels, a sensitive random
+    model), so a cold one-pass run is the wrong reference for a prefix hit."""
+    if cached_prefix % BLOCK:
+        raise ValueError(f"cached_prefix {cached_prefix} is not a multiple of the block size {BLOCK}")
+    if cached_prefix:
+        engine.complete(prompt[:cached_prefix], 1)
+    resp = engine.complete(prompt, max_tokens)
+    got = cached_tokens(resp)
+    if got != cached_prefix:
+        raise AssertionError(f"reference engine had {got} cached tokens, wanted {cached_prefix}: use a fresh prompt")
+    return resp["choices"][0]["token_ids"]
+
+
 def cached_tokens(resp: dict) -> int:
     details = (resp.get("usage") or {}).get("prompt_tokens_details") or {}
     return int(details.get("cached_tokens") or 0)

@@ -1,0 +1,170 @@
+"""Store tier benchmark (not a test): the tier's save/load data path against the
+raw Mooncake API on the same chunks, in one run, plus scheduler lookup latency.
+
+    .venv/bin/python bench/store_bench.py [--chunks 128] [--reps 5]
+
+Starts its own mooncake_master + store server on loopback (the pool lives in the
+store server, engines are pure clients, as in deployment). The tier's numbers
+are end to end: jobs handed to the worker as vLLM would (``wait_for_save`` /
+``start_load_kv``) until ``get_finished`` reports them, including the dedup
+``batch_is_exist`` of a save and the post-load existence check. The raw numbers
+are ``batch_put_from`` / ``batch_get_into`` of contiguous chunk-sized buffers,
+the best case for Mooncake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mcstore.server import CLIENT_ENV  # noqa: E402
+
+for _k, _v in CLIENT_ENV.items():
+    os.environ.setdefault(_k, _v)
+
+import torch  # noqa: E402
+
+from mcstore.config import load_config  # noqa: E402
+from mcstore.keys import KeySpace, fingerprint  # noqa: E402
+from mcstore.protocol import ChunkIO, LoadJob, SaveJob, StoreMetadata  # noqa: E402
+from mcstore.scheduler import StoreScheduler  # noqa: E402
+from mcstore.server import StoreCluster  # noqa: E402
+from mcstore.worker import StoreWorker  # noqa: E402
+
+LAYERS, HEADS, HEAD, BS, CHUNK = 8, 2, 64, 32, 256  # 16 KiB pages; 1 MiB per 256-token chunk
+BLOCKS_PER_CHUNK = CHUNK // BS
+PER_JOB = 16  # chunks per request (a 4K-token prompt)
+
+
+def wait(pred, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError("benchmark job did not finish")
+        time.sleep(0.0005)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--chunks", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--lookups", type=int, default=1000)
+    a = ap.parse_args()
+    n = a.chunks
+    blocks = n * BLOCKS_PER_CHUNK + 1
+    logs = Path(tempfile.mkdtemp(prefix="store-bench-"))
+    with StoreCluster(logs, segment_size=max(1 << 30, 4 * n << 20), extra_flags=["--client_ttl=2"]) as c:
+        cfg = load_config({"master": c.master_addr, "chunk_tokens": CHUNK}, env={})
+        keys = KeySpace(fingerprint({"bench": 1}), CHUNK)
+        w = StoreWorker(cfg, keys, BS, blocks, 0, load=True, save=True)
+        kv = torch.randn(LAYERS, blocks, HEADS, 2 * BS, HEAD).to(torch.bfloat16)
+        w.register_kv_caches({f"l{i}": kv[i] for i in range(LAYERS)})
+        chunk_bytes = w.chunk_bytes
+        total = n * chunk_bytes
+        raw = w.client.store  # same client, same transport: only the data path differs
+        src = torch.randint(0, 255, (n, chunk_bytes), dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        for t in (src, dst):
+            w.client.register(t.data_ptr(), t.numel())
+        res = {k: [] for k in ("raw_put", "raw_get", "tier_save", "tier_load", "mb_put", "mb_get")}
+        for rep in range(a.reps):
+            tag = f"{rep}-{time.monotonic_ns()}"
+            # raw Mooncake
+            rk = [f"raw/{tag}/{i}" for i in range(n)]
+            t0 = time.perf_counter()
+            for j in range(0, n, PER_JOB):
+                rcs = raw.batch_put_from(rk[j:j + PER_JOB], [src[i].data_ptr() for i in range(j, min(n, j + PER_JOB))],
+                                         [chunk_bytes] * len(rk[j:j + PER_JOB]))
+                assert all(rc == 0 for rc in rcs), rcs
+            res["raw_put"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for j in range(0, n, PER_JOB):
+                rcs = raw.batch_get_into(rk[j:j + PER_JOB], [dst[i].data_ptr() for i in range(j, min(n, j + PER_JOB))],
+                                         [chunk_bytes] * len(rk[j:j + PER_JOB]))
+                assert all(rc == chunk_bytes for rc in rcs), rcs
+            res["raw_get"].append(time.perf_counter() - t0)
+            # raw Mooncake on the KV pages themselves (multi-buffer, one range per layer)
+            mk = [f"mb/{tag}/{i}" for i in range(n)]
+            cblocks = [list(range(1 + i * BLOCKS_PER_CHUNK, 1 + (i + 1) * BLOCKS_PER_CHUNK)) for i in range(n)]
+            ptrs = [w._ptrs(b) for b in cblocks]
+            t0 = time.perf_counter()
+            for j in range(0, n, PER_JOB):
+                sl = range(j, min(n, j + PER_JOB))
+                rcs = raw.batch_put_from_multi_buffers(mk[j:j + PER_JOB], [ptrs[i][0] for i in sl], [ptrs[i][1] for i in sl])
+                assert all(rc == 0 for rc in rcs), rcs
+            res["mb_put"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for j in range(0, n, PER_JOB):
+                sl = range(j, min(n, j + PER_JOB))
+                rcs = raw.batch_get_into_multi_buffers(mk[j:j + PER_JOB], [ptrs[i][0] for i in sl], [ptrs[i][1] for i in sl])
+                assert all(rc == chunk_bytes for rc in rcs), rcs
+            res["mb_get"].append(time.perf_counter() - t0)
+            raw.batch_remove(mk, True)
+            # the tier: chunks are KV pages (one block per chunk slot), layer-major objects
+            links = [f"tier/{tag}/{i}" for i in range(n)]
+            chunk_blocks = [list(range(1 + i * BLOCKS_PER_CHUNK, 1 + (i + 1) * BLOCKS_PER_CHUNK)) for i in range(n)]
+            saves = [SaveJob(f"s{tag}-{j}", [ChunkIO(links[i], i, chunk_blocks[i]) for i in range(j, min(n, j + PER_JOB))])
+                     for j in range(0, n, PER_JOB)]
+            ids = {s.req_id for s in saves}
+            done: set[str] = set()
+            t0 = time.perf_counter()
+            w.wait_for_save(StoreMetadata(saves=saves))
+            wait(lambda: done.update(w.get_finished(ids)[0] or ()) or done >= ids)
+            res["tier_save"].append(time.perf_counter() - t0)
+            loads = [LoadJob(f"l{tag}-{j}", [ChunkIO(links[i], i, chunk_blocks[i]) for i in range(j, min(n, j + PER_JOB))], 60)
+                     for j in range(0, n, PER_JOB)]
+            ids = {x.req_id for x in loads}
+            done = set()
+            t0 = time.perf_counter()
+            w.start_load_kv(StoreMetadata(loads=loads))
+            wait(lambda: done.update(w.get_finished(set())[1] or ()) or done >= ids)
+            res["tier_load"].append(time.perf_counter() - t0)
+            errors = w.get_block_ids_with_load_errors()
+            assert not errors, f"{len(errors)} blocks failed to load"
+            raw.batch_remove(rk, True)
+            raw.batch_remove([keys.key(x, 0) for x in links], True)
+
+        def gbps(xs):
+            return total / statistics.median(xs) / 1e9
+
+        print(f"chunks: {n} x {chunk_bytes >> 10} KiB ({LAYERS} layers x {BLOCKS_PER_CHUNK} pages of "
+              f"{chunk_bytes // LAYERS // BLOCKS_PER_CHUNK >> 10} KiB), {PER_JOB} chunks per batch, "
+              f"median of {a.reps}")
+        print(f"save  raw batch_put_from  {gbps(res['raw_put']):6.2f} GB/s   tier {gbps(res['tier_save']):6.2f} GB/s"
+              f"   ratio {gbps(res['tier_save']) / gbps(res['raw_put']):.2f}")
+        print(f"load  raw batch_get_into  {gbps(res['raw_get']):6.2f} GB/s   tier {gbps(res['tier_load']):6.2f} GB/s"
+              f"   ratio {gbps(res['tier_load']) / gbps(res['raw_get']):.2f}")
+        print(f"(raw multi-buffer on the same KV pages: put {gbps(res['mb_put']):.2f} GB/s, get {gbps(res['mb_get']):.2f} GB/s;"
+              f" tier/that: save {gbps(res['tier_save']) / gbps(res['mb_put']):.2f}, load {gbps(res['tier_load']) / gbps(res['mb_get']):.2f})")
+
+        # Lookup latency: the scheduler's whole lookup for a fresh 8K-token prompt
+        # (hash chain + one batch_is_exist of 32 keys), half of them stored.
+        sched = StoreScheduler(cfg, keys, BS, load=True, save=False)
+        lat = []
+        for i in range(a.lookups):
+            toks = torch.randint(4, 2048, (8192,)).tolist()
+            req = SimpleNamespace(request_id=f"q{i}", prompt_token_ids=toks, num_prompt_tokens=8192,
+                                  cache_salt=None, lora_request=None, mm_features=None)
+            t0 = time.perf_counter()
+            sched.lookup(req)
+            lat.append(time.perf_counter() - t0)
+            sched._reqs.pop(req.request_id)
+        lat.sort()
+        q = lambda p: lat[min(len(lat) - 1, int(p * len(lat)))] * 1e3  # noqa: E731
+        print(f"lookup 8K-token prompt ({8192 // CHUNK} chunks): p50 {q(0.5):.3f} ms  p99 {q(0.99):.3f} ms  "
+              f"max {lat[-1] * 1e3:.3f} ms  (n={len(lat)})")
+        sched.close()
+        w.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Store tier configuration: ``kv_connector_extra_config`` as a typed struct.
+
+Keys (all optional except the master address, which may also come from
+``MOONCAKE_CONFIG_PATH``)::
+
+    master               "HOST:PORT" of mooncake_master (alias: master_server_address)
+    protocol             transfer protocol, "tcp" (default) or "rdma"
+    device_name          RDMA device(s), "" for TCP
+    metadata_server      "P2PHANDSHAKE" (default) or an HTTP/etcd metadata URL
+    local_hostname       address peers use to reach this client (default VLLM_HOST_IP or 127.0.0.1)
+    global_segment_size  DRAM this engine contributes to the pool; 0 = pure client (default)
+    local_buffer_size    client staging buffer (default 16MB)
+    chunk_tokens         tokens per stored object; a multiple of the block size (default 256)
+    model_id             model identity for the key fingerprint (default: the served model path)
+    replicas / soft_pin / soft_pin_ttl_ms / hard_pin / preferred_segment   ReplicateConfig knobs
+    enable_ssd_offload / ssd_offload_path   for an engine-contributed segment
+    load_timeout_s       deadline of one request's load (default 20)
+    save_retry_s         how long a save retries store pressure (-200) before dropping (default 2)
+    save_queue_chunks    bound on chunks waiting to be saved (default 4096)
+    probe_interval_s     master health probe period (default 1)
+    slow_rpc_s           a lookup slower than this opens the breaker (default 1)
+    connect_timeout_s    start-up TCP probe deadline for the master (default 5)
+    key_prefix           namespace of our objects in the store (default "mct")
+    verify_checksums     store a CRC32 trailer with each chunk and check it on load (default true)
+
+``MOONCAKE_CONFIG_PATH`` (Mooncake's own JSON: master_server_address, protocol,
+global_segment_size, local_buffer_size, device_name, metadata_server,
+local_hostname, enable_ssd_offload, ssd_offload_path, tenant_id, ...) supplies
+defaults; keys in ``kv_connector_extra_config`` win.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import msgspec
+
+from kvcore.config import load, parse_size
+from kvcore.errors import ConfigError
+
+# Mooncake's MooncakeConfig.from_file keys -> ours.
+_MOONCAKE_JSON_KEYS = {
+    "master_server_address": "master",
+    "protocol": "protocol",
+    "global_segment_size": "global_segment_size",
+    "local_buffer_size": "local_buffer_size",
+    "device_name": "device_name",
+    "metadata_server": "metadata_server",
+    "local_hostname": "local_hostname",
+    "enable_ssd_offload": "enable_ssd_offload",
+    "ssd_offload_path": "ssd_offload_path",
+}
+_MOONCAKE_JSON_IGNORED = {"tenant_id", "enable_client_http_server", "client_http_port"}
+
+
+class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    master: str | None = None
+    protocol: str = "tcp"
+    device_name: str = ""
+    metadata_server: str = "P2PHANDSHAKE"
+    local_hostname: str | None = None
+    global_segment_size: int | str = 0
+    local_buffer_size: int | str = "16MB"
+    chunk_tokens: int = 256
+    model_id: str | None = None
+    replicas: int = 1
+    soft_pin: bool = False
+    soft_pin_ttl_ms: int | None = None
+    hard_pin: bool = False
+    preferred_segment: str = ""
+    enable_ssd_offload: bool = False
+    ssd_offload_path: str = ""
+    load_timeout_s: float = 20.0
+    save_retry_s: float = 2.0
+    save_queue_chunks: int = 4096
+    probe_interval_s: float = 1.0
+    slow_rpc_s: float = 1.0
+    connect_timeout_s: float = 5.0
+    key_prefix: str = "mct"
+    verify_checksums: bool = True
+
+    def __post_init__(self):
+        if not self.master:
+            raise ConfigError(
+                "mcstore: no master address: set kv_connector_extra_config.master "
+                "(\"HOST:PORT\") or MOONCAKE_CONFIG_PATH with master_server_address"
+            )
+        host, sep, port = self.master.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"mcstore: master must be HOST:PORT, got {self.master!r}")
+        self.global_segment_size = parse_size(self.global_segment_size)
+        self.local_buffer_size = parse_size(self.local_buffer_size)
+        if self.chunk_tokens <= 0:
+            raise ConfigError(f"mcstore: chunk_tokens must be positive, got {self.chunk_tokens}")
+        if self.replicas < 1:
+            raise ConfigError(f"mcstore: replicas must be >= 1, got {self.replicas}")
+        for name in ("load_timeout_s", "probe_interval_s", "slow_rpc_s", "connect_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"mcstore: {name} must be positive")
+        if self.save_retry_s < 0 or self.save_queue_chunks < 1:
+            raise ConfigError("mcstore: save_retry_s must be >= 0 and save_queue_chunks >= 1")
+        if self.enable_ssd_offload and not self.ssd_offload_path:
+            raise ConfigError("mcstore: enable_ssd_offload needs ssd_offload_path")
+        if "/" in self.key_prefix or not self.key_prefix:
+            raise ConfigError("mcstore: key_prefix must be a non-empty string without '/'")
+        self.protocol = self.protocol.strip().lower()
+
+    @property
+    def master_host_port(self) -> tuple[str, int]:
+        host, _, port = self.master.rpartition(":")
+        return host, int(port)
+
+    def hostname(self) -> str:
+        return self.local_hostname or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
+
+    def check_block_size(self, block_size: int) -> None:
+        if self.chunk_tokens % block_size:
+            raise ConfigError(
+                f"mcstore: chunk_tokens={self.chunk_tokens} is not a multiple of the "
+                f"vLLM block size {block_size}"
+            )
+
+
+def _mooncake_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"MOONCAKE_CONFIG_PATH={path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"MOONCAKE_CONFIG_PATH={path}: not a JSON object")
+    out: dict[str, Any] = {}
+    for k, v in raw.items():
+        if k in _MOONCAKE_JSON_KEYS:
+            out[_MOONCAKE_JSON_KEYS[k]] = v
+        elif k not in _MOONCAKE_JSON_IGNORED:
+            known = ", ".join(sorted({*_MOONCAKE_JSON_KEYS, *_MOONCAKE_JSON_IGNORED}))
+            raise ConfigError(f"MOONCAKE_CONFIG_PATH={path}: unknown key {k!r} (known keys: {known})")
+    return out
+
+
+def load_config(extra: dict[str, Any] | None, env: dict[str, str] | None = None) -> StoreConfig:
+    """The store config from ``kv_connector_extra_config`` over ``MOONCAKE_CONFIG_PATH``."""
+    env = os.environ if env is None else env
+    data: dict[str, Any] = {}
+    path = env.get("MOONCAKE_CONFIG_PATH")
+    if path:
+        data.update(_mooncake_json(path))
+    extra = dict(extra or {})
+    if "master_server_address" in extra:
+        if "master" in extra:
+            raise ConfigError("mcstore: give either master or master_server_address, not both")
+        extra["master"] = extra.pop("master_server_address")
+    data.update(extra)
+    return load(StoreConfig, data, "mcstore kv_connector_extra_config")

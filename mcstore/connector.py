@@ -1,0 +1,135 @@
+"""``StoreConnector``: the store tier as a vLLM KV connector (facade).
+
+Load it with::
+
+    {"kv_connector": "StoreConnector", "kv_connector_module_path": "mcstore",
+     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+     "kv_connector_extra_config": {"master": "HOST:PORT", "chunk_tokens": 256}}
+
+alone or as a child of vLLM's ``MultiConnector``. ``kv_role`` picks the data
+paths: ``kv_producer`` saves only, ``kv_consumer`` loads only, ``kv_both`` does
+both. Scheduler-side work lives in :mod:`mcstore.scheduler`, worker-side work in
+:mod:`mcstore.worker`; this class only dispatches by role.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvcore.vllm_glue import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    block_size_of,
+    kv_fingerprint_fields,
+    register_connector_name,
+    tp_rank,
+)
+from mcstore.config import StoreConfig, load_config
+from mcstore.keys import KeySpace, fingerprint
+from mcstore.metrics import StorePromMetrics, StoreStats
+from mcstore.protocol import StoreMetadata
+from mcstore.scheduler import StoreScheduler
+from mcstore.worker import StoreWorker
+
+register_connector_name("StoreConnector", "mcstore.connector", "StoreConnector")
+
+
+def key_space(cfg: StoreConfig, vllm_config, kv_cache_config) -> KeySpace:
+    fields = kv_fingerprint_fields(vllm_config, kv_cache_config)
+    if cfg.model_id:
+        fields["model"] = cfg.model_id
+        fields["revision"] = None
+    fields["chunk_tokens"] = cfg.chunk_tokens
+    fields["object_format"] = "pages+crc32" if cfg.verify_checksums else "pages"
+    return KeySpace(fingerprint(fields), cfg.chunk_tokens, fields["tp_size"], cfg.key_prefix)
+
+
+class StoreConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if kv_cache_config is None:
+            raise ValueError("StoreConnector needs kv_cache_config (vLLM >= 0.32)")
+        ktc = vllm_config.kv_transfer_config
+        cfg = load_config(ktc.kv_connector_extra_config)
+        block_size = block_size_of(kv_cache_config)
+        cfg.check_block_size(block_size)
+        keys = key_space(cfg, vllm_config, kv_cache_config)
+        load = ktc.kv_role in ("kv_consumer", "kv_both")
+        save = ktc.kv_role in ("kv_producer", "kv_both")
+        self._sched: StoreScheduler | None = None
+        self._worker: StoreWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = StoreScheduler(cfg, keys, block_size, load=load, save=save)
+        else:
+            self._worker = StoreWorker(cfg, keys, block_size, kv_cache_config.num_blocks, tp_rank(),
+                                       load=load, save=save)
+
+    # -- scheduler side ------------------------------------------------------------
+
+    @property
+    def scheduler(self) -> StoreScheduler | None:
+        return self._sched
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._sched is not None:
+            self._sched.bind_kv_cache_manager(kv_cache_manager)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> StoreMetadata:
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched.request_finished(request, block_ids)
+
+    # -- worker side ---------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        if self._worker is not None and isinstance(kv_connector_metadata, StoreMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        self._worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
+
+    # -- both ------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self):
+        part = self._sched or self._worker
+        return part.take_stats() if part is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None):
+        return StoreStats(data=data) if data is not None else StoreStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return StorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        for part in (self._worker, self._sched):
+            if part is not None:
+                part.close()
+        self._worker = self._sched = None

@@ -1,0 +1,201 @@
+"""``mctier inspect``: the inspection API on the command line (human tables, ``--json``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import msgspec
+
+from kvcore.errors import ConfigError
+from mcstore.inspect import (
+    Inspector,
+    KeyList,
+    Lookup,
+    NotFound,
+    RemoveResult,
+    Stats,
+    Summary,
+    Unavailable,
+)
+from mcstore.toolkeys import Renderer, add_engine_args, meta_from_args, read_kv_config, store_config
+
+
+# -- rendering --------------------------------------------------------------------------------------------
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    line = lambda r: "  ".join(c.rjust(w) if c[:1].isdigit() else c.ljust(w) for c, w in zip(r, widths))  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, cells)])
+
+
+_ALWAYS = ("master_key_count", "master_allocated_bytes", "master_total_capacity_bytes", "master_soft_pin_key_count",
+           "master_active_clients")
+
+
+def render(obj) -> str:
+    if isinstance(obj, Summary):
+        rows = [[f.fingerprint, f.model or "?", f.chunk_tokens or "?", f.chunks, f.objects, _fmt_bytes(f.bytes),
+                 f"{f.memory.objects} / {_fmt_bytes(f.memory.bytes)}", f"{f.disk.objects} / {_fmt_bytes(f.disk.bytes)}"]
+                for f in obj.fingerprints]
+        out = [table(["fingerprint", "model", "chunk", "chunks", "objects", "bytes", "memory", "disk"], rows)]
+        out.append(f"\n{obj.keys} keys, {_fmt_bytes(obj.bytes)}; not ours: {obj.other_keys} keys, "
+                   f"{_fmt_bytes(obj.other_bytes)}")
+        out.append(table(["segment", "used", "capacity"],
+                         [[s.name, _fmt_bytes(s.used_bytes), _fmt_bytes(s.capacity_bytes)] for s in obj.segments]))
+        return "\n".join(out)
+    if isinstance(obj, Lookup):
+        rows = [[c.index, f"[{c.start}, {c.end})", "yes" if c.present else "no", c.tier, _fmt_bytes(c.bytes)]
+                for c in obj.chunks]
+        head = (f"fingerprint {obj.fingerprint}: {obj.hit_tokens}/{obj.prompt_tokens} prompt tokens stored "
+                f"({obj.loadable_tokens} loadable), {obj.chunk_tokens}-token chunks")
+        return head + "\n" + table(["chunk", "tokens", "present", "tier", "bytes"], rows)
+    if isinstance(obj, KeyList):
+        rows = [[k.key, _fmt_bytes(k.bytes), "+".join(k.tiers) or "-", k.replicas] for k in obj.keys]
+        tail = f"\n{obj.total} keys under {obj.prefix!r}" + (f", first {len(obj.keys)} shown" if obj.truncated else "")
+        return table(["key", "bytes", "tiers", "replicas"], rows) + tail
+    if isinstance(obj, RemoveResult):
+        return (f"fingerprint {obj.fingerprint}: {obj.removed}/{obj.matched} objects removed, {obj.busy} still leased"
+                + (f", failures {obj.failed}" if obj.failed else ""))
+    if isinstance(obj, Stats):
+        shown = {k: v for k, v in obj.master.items() if v or k in _ALWAYS}
+        out = ["master:", table(["metric", "value"], [[k, f"{v:g}"] for k, v in sorted(shown.items())])]
+        if len(shown) < len(obj.master):
+            out.append(f"({len(obj.master) - len(shown)} zero-valued master metrics hidden; --json shows all)")
+        if obj.engine is not None:
+            out += [f"\nengine {obj.engine_url}:",
+                    table(["metric", "value"], [[k, f"{v:g}"] for k, v in sorted(obj.engine.items())])]
+        return "\n".join(out)
+    return json.dumps(msgspec.to_builtins(obj), indent=2)
+
+
+def _read_tokens(path: str) -> list[int]:
+    text = sys.stdin.read() if path == "-" else open(path).read()
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = text.split()
+        try:
+            data = [int(t) for t in data]
+        except ValueError:
+            raise ValueError(f"--tokens {path}: not a JSON list nor whitespace-separated integers") from None
+    if isinstance(data, dict):
+        data = data.get("tokens") or data.get("prompt_token_ids")
+    if not isinstance(data, list):
+        raise ValueError(f"--tokens {path}: expected a list of token ids")
+    return data
+
+
+def _read_messages(path: str) -> list[dict]:
+    with open(path) as f:
+        data = json.load(f)
+    if isinstance(data, dict):
+        data = data.get("messages")
+    if not isinstance(data, list) or not all(isinstance(m, dict) for m in data):
+        raise ValueError(f"--messages {path}: expected a JSON list of messages (or {{\"messages\": [...]}})")
+    return data
+
+
+def inspector_from_args(a) -> Inspector:
+    meta = meta_from_args(a)
+    if not a.master:
+        a.master = (store_config(read_kv_config(a.kv_config)).master if getattr(a, "kv_config", None)
+                    else "127.0.0.1:50051")
+    renderer = Renderer(a.model) if getattr(a, "model", None) and a.cmd_inspect in ("lookup", "serve") else None
+    return Inspector(a.master, a.admin, meta, renderer, getattr(a, "engine", None), a.key_prefix)
+
+
+def _run(a, rest) -> int:
+    if a.cmd_inspect == "serve":
+        from mcstore.inspect_http import serve
+
+        return serve(a)
+    try:
+        insp = inspector_from_args(a)
+    except (ConfigError, ValueError) as e:
+        print(f"mctier inspect: {e}", file=sys.stderr)
+        return 2
+    try:
+        if a.cmd_inspect == "summary":
+            out = insp.summary()
+        elif a.cmd_inspect == "lookup":
+            toks = insp.tokens_of(
+                prompt=a.prompt, tokens=_read_tokens(a.tokens) if a.tokens else None,
+                messages=_read_messages(a.messages) if a.messages else None,
+                add_generation_prompt=not a.no_generation_prompt)
+            out = insp.lookup(toks, fingerprint=a.fingerprint, cache_salt=a.cache_salt)
+        elif a.cmd_inspect == "keys":
+            out = insp.keys(a.prefix, a.limit)
+        elif a.cmd_inspect == "remove":
+            out = insp.remove(a.fingerprint, force=a.force, timeout=a.timeout)
+        else:
+            out = insp.stats()
+    except (ValueError, NotFound, OSError) as e:
+        print(f"mctier inspect {a.cmd_inspect}: {e}", file=sys.stderr)
+        return 2
+    except (Unavailable, ConfigError) as e:
+        print(f"mctier inspect {a.cmd_inspect}: {e}", file=sys.stderr)
+        return 3
+    finally:
+        insp.close()
+    print(msgspec.json.encode(out).decode() if a.json else render(out))
+    if isinstance(out, RemoveResult) and (out.busy or out.failed):
+        return 1
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("inspect", help="what the store holds: summary, lookup, keys, remove, stats, serve (HTTP)")
+    ops = p.add_subparsers(dest="cmd_inspect", required=True)
+
+    def common(q, engine_settings=False):
+        q.add_argument("--master", default=os.environ.get("MCTIER_MASTER"),
+                       help="mooncake_master RPC address HOST:PORT (env MCTIER_MASTER; default: from "
+                            "--kv-config, else 127.0.0.1:50051)")
+        q.add_argument("--admin", default=os.environ.get("MCTIER_MASTER_ADMIN"),
+                       help="master HTTP admin/metrics URL (default http://MASTER_HOST:9003; env MCTIER_MASTER_ADMIN)")
+        q.add_argument("--key-prefix", default="mct")
+        q.add_argument("--json", action="store_true", help="one JSON object on stdout")
+        if engine_settings:
+            add_engine_args(q)
+        q.set_defaults(func=_run, passthrough=False)
+
+    common(ops.add_parser("summary", help="objects and bytes per fingerprint and tier, segments"), True)
+    lk = ops.add_parser("lookup", help="a prompt's hit depth chunk by chunk")
+    common(lk, True)
+    src = lk.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="completion prompt text (tokenized with --model's tokenizer)")
+    src.add_argument("--tokens", help="file (or -) with token ids: JSON list or whitespace-separated")
+    src.add_argument("--messages", help="JSON file with chat messages (rendered with the chat template)")
+    lk.add_argument("--no-generation-prompt", action="store_true", help="render messages without the assistant header")
+    lk.add_argument("--fingerprint", help="look up under this fingerprint (its metadata was published by warmup)")
+    lk.add_argument("--cache-salt")
+    ks = ops.add_parser("keys", help="list keys with size and tiers")
+    common(ks)
+    ks.add_argument("--prefix", help="key prefix (default: all of ours)")
+    ks.add_argument("--limit", type=int, default=1000)
+    rm = ops.add_parser("remove", help="remove every object of a fingerprint")
+    common(rm)
+    rm.add_argument("--fingerprint", required=True)
+    rm.add_argument("--force", action="store_true", help="also remove objects being read (leased)")
+    rm.add_argument("--timeout", type=float, default=12.0, help="retry leased objects this long")
+    st = ops.add_parser("stats", help="the master's metrics and an engine's connector counters")
+    common(st)
+    st.add_argument("--engine", help="engine base URL whose /metrics to scrape (vllm:mctier_*)")
+    sv = ops.add_parser("serve", help="HTTP JSON server for the same operations (+ /health, /docs, /openapi.json)")
+    common(sv, True)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=9400)
+    sv.add_argument("--engine", help="engine base URL for /stats")
+    sv.add_argument("--token", default=None, help="bearer token for destructive calls (env MCTIER_INSPECT_TOKEN)")

@@ -1,0 +1,130 @@
+"""``mctier inspect serve``: the inspection API as an HTTP JSON server (FastAPI).
+
+Binds 127.0.0.1 unless told otherwise. Endpoints (schema at ``/openapi.json``,
+browsable at ``/docs``)::
+
+    GET    /health                       liveness plus whether the master answers
+    GET    /summary                      objects and bytes per fingerprint and tier
+    POST   /lookup                       {"prompt"|"tokens"|"messages", "fingerprint"?, "cache_salt"?}
+    GET    /keys?prefix=&limit=          keys with size and tiers
+    GET    /stats                        master metrics, engine connector counters
+    DELETE /fingerprints/{fingerprint}   remove a fingerprint's objects (bearer token)
+
+Destructive calls need ``Authorization: Bearer <token>`` with the token given at
+start-up (``--token`` or ``MCTIER_INSPECT_TOKEN``); without a configured token
+they are refused. Malformed input answers 4xx (400/422), an unreachable master
+503, an unknown fingerprint 404.
+"""
+
+import hmac
+import os
+import sys
+from typing import Any
+
+import msgspec
+
+from kvcore.errors import ConfigError
+from mcstore.inspect import Inspector, NotFound, Unavailable
+
+
+def create_app(insp: Inspector, token: str | None):
+    from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request
+    from fastapi.responses import JSONResponse, Response
+    from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
+
+    app = FastAPI(title="mctier store inspection", version="1",
+                  description="What the Mooncake store holds for mctier engines.")
+
+    class LookupBody(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        prompt: str | None = None
+        tokens: list[NonNegativeInt] | None = Field(default=None, max_length=1 << 20)
+        messages: list[dict[str, Any]] | None = None
+        add_generation_prompt: bool = True
+        fingerprint: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{16}([0-9a-fA-F]{48})?$")
+        cache_salt: str | None = None
+
+    def ok(obj) -> Response:
+        return Response(msgspec.json.encode(obj), media_type="application/json")
+
+    @app.exception_handler(ValueError)
+    async def _bad(_req: Request, e: ValueError):
+        return JSONResponse({"detail": str(e)}, status_code=400)
+
+    @app.exception_handler(NotFound)
+    async def _nf(_req: Request, e: NotFound):
+        return JSONResponse({"detail": str(e)}, status_code=404)
+
+    @app.exception_handler(Unavailable)
+    async def _down(_req: Request, e: Unavailable):
+        return JSONResponse({"detail": str(e)}, status_code=503)
+
+    @app.exception_handler(ConfigError)
+    async def _cfg(_req: Request, e: ConfigError):
+        return JSONResponse({"detail": str(e)}, status_code=503)
+
+    def authorized(authorization: str | None = Header(default=None)) -> None:
+        if not token:
+            raise HTTPException(403, "destructive operations are disabled: the server was started without --token")
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
+            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+    # Sync handlers: FastAPI runs them in its thread pool, so slow master calls never block the loop.
+    @app.get("/health")
+    def health():
+        try:
+            insp.admin._get("/health")
+            master = True
+        except Unavailable:
+            master = False
+        return {"status": "ok", "master": master, "master_addr": insp.master,
+                "key_space": insp.meta.fingerprint[:16] if insp.meta else None}
+
+    @app.get("/summary")
+    def summary():
+        return ok(insp.summary())
+
+    @app.post("/lookup")
+    def lookup(body: LookupBody):
+        toks = insp.tokens_of(prompt=body.prompt, tokens=body.tokens, messages=body.messages,
+                              add_generation_prompt=body.add_generation_prompt)
+        return ok(insp.lookup(toks, fingerprint=body.fingerprint, cache_salt=body.cache_salt))
+
+    @app.get("/keys")
+    def keys(prefix: str | None = Query(default=None, max_length=1024),
+             limit: int = Query(default=1000, ge=0, le=100000)):
+        return ok(insp.keys(prefix, limit))
+
+    @app.get("/stats")
+    def stats():
+        return ok(insp.stats())
+
+    @app.delete("/fingerprints/{fingerprint}", dependencies=[Depends(authorized)])
+    def remove(fingerprint: str = Path(pattern=r"^[0-9a-fA-F]{16}([0-9a-fA-F]{48})?$"),
+               force: bool = False, timeout: float = Query(default=12.0, ge=0, le=120)):
+        return ok(insp.remove(fingerprint, force=force, timeout=timeout))
+
+    return app
+
+
+def serve(a) -> int:
+    import uvicorn
+
+    from mcstore.inspect_cli import inspector_from_args
+
+    try:
+        insp = inspector_from_args(a)
+    except (ConfigError, ValueError) as e:
+        print(f"mctier inspect serve: {e}", file=sys.stderr)
+        return 2
+    token = a.token or os.environ.get("MCTIER_INSPECT_TOKEN") or None
+    app = create_app(insp, token)
+    print(f"mctier inspect serving http://{a.host}:{a.port} (master {insp.master}, admin {insp.admin.url}, "
+          f"key space {insp.meta.fingerprint[:16] if insp.meta else 'none'}, "
+          f"destructive calls {'need the token' if token else 'disabled'})", flush=True)
+    try:
+        uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
+    finally:
+        insp.close()
+    return 0

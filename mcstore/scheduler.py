@@ -1,0 +1,189 @@
+"""Store tier, scheduler side (runs in the EngineCore process).
+
+The API a composite drives, kept apart from vLLM's hooks:
+
+``lookup(request) -> int``
+    Prompt tokens ``[0, n)`` the store can supply: the longest prefix of full
+    chunks whose every TP part exists, capped so the last prompt token is left to
+    the engine. One ``batch_is_exist`` per request (cached); 0 at once while the
+    master is unreachable.
+``plan_load(request, start, end, block_ids)``
+    Load tokens ``[start, end)`` (``start`` block aligned, ``end <= lookup``) into
+    the request's blocks; ``block_ids`` is the request's block list indexed by
+    block position. The worker reports the request in ``finished_recving`` and any
+    block it could not fill in ``get_block_ids_with_load_errors``.
+
+Saves are planned here too: every step, each scheduled request's newly
+completed full prompt chunks (not known to be stored) go to the worker.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvcore.log import get_logger
+from kvcore.vllm_glue import (
+    request_cache_salt,
+    request_block_ids,
+    request_lora_name,
+    request_mm_hashes,
+)
+from mcstore.client import StoreClient
+from mcstore.config import StoreConfig
+from mcstore.keys import KeySpace
+from mcstore.metrics import StoreStats
+from mcstore.protocol import ChunkIO, LoadJob, SaveJob, StoreMetadata
+
+logger = get_logger("mcstore.scheduler")
+
+
+@dataclass
+class _Req:
+    request: Any
+    links: list[str]
+    hit: int | None = None  # lookup result in tokens (None: not looked up yet)
+    present: int = 0  # leading chunks found in the store at lookup
+    local: int = 0  # tokens computed locally when the connector was asked
+    save_next: int = 0  # next chunk to consider for saving
+    saves: int = 0  # save jobs sent to the worker
+
+
+class StoreScheduler:
+    def __init__(self, cfg: StoreConfig, keys: KeySpace, block_size: int, *, load: bool, save: bool,
+                 client: StoreClient | None = None):
+        self.cfg = cfg
+        self.keys = keys
+        self.block_size = block_size
+        self.chunk_blocks = cfg.chunk_tokens // block_size
+        self.load_enabled = load
+        self.save_enabled = save
+        # A pure client (no segment): the scheduler only asks what exists.
+        self.client = client if client is not None else (
+            StoreClient(cfg, "scheduler", segment=False) if load else None)
+        self.stats = StoreStats()
+        self._reqs: dict[str, _Req] = {}
+        self._loads: list[LoadJob] = []
+        self._kv_cache_manager = None
+
+    # -- state -------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        self._kv_cache_manager = kv_cache_manager
+
+    def _state(self, request) -> _Req:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            links = self.keys.links(
+                request.prompt_token_ids or [],
+                cache_salt=request_cache_salt(request),
+                lora=request_lora_name(request),
+                mm_hashes=request_mm_hashes(request),
+            )
+            st = self._reqs[request.request_id] = _Req(request, links)
+        return st
+
+    # -- composite API ---------------------------------------------------------------
+
+    def lookup(self, request) -> int:
+        st = self._state(request)
+        if st.hit is not None:
+            return st.hit
+        st.hit = 0
+        if not st.links:
+            return 0
+        if self.client is None or not self.client.available:
+            self.stats.inc("lookups:unavailable")
+            return 0
+        t0 = time.perf_counter()
+        rcs = self.client.exists(self.keys.all_rank_keys(st.links))
+        tp = self.keys.tp_size
+        present = 0
+        while present < len(st.links) and all(rc == 1 for rc in rcs[present * tp:(present + 1) * tp]):
+            present += 1
+        st.present = present
+        st.hit = max(0, min(present * self.cfg.chunk_tokens, request.num_prompt_tokens - 1))
+        self.stats.observe("lookup", time.perf_counter() - t0)
+        self.stats.inc("lookups:hit" if st.hit else "lookups:miss")
+        if st.hit:
+            self.stats.inc("hit_tokens", st.hit)
+        return st.hit
+
+    def plan_load(self, request, start: int, end: int, block_ids: list[int]) -> None:
+        st = self._state(request)
+        bs, cb = self.block_size, self.chunk_blocks
+        if start % bs or end <= start:
+            raise ValueError(f"mcstore: load range [{start}, {end}) is empty or not block aligned")
+        b0, b1 = start // bs, -(-end // bs)
+        last_chunk = -(-b1 // cb)
+        if last_chunk > len(st.links) or b1 > len(block_ids):
+            raise ValueError(f"mcstore: load range [{start}, {end}) beyond the stored chunks "
+                             f"({len(st.links)}) or the request's blocks ({len(block_ids)})")
+        chunks = []
+        for c in range(b0 // cb, last_chunk):
+            lo, hi = max(b0, c * cb), min(b1, (c + 1) * cb)
+            chunks.append(ChunkIO(st.links[c], c, list(block_ids[lo:hi]), lo - c * cb))
+        self._loads.append(LoadJob(request.request_id, chunks, self.cfg.load_timeout_s))
+
+    # -- vLLM hooks ------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._state(request)
+        st.local = num_computed_tokens
+        if not self.load_enabled:
+            return 0, False
+        ext = self.lookup(request) - num_computed_tokens
+        return (ext, True) if ext > 0 else (0, False)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        st = self._state(request)
+        self.plan_load(request, st.local, st.local + num_external_tokens, blocks.get_block_ids()[0])
+
+    def build_connector_meta(self, scheduler_output) -> StoreMetadata:
+        meta = StoreMetadata(loads=self._loads, preempted=sorted(scheduler_output.preempted_req_ids or ()))
+        self._loads = []
+        for rid in meta.preempted:
+            st = self._reqs.get(rid)
+            if st is not None:
+                # The worker drops a preempted request's queued saves; offer them again.
+                st.save_next = 0
+        if self.save_enabled:
+            for rid, n in scheduler_output.num_scheduled_tokens.items():
+                job = self._plan_save(rid, n)
+                if job is not None:
+                    meta.saves.append(job)
+        return meta
+
+    def _plan_save(self, rid: str, num_scheduled: int) -> SaveJob | None:
+        st = self._reqs.get(rid)
+        if st is None or not st.links:
+            return None
+        req = st.request
+        done = min(req.num_computed_tokens + num_scheduled, req.num_prompt_tokens) // self.cfg.chunk_tokens
+        done = min(done, len(st.links))
+        first = max(st.save_next, st.present)
+        if done <= first:
+            return None
+        if self._kv_cache_manager is None:
+            raise RuntimeError("mcstore: scheduler connector was not bound to the KV cache manager")
+        blocks = request_block_ids(self._kv_cache_manager, rid)
+        cb = self.chunk_blocks
+        chunks = [ChunkIO(st.links[c], c, blocks[c * cb:(c + 1) * cb]) for c in range(first, done)]
+        st.save_next = done
+        st.saves += 1
+        return SaveJob(rid, chunks)
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        st = self._reqs.pop(request.request_id, None)
+        # Blocks stay allocated until the worker reports the saves done.
+        return bool(st is not None and st.saves), None
+
+    def take_stats(self) -> StoreStats | None:
+        return self.stats.take()
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()

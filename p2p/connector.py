@@ -1,0 +1,110 @@
+"""``P2PConnector``: the vLLM-facing facade of the P2P tier.
+
+Load with ``{"kv_connector": "P2PConnector", "kv_connector_module_path": "p2p",
+"kv_role": "kv_producer" | "kv_consumer" | "kv_both", "kv_connector_extra_config":
+{...}}`` (keys in :mod:`p2p.config`), alone or as a child of vLLM's MultiConnector.
+Dispatches by role to :class:`p2p.scheduler.P2PScheduler` (EngineCore process) and
+:class:`p2p.worker.P2PWorker` (Worker process).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvcore.log import get_logger
+from kvcore.vllm_glue import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    register_connector_name,
+)
+from p2p.config import from_extra
+from p2p.metrics import P2PPromMetrics, P2PStats
+from p2p.scheduler import P2PMetadata, P2PScheduler
+
+logger = get_logger("p2p.connector")
+
+
+class P2PConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self.cfg = from_extra(ktc.kv_connector_extra_config)
+        self.engine_id = ktc.engine_id
+        role_name = ktc.kv_role
+        self.scheduler: P2PScheduler | None = None
+        self.worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = P2PScheduler(vllm_config, self.cfg, role_name)
+        else:
+            from p2p.worker import P2PWorker
+
+            self.worker = P2PWorker(vllm_config, self.cfg, self.engine_id, kv_cache_config, role_name)
+
+    # ---------------- scheduler side ----------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> P2PMetadata:
+        return self.scheduler.build_connector_meta()
+
+    def update_connector_output(self, connector_output) -> None:
+        self.scheduler.finished_sending(connector_output.finished_sending)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler is not None and self.scheduler.has_pending_push_work()
+
+    # ---------------- worker side ----------------
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        self.worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self.worker.transfer_results()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        res = self.get_transfer_results(finished_req_ids)
+        return res.finished_sending or None, res.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        # Failures are reported per request (failed_recving), which fails or recomputes
+        # the whole request; block-level reports would double-handle it.
+        return set()
+
+    def get_kv_connector_stats(self) -> P2PStats | None:
+        if self.worker is not None:
+            return self.worker.take_stats()
+        return self.scheduler.stats.take()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+
+    # ---------------- telemetry ----------------
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> P2PStats | None:
+        return P2PStats(data=data) if data is not None else P2PStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return P2PPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+register_connector_name("P2PConnector", "p2p.connector", "P2PConnector")

@@ -1,0 +1,260 @@
+"""Decode side: pull a request's blocks from the prefill instance, off the forward path.
+
+One job per request, run on a small thread pool. Phases, each bounded:
+
+1. query     bootstrap ``GET /query`` (cached per bootstrap URL and engine id),
+             ``bootstrap_timeout_s`` per call
+2. metadata  side-channel :class:`PullRequest`; the prefill worker answers WAIT
+             heartbeats until its request finished, then READY with its regions and
+             block ids; silence longer than ``peer_silence_timeout_s`` = dead peer
+3. transfer  one ``batch_transfer_sync_read`` of coalesced page runs
+4. ack       :class:`PullDone` so the prefill frees its blocks (waited for briefly,
+             after the result is already reported)
+
+The whole job also has the request's deadline (``transfer_timeout_s``). A release job
+(no blocks) only does 1, 2 with ``num_blocks=0``. Results are kept per request
+(:meth:`Puller.take_results`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import zmq
+
+from kvcore.errors import MooncakeError
+from kvcore.geometry import KVGeometry
+from kvcore.log import get_logger
+from kvcore.metrics import TierStats
+from p2p import bootstrap
+from p2p.protocol import DoneAck, EngineEntry, PullDone, PullReply, PullRequest, Status, decode_to_decode, encode
+from p2p.transfer import Engine
+
+logger = get_logger("p2p.puller")
+
+
+@dataclass
+class PullJob:
+    req_id: str
+    transfer_id: str
+    bootstrap_url: str
+    engine_id: str
+    start_block: int  # index (within the request) of the first block to pull
+    block_ids: list[int]  # local destination blocks; empty = release only
+    deadline: float  # time.monotonic()
+
+
+@dataclass
+class PullResult:
+    req_id: str
+    ok: bool
+    block_ids: list[int]
+    cause: str = ""
+    detail: str = ""
+    timings: dict | None = None
+
+
+class PullFailed(Exception):
+    def __init__(self, cause: str, detail: str):
+        super().__init__(f"{cause}: {detail}")
+        self.cause, self.detail = cause, detail
+
+
+class Puller:
+    def __init__(self, geometry: KVGeometry, engine: Engine, stats: TierStats, stats_lock: threading.Lock, *,
+                 tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, num_workers: int = 4,
+                 bootstrap_timeout_s: float = 5.0, peer_silence_timeout_s: float = 10.0,
+                 corrupt: bool = False):
+        self.geometry, self.engine = geometry, engine
+        self._stats, self._stats_lock = stats, stats_lock
+        self.tp_rank, self.tp_size, self.pp_rank = tp_rank, tp_size, pp_rank
+        self.bootstrap_timeout_s = bootstrap_timeout_s
+        self.silence_s = peer_silence_timeout_s
+        self.corrupt = corrupt
+        self._pool = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="p2p-pull")
+        self._ctx = zmq.Context.instance()
+        self._entries: dict[tuple[str, str], EngineEntry] = {}
+        self._lock = threading.Lock()
+        self._results: list[PullResult] = []
+        self._inflight: set[str] = set()
+
+    def submit(self, job: PullJob) -> None:
+        with self._lock:
+            self._inflight.add(job.req_id)
+        self._pool.submit(self._run, job)
+
+    def take_results(self) -> list[PullResult]:
+        with self._lock:
+            out, self._results = self._results, []
+        return out
+
+    def inflight(self) -> int:
+        with self._lock:
+            return len(self._inflight)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- job --
+    def _inc(self, key: str, n: float = 1) -> None:
+        with self._stats_lock:
+            self._stats.inc(key, n)
+
+    def _finish(self, res: PullResult) -> None:
+        with self._lock:
+            self._inflight.discard(res.req_id)
+            self._results.append(res)
+
+    def _run(self, job: PullJob) -> None:
+        try:
+            res = self.pull(job)
+        except Exception as e:  # noqa: BLE001 - a bug here must fail the request, not hang it
+            logger.exception("P2P pull %s crashed", job.req_id)
+            res = PullResult(job.req_id, False, job.block_ids, "internal", str(e))
+        if res is _ALREADY:
+            return
+        if not res.ok:
+            self._inc("pulls:failed")
+            self._inc(f"failures:{res.cause}")
+            logger.warning("P2P handoff %s (transfer %s) failed [%s]: %s; %s", job.req_id, job.transfer_id,
+                           res.cause, res.detail, "recomputing locally" if job.block_ids else "release not delivered")
+        self._finish(res)
+
+    def _entry(self, job: PullJob) -> EngineEntry:
+        key = (job.bootstrap_url, job.engine_id)
+        entry = self._entries.get(key)
+        if entry is None:
+            timeout = min(self.bootstrap_timeout_s, max(0.05, job.deadline - time.monotonic()))
+            try:
+                workers = bootstrap.query(job.bootstrap_url, timeout)
+            except bootstrap.BootstrapError as e:
+                raise PullFailed("bootstrap", str(e)) from None
+            entry = bootstrap.find_engine(workers, job.engine_id)
+            if entry is None:
+                known = sorted(e.engine_id for e in workers.values())
+                raise PullFailed("bootstrap", f"engine {job.engine_id!r} not registered at {job.bootstrap_url} "
+                                              f"(known: {known})")
+            self._entries[key] = entry
+        return entry
+
+    def pull(self, job: PullJob) -> PullResult:
+        t0 = time.monotonic()
+        timings: dict[str, float] = {}
+        release = not job.block_ids
+        sock = None
+        ready = False
+        try:
+            entry = self._entry(job)
+            t1 = time.monotonic()
+            timings["query"] = t1 - t0
+            if len(entry.worker_addr) != self.tp_size:
+                raise PullFailed("protocol", f"prefill has {len(entry.worker_addr)} TP ranks, decode has {self.tp_size}")
+            try:
+                addr = entry.worker_addr[self.tp_rank][self.pp_rank]
+            except KeyError:
+                raise PullFailed("protocol", f"no prefill worker tp={self.tp_rank} pp={self.pp_rank}") from None
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(addr)
+            wait_s = max(0.0, job.deadline - time.monotonic())
+            sock.send(encode(PullRequest(job.transfer_id, job.req_id, self.tp_rank, self.tp_size,
+                                         job.start_block, len(job.block_ids), wait_s)))
+            reply = self._await_reply(sock, job, addr)
+            t2 = time.monotonic()
+            timings["metadata"] = t2 - t1
+            if release:
+                self._inc("pulls:release")
+                return PullResult(job.req_id, True, [], timings=timings)
+            if reply.status != Status.READY:
+                raise PullFailed("remote", reply.error or f"status {reply.status!r}")
+            ready = True
+            try:
+                local, remote, lens = self.geometry.pair_ranges(job.block_ids, reply.regions, reply.block_ids)
+            except ValueError as e:
+                raise PullFailed("protocol", str(e)) from None
+            try:
+                self.engine.read(reply.te_addr, local, remote, lens)
+            except MooncakeError as e:
+                raise PullFailed("transfer", str(e)) from None
+            t3 = time.monotonic()
+            timings["transfer"] = t3 - t2
+            if time.monotonic() > job.deadline:
+                raise PullFailed("timeout", f"transfer finished after the deadline ({t3 - t0:.1f}s)")
+            if self.corrupt is True or (isinstance(self.corrupt, str) and os.path.exists(self.corrupt)):
+                _flip_signs(local, lens)
+            nbytes = sum(lens)
+            self._inc("bytes:pulled", nbytes)
+            self._inc("descriptors:pulled", len(lens))
+            self._inc("pulls:ok")
+            # Report the blocks as loaded first; the acknowledgement only frees P.
+            res = PullResult(job.req_id, True, job.block_ids, timings=timings)
+            self._finish_ok_early(res)
+            self._done(sock, job, True, "")
+            ready = False
+            timings["ack"] = time.monotonic() - t3
+            timings["handoff"] = time.monotonic() - t0
+            with self._stats_lock:
+                for op, s in timings.items():
+                    self._stats.observe(op, s)
+            logger.debug("pulled %s: %d blocks, %d bytes, %d descriptors, %s", job.req_id, len(job.block_ids),
+                         nbytes, len(lens), {k: round(v * 1e3, 2) for k, v in timings.items()})
+            return _ALREADY
+        except PullFailed as e:
+            return PullResult(job.req_id, False, job.block_ids, e.cause, e.detail, timings)
+        finally:
+            if sock is not None:
+                if ready:  # P answered READY but we failed: let it free its blocks now
+                    self._done(sock, job, False, "decode-side failure")
+                sock.close(0)
+
+    def _finish_ok_early(self, res: PullResult) -> None:
+        self._finish(res)
+
+    def _await_reply(self, sock, job: PullJob, addr: str) -> PullReply:
+        while True:
+            now = time.monotonic()
+            left = job.deadline - now
+            if left <= 0:
+                raise PullFailed("timeout", f"no READY from {addr} before the deadline")
+            if not sock.poll(int(min(left, self.silence_s) * 1000) + 1):
+                if time.monotonic() >= job.deadline:
+                    raise PullFailed("timeout", f"no READY from {addr} before the deadline")
+                raise PullFailed("peer", f"prefill worker {addr} silent for {self.silence_s:.0f}s (dead?)")
+            try:
+                msg = decode_to_decode(sock.recv())
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                raise PullFailed("protocol", f"bad reply from {addr}: {e}") from None
+            if isinstance(msg, PullReply) and msg.status != Status.WAIT:
+                return msg
+
+    def _done(self, sock, job: PullJob, ok: bool, cause: str) -> None:
+        try:
+            sock.send(encode(PullDone(job.transfer_id, job.req_id, ok, cause)), flags=zmq.NOBLOCK)
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                if not sock.poll(int((deadline - time.monotonic()) * 1000) + 1):
+                    break
+                if isinstance(decode_to_decode(sock.recv()), DoneAck):
+                    return
+            logger.info("prefill side did not acknowledge %s; it frees the blocks at its abort timeout",
+                        job.transfer_id)
+        except (zmq.ZMQError, msgspec.DecodeError, msgspec.ValidationError) as e:
+            logger.info("completion for %s not delivered: %s", job.transfer_id, e)
+
+
+# Sentinel: the successful result was already reported by _finish_ok_early.
+_ALREADY = None
+
+
+def _flip_signs(addrs: list[int], lens: list[int]) -> None:
+    """TEST ONLY (debug_corrupt_received_kv): negate every 16-bit value just received."""
+    for a, n in zip(addrs, lens):
+        buf = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(a))
+        buf[1::2] ^= 0x80

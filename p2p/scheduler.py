@@ -1,0 +1,178 @@
+"""Scheduler-process side of the P2P tier (in ``VLLM::EngineCore``).
+
+Small API, usable by the connector facade and by a composite that splits a
+request's prompt between sources:
+
+* :meth:`P2PScheduler.lookup` ``(request) -> int``: prompt tokens the prefill
+  instance can supply (the whole prompt when the request carries valid
+  ``do_remote_prefill`` params, else 0). No side effects.
+* :meth:`P2PScheduler.load` ``(request, first_block, block_ids)``: pull the request's
+  blocks ``[first_block, first_block + len(block_ids))`` from the prefill instance into
+  the local ``block_ids`` (asynchronously; the result arrives in the worker's
+  ``finished_recving`` / ``failed_recving`` for this request id).
+* :meth:`P2PScheduler.release` ``(request)``: tell the prefill instance to free its
+  blocks without pulling.
+
+Prefill side: :meth:`request_finished` holds the blocks of a finished
+``do_remote_decode`` request (returns ``True``) until the worker reports the request in
+``finished_sending``; an aborted prefill is not held and its transfer id is marked so a
+waiting decode side gets an error at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any
+
+import msgspec
+
+from kvcore.log import get_logger
+from kvcore.vllm_glue import KVConnectorMetadata, first_group_block_ids, request_finished_normally
+from p2p.config import P2PConfig, normalize_url
+from p2p.metrics import P2PStats
+
+logger = get_logger("p2p.scheduler")
+
+REQUIRED = ("remote_engine_id", "remote_bootstrap_addr", "transfer_id")
+
+
+class RecvSpec(msgspec.Struct):
+    req_id: str
+    transfer_id: str
+    bootstrap_url: str
+    engine_id: str
+    start_block: int
+    block_ids: list[int]
+
+
+class P2PMetadata(KVConnectorMetadata):
+    def __init__(self):
+        self.recvs: list[RecvSpec] = []
+        self.holds: list[tuple[str, str, list[int]]] = []  # (req_id, transfer_id, block_ids)
+        self.aborted: list[str] = []  # transfer ids of prefills that will not be held
+
+
+def remote_prefill_params(params: dict | None) -> tuple[dict | None, str]:
+    """``(params, "")`` when ``params`` ask for a valid remote prefill, else ``(None, why)``."""
+    if not params or not params.get("do_remote_prefill"):
+        return None, ""
+    bad = [k for k in REQUIRED if not isinstance(params.get(k), str) or not params.get(k)]
+    if bad:
+        return None, f"missing or non-string {', '.join(bad)}"
+    return params, ""
+
+
+class P2PScheduler:
+    def __init__(self, vllm_config, cfg: P2PConfig, role_name: str):
+        self.cfg = cfg
+        self.block_size = vllm_config.cache_config.block_size
+        self.is_producer = role_name in ("kv_producer", "kv_both")
+        self.is_consumer = role_name in ("kv_consumer", "kv_both")
+        self._meta = P2PMetadata()
+        self._held: dict[str, float] = {}  # req_id -> hold start
+        self._invalid_logged: set[str] = set()
+        self.stats = P2PStats()
+        self._done_tids: OrderedDict[str, None] = OrderedDict()
+
+    # -- decode side --
+    def lookup(self, request) -> int:
+        params, why = remote_prefill_params(request.kv_transfer_params)
+        if params is None:
+            if why and request.request_id not in self._invalid_logged:
+                self._invalid_logged.add(request.request_id)
+                logger.warning("request %s: invalid kv_transfer_params for a remote prefill (%s): %s; "
+                               "computing it locally", request.request_id, why, request.kv_transfer_params)
+                self.stats.inc("failures:invalid_params")
+            return 0
+        if not self.is_consumer:
+            logger.warning("request %s asks for a remote prefill but this engine is a kv_producer; computing locally",
+                           request.request_id)
+            return 0
+        return len(request.prompt_token_ids or ())
+
+    def load(self, request, first_block: int, block_ids: list[int]) -> None:
+        p = request.kv_transfer_params
+        self._handled(p["transfer_id"])
+        self._meta.recvs.append(RecvSpec(request.request_id, p["transfer_id"], normalize_url(p["remote_bootstrap_addr"]),
+                                         p["remote_engine_id"], first_block, list(block_ids)))
+        p["do_remote_prefill"] = False  # one transfer per request
+
+    def release(self, request, reason: str = "") -> None:
+        p = request.kv_transfer_params
+        if remote_prefill_params(p)[0] is None:
+            return
+        p["do_remote_prefill"] = False
+        if self._handled(p["transfer_id"]):
+            return  # the same handoff seen through another request object (vLLM aliases)
+        logger.info("request %s: not pulling transfer %s (%s); telling the prefill instance to free its blocks",
+                    request.request_id, p["transfer_id"], reason or "caller's decision")
+        self._meta.recvs.append(RecvSpec(request.request_id, p["transfer_id"], normalize_url(p["remote_bootstrap_addr"]),
+                                         p["remote_engine_id"], 0, []))
+
+    def _handled(self, transfer_id: str) -> bool:
+        """Record a transfer id as pulled or released; True if it already was."""
+        if transfer_id in self._done_tids:
+            return True
+        self._done_tids[transfer_id] = None
+        if len(self._done_tids) > 10000:
+            self._done_tids.popitem(last=False)
+        return False
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        n = self.lookup(request)
+        count = n - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if remote_prefill_params(request.kv_transfer_params)[0] is None or not self.is_consumer:
+            return
+        if num_external_tokens <= 0:
+            self.release(request, "no external tokens allocated")
+            return
+        n = len(request.prompt_token_ids or ())
+        ids = first_group_block_ids(blocks)
+        total = -(-n // self.block_size)
+        first = total - -(-num_external_tokens // self.block_size)
+        # Blocks below `first` came from the local prefix cache; pull only the rest.
+        self.load(request, first, ids[first:total])
+
+    # -- prefill side --
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        p = request.kv_transfer_params
+        if not p:
+            return False, None
+        if p.get("do_remote_prefill") and self.is_consumer:
+            # Never allocated (aborted while waiting): the prefill still holds blocks for us.
+            self.release(request, f"finished before its KV was loaded ({request.status.name})")
+            return False, None
+        if not p.get("do_remote_decode") or not self.is_producer:
+            return False, None
+        tid = p.get("transfer_id")
+        if not isinstance(tid, str) or not tid:
+            logger.warning("request %s: do_remote_decode without a transfer_id; blocks not held", request.request_id)
+            return False, None
+        if not request_finished_normally(request) or not block_ids:
+            self._meta.aborted.append(tid)
+            self.stats.inc("holds:aborted")
+            return False, None
+        n_blocks = -(-len(request.prompt_token_ids or ()) // self.block_size)
+        self._meta.holds.append((request.request_id, tid, list(block_ids[:n_blocks])))
+        self._held[request.request_id] = time.monotonic()
+        return True, None
+
+    def finished_sending(self, req_ids) -> None:
+        for r in req_ids or ():
+            self._held.pop(r, None)
+
+    def has_pending_push_work(self) -> bool:
+        if not self._held:
+            return False
+        # The engine only steps while this is True (no live requests); stepping is
+        # what delivers acknowledgements, so keep it alive but don't spin a core.
+        time.sleep(0.002)
+        return True
+
+    def build_connector_meta(self) -> P2PMetadata:
+        meta, self._meta = self._meta, P2PMetadata()
+        return meta

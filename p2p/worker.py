@@ -1,0 +1,132 @@
+"""Worker-process side of the P2P tier (one per TP rank, in ``VLLM::Worker``).
+
+``register_kv_caches`` derives the page geometry, registers the KV buffers with the
+Transfer Engine and, by role:
+
+* producer (kv_producer / kv_both): starts the bootstrap server (TP0/PP0 of the
+  engine, unless ``bootstrap_server_address`` names an external one), binds the ZMQ
+  side channel (:mod:`p2p.holds`) and registers it with the bootstrap server;
+* consumer (kv_consumer / kv_both): a :class:`p2p.puller.Puller`.
+
+Per step, :meth:`P2PWorker.start_load_kv` hands new holds / aborted transfers to the
+side channel and new pulls to the puller (never blocking the forward pass);
+:meth:`transfer_results` reports finished sends (holds dropped), finished receives and
+failed receives (reported in ``failed_recving`` *and* ``finished_recving``, so
+``kv_load_failure_policy`` applies at once).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kvcore import platform
+from kvcore.geometry import KVGeometry
+from kvcore.log import get_logger
+from kvcore.vllm_glue import KVConnectorTransferResults, parallel_ranks
+from p2p import bootstrap
+from p2p.config import P2PConfig
+from p2p.metrics import P2PStats
+from p2p.protocol import RegisterPayload
+from p2p.transfer import Engine
+
+logger = get_logger("p2p.worker")
+
+
+class P2PWorker:
+    def __init__(self, vllm_config, cfg: P2PConfig, engine_id: str, kv_cache_config, role_name: str):
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.kv_cache_config = kv_cache_config
+        self.is_producer = role_name in ("kv_producer", "kv_both")
+        self.is_consumer = role_name in ("kv_consumer", "kv_both")
+        self.dp_rank, self.tp_rank, self.tp_size, self.pp_rank = parallel_ranks(vllm_config)
+        self.stats = P2PStats()
+        self.stats_lock = threading.Lock()
+        self.geometry: KVGeometry | None = None
+        self.engine: Engine | None = None
+        self.server: bootstrap.BootstrapServer | None = None
+        self.side = None
+        self.puller = None
+        self._failed: set[str] = set()
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        platform.current().prepare_worker()
+        num_blocks = getattr(self.kv_cache_config, "num_blocks", None)
+        self.geometry = KVGeometry.from_kv_caches(kv_caches, num_blocks)
+        self.engine = Engine(self.cfg.te_hostname, self.cfg.protocol, self.cfg.device_name)
+        self.engine.register(self.geometry.buffers)
+        logger.info("P2P worker %s tp=%d: TE %s (%s), %d regions, %d blocks x %d bytes", self.engine_id,
+                    self.tp_rank, self.engine.addr, self.cfg.protocol, len(self.geometry.regions),
+                    self.geometry.num_blocks, self.geometry.block_bytes)
+        if self.is_producer:
+            self._start_producer()
+        if self.is_consumer:
+            from p2p.puller import Puller
+
+            self.puller = Puller(
+                self.geometry, self.engine, self.stats, self.stats_lock, tp_rank=self.tp_rank,
+                tp_size=self.tp_size, pp_rank=self.pp_rank, num_workers=self.cfg.num_workers,
+                bootstrap_timeout_s=self.cfg.bootstrap_timeout_s,
+                peer_silence_timeout_s=self.cfg.peer_silence_timeout_s,
+                corrupt=self.cfg.debug_corrupt_received_kv,
+            )
+            if self.cfg.debug_corrupt_received_kv:
+                logger.warning("debug_corrupt_received_kv is ON: received KV is deliberately corrupted (tests only)")
+
+    def _start_producer(self) -> None:
+        from p2p.holds import SideChannel
+
+        if self.cfg.bootstrap_server_address is None and self.tp_rank == 0 and self.pp_rank == 0:
+            self.server = bootstrap.BootstrapServer(self.cfg.bootstrap_host, self.cfg.bootstrap_port).start()
+        self.side = SideChannel(self.geometry.regions, self.engine.addr, self.stats, self.stats_lock,
+                                host=self.cfg.side_channel_host, abort_timeout_s=self.cfg.abort_timeout_s,
+                                tp_size=self.tp_size)
+        payload = RegisterPayload(self.engine_id, self.dp_rank, self.tp_rank, self.pp_rank, self.side.addr)
+        bootstrap.register(self.cfg.bootstrap_url, payload, timeout=self.cfg.bootstrap_timeout_s)
+        logger.info("P2P producer %s registered side channel %s at %s", self.engine_id, self.side.addr,
+                    self.cfg.bootstrap_url)
+
+    def start_load_kv(self, meta) -> None:
+        if meta is None:
+            return
+        if self.side is not None:
+            fence = platform.current().kv_ready_fence() if meta.holds else None
+            for req_id, tid, blocks in meta.holds:
+                self.side.add_hold(req_id, tid, blocks, fence)
+            for tid in meta.aborted:
+                self.side.abort(tid)
+        if self.puller is not None:
+            from p2p.puller import PullJob
+
+            now = time.monotonic()
+            for r in meta.recvs:
+                self.puller.submit(PullJob(r.req_id, r.transfer_id, r.bootstrap_url, r.engine_id, r.start_block,
+                                           list(r.block_ids), now + self.cfg.transfer_timeout_s))
+        elif meta.recvs:
+            logger.error("P2P: %d pulls scheduled on a producer-only worker; ignored", len(meta.recvs))
+
+    def transfer_results(self) -> KVConnectorTransferResults:
+        res = KVConnectorTransferResults()
+        if self.side is not None:
+            res.finished_sending = self.side.take_finished()
+        if self.puller is not None:
+            for r in self.puller.take_results():
+                if not r.block_ids:
+                    continue  # a release: no request waits for it
+                res.finished_recving.add(r.req_id)
+                if not r.ok:
+                    res.failed_recving.add(r.req_id)
+        return res
+
+    def take_stats(self) -> P2PStats | None:
+        with self.stats_lock:
+            return self.stats.take()
+
+    def shutdown(self) -> None:
+        if self.puller is not None:
+            self.puller.close()
+        if self.side is not None:
+            self.side.close()
+        if self.server is not None:
+            self.server.stop()

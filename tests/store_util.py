@@ -1,0 +1,83 @@
+"""Helpers for the store tier's tests: connector configs and a raw Mooncake client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import requests
+
+from mcstore.server import CLIENT_ENV
+
+
+def store_kv(master: str, role: str = "kv_both", **extra) -> dict:
+    return {
+        "kv_connector": "StoreConnector",
+        "kv_connector_module_path": "mcstore",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"master": master, "chunk_tokens": 64, **extra},
+    }
+
+
+def multi_kv(master: str, example_dir: str, **extra) -> dict:
+    """vLLM's stock MultiConnector with the store tier first and ExampleConnector second."""
+    child = store_kv(master, **extra)
+    child.pop("kv_load_failure_policy")
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"connectors": [
+            child,
+            {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+             "kv_connector_extra_config": {"shared_storage_path": example_dir}},
+        ]},
+    }
+
+
+def raw_client(master: str):
+    """A pure Mooncake client in the test process (no segment)."""
+    for k, v in CLIENT_ENV.items():
+        os.environ.setdefault(k, v)
+    from mooncake.store import MooncakeDistributedStore
+
+    s = MooncakeDistributedStore()
+    rc = s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", master)
+    if rc != 0:
+        raise RuntimeError(f"raw client setup failed: {rc}")
+    return s
+
+
+def all_keys(cluster) -> set[str]:
+    r = requests.get(f"http://127.0.0.1:{cluster.metrics_port}/get_all_keys", timeout=5)
+    r.raise_for_status()
+    return {k for k in r.text.split() if k.startswith("mct/")}
+
+
+def kill_mid_put(master: str, keys: list[str], sizes: list[int], timeout: float = 30) -> None:
+    """A child process starts put sessions (PutStart) for ``keys`` and is SIGKILLed before PutEnd."""
+    code = textwrap.dedent(f"""
+        import os, sys, time
+        from mooncake.store import MooncakeDistributedStore
+        s = MooncakeDistributedStore()
+        assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", {master!r}) == 0
+        rcs = s.batch_put_session_start({keys!r}, {sizes!r})
+        print("STARTED", rcs, flush=True)
+        time.sleep(120)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, **CLIENT_ENV}, start_new_session=True)
+    try:
+        line = p.stdout.readline()
+        if not line.startswith("STARTED"):
+            raise RuntimeError(f"put-session child did not start: {line!r}")
+        rcs = eval(line.split(" ", 1)[1])  # noqa: S307 - our own child's list of ints
+        if any(rc != 0 for rc in rcs):
+            raise RuntimeError(f"batch_put_session_start failed: {rcs}")
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=timeout)

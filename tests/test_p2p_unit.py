@@ -1,0 +1,268 @@
+"""P2P tier without vLLM engines: wire structs, bootstrap server, and a real Transfer
+Engine pair moving KV pages through the real side channel (holds + puller)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgspec
+import pytest
+import requests
+
+from kvcore.errors import ConfigError
+from kvcore.geometry import Region
+from p2p import bootstrap
+from p2p.config import from_extra
+from p2p.protocol import (
+    DoneAck,
+    PullDone,
+    PullReply,
+    PullRequest,
+    RegisterPayload,
+    Status,
+    decode_to_decode,
+    decode_to_prefill,
+    encode,
+    parse_query,
+)
+
+# ---------------------------------------------------------------- protocol
+
+
+@pytest.mark.unit
+def test_protocol_roundtrip_and_tags():
+    r = Region("model.layers.0.self_attn.attn", 1 << 40, 16384, 16384)
+    msgs_p = [PullRequest("xfer-1", "req-1", 0, 1, 3, 5, 12.5), PullRequest("xfer-2", "req-2", 0, 1),
+              PullDone("xfer-1", "req-1", False, "transfer")]
+    for m in msgs_p:
+        assert decode_to_prefill(encode(m)) == m
+    msgs_d = [PullReply(Status.READY, "xfer-1", "127.0.0.1:1234", [r], [7, 8, 9]),
+              PullReply(Status.ERROR, "xfer-1", error="nope"), DoneAck("xfer-1")]
+    for m in msgs_d:
+        assert decode_to_decode(encode(m)) == m
+    # A release is a pull of zero blocks; defaults are omitted on the wire.
+    assert PullRequest("t", "r", 0, 1).num_blocks == 0
+    assert len(encode(PullRequest("t", "r", 0, 1))) < len(encode(PullRequest("t", "r", 0, 1, 1, 2)))
+    with pytest.raises(msgspec.ValidationError):
+        decode_to_prefill(encode(DoneAck("x")))  # wrong direction
+    with pytest.raises(msgspec.DecodeError):
+        decode_to_decode(b"\xff\x00garbage")
+
+
+@pytest.mark.unit
+def test_config_strict_and_defaults(monkeypatch):
+    monkeypatch.setenv("VLLM_MOONCAKE_BOOTSTRAP_PORT", "9111")
+    monkeypatch.setenv("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", "77")
+    c = from_extra({"mooncake_protocol": "rdma", "device_name": "mlx5_0"})
+    assert (c.protocol, c.device_name, c.bootstrap_port, c.abort_timeout_s) == ("rdma", "mlx5_0", 9111, 77.0)
+    assert c.bootstrap_host == "127.0.0.1" and c.bootstrap_url == "http://127.0.0.1:9111"
+    monkeypatch.delenv("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT")
+    assert from_extra({}).abort_timeout_s == 480.0
+    with pytest.raises(ConfigError, match="transfer_timeot_s"):
+        from_extra({"transfer_timeot_s": 3})
+    with pytest.raises(ConfigError, match="transfer_timeout_s"):
+        from_extra({"transfer_timeout_s": -1})
+    with pytest.raises(ConfigError):
+        from_extra({"num_workers": "many"})
+
+
+# ---------------------------------------------------------------- bootstrap
+
+
+@pytest.fixture()
+def boot():
+    s = bootstrap.BootstrapServer("127.0.0.1", 0).start()
+    yield s
+    s.stop()
+
+
+@pytest.mark.integration
+def test_bootstrap_register_query_conflicts(boot):
+    url = boot.url
+    assert requests.get(url + "/query", timeout=5).json() == {}
+    bootstrap.register(url, RegisterPayload("eng-A", 0, 0, 0, "tcp://127.0.0.1:5000"), timeout=5)
+    bootstrap.register(url, RegisterPayload("eng-A", 0, 1, 0, "tcp://127.0.0.1:5001"), timeout=5)
+    # An identical retry is fine.
+    bootstrap.register(url, RegisterPayload("eng-A", 0, 0, 0, "tcp://127.0.0.1:5000"), timeout=5)
+    body = requests.get(url + "/query", timeout=5).json()
+    # vLLM's shape: {dp: {engine_id, worker_addr: {tp: {pp: addr}}}}
+    assert body == {"0": {"engine_id": "eng-A", "worker_addr": {"0": {"0": "tcp://127.0.0.1:5000"},
+                                                                  "1": {"0": "tcp://127.0.0.1:5001"}}}}
+    assert parse_query(body)[0].worker_addr[1][0] == "tcp://127.0.0.1:5001"
+    # Conflicts are 400s with a detail, like vLLM's server.
+    r = requests.post(url + "/register", json={"engine_id": "eng-B", "dp_rank": 0, "tp_rank": 0, "pp_rank": 0,
+                                               "addr": "tcp://x:1"}, timeout=5)
+    assert r.status_code == 400 and "Engine ID mismatch" in r.json()["detail"]
+    r = requests.post(url + "/register", json={"engine_id": "eng-A", "dp_rank": 0, "tp_rank": 0, "pp_rank": 0,
+                                               "addr": "tcp://127.0.0.1:6000"}, timeout=5)
+    assert r.status_code == 400 and "already registered" in r.json()["detail"]
+    r = requests.post(url + "/register", json={"engine_id": "eng-A"}, timeout=5)
+    assert r.status_code == 400
+    with pytest.raises(bootstrap.BootstrapError, match="HTTP 400"):
+        bootstrap.register(url, RegisterPayload("eng-B", 0, 0, 0, "tcp://x:1"), timeout=5)
+    assert bootstrap.find_engine(bootstrap.query(url, 5), "eng-A") is not None
+    assert bootstrap.find_engine(bootstrap.query(url, 5), "eng-B") is None
+
+
+@pytest.mark.integration
+def test_bootstrap_unreachable_is_quick_and_clear():
+    from kvcore.procs import free_port
+
+    t0 = time.monotonic()
+    with pytest.raises(bootstrap.BootstrapError, match="unreachable"):
+        bootstrap.query(f"http://127.0.0.1:{free_port()}", timeout=2)
+    assert time.monotonic() - t0 < 2.5
+
+
+# ---------------------------------------------------------------- TE pair + side channel
+
+
+class Side:
+    """One 'instance': KV tensors like vLLM's CPU layout, a TE with them registered."""
+
+    def __init__(self, num_blocks=64, layers=2, seed=0):
+        import torch
+
+        from kvcore.geometry import KVGeometry
+        from p2p.transfer import Engine
+
+        g = torch.Generator().manual_seed(seed)
+        self.buf = torch.randn(layers, num_blocks, 2, 32, 128, generator=g).to(torch.bfloat16)
+        self.kv = {f"model.layers.{i}.self_attn.attn": self.buf[i] for i in range(layers)}
+        self.geo = KVGeometry.from_kv_caches(self.kv, num_blocks)
+        self.engine = Engine("127.0.0.1", "tcp", "")
+        self.engine.register(self.geo.buffers)
+
+    def pages(self, blocks):
+        return [self.buf[:, b].clone() for b in blocks]
+
+
+@pytest.fixture()
+def pair(boot):
+    from kvcore.metrics import TierStats
+    from p2p.holds import SideChannel
+    from p2p.puller import Puller
+
+    prod, cons = Side(seed=1), Side(seed=2)
+    lock = threading.Lock()
+    pstats, dstats = TierStats(), TierStats()
+    side = SideChannel(prod.geo.regions, prod.engine.addr, pstats, lock, abort_timeout_s=3.0)
+    bootstrap.register(boot.url, RegisterPayload("eng-P", 0, 0, 0, side.addr), timeout=5)
+    puller = Puller(cons.geo, cons.engine, dstats, lock, bootstrap_timeout_s=2, peer_silence_timeout_s=2)
+    yield prod, cons, side, puller, pstats, dstats, boot
+    puller.close()
+    side.close()
+
+
+def _job(boot, tid, start, blocks, timeout=10.0, engine="eng-P", url=None):
+    from p2p.puller import PullJob
+
+    return PullJob(f"req-{tid}", tid, url or boot.url, engine, start, blocks, time.monotonic() + timeout)
+
+
+def _wait(fn, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = fn()
+        if v:
+            return v
+        time.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+@pytest.mark.integration
+def test_te_pair_moves_the_requested_tail_and_releases(pair):
+    prod, cons, side, puller, pstats, dstats, boot = pair
+    p_blocks = [5, 6, 7, 20, 21, 9]  # the prefill's 6 prompt blocks
+    d_blocks = [30, 31, 32, 40]  # D already had the first 2 blocks: it asks for [2, 6)
+    before_other = cons.pages([1, 33])
+    side.add_hold("p-req-1", "xfer-1", p_blocks)
+    puller.submit(_job(boot, "xfer-1", 2, d_blocks))
+    res = _wait(puller.take_results)
+    assert [(r.ok, r.req_id, r.cause) for r in res] == [(True, "req-xfer-1", "")]
+    for d, p in zip(d_blocks, p_blocks[2:]):
+        assert (cons.buf[:, d] == prod.buf[:, p]).all()
+    assert all((a == b).all() for a, b in zip(before_other, cons.pages([1, 33])))  # nothing else written
+    assert _wait(side.take_finished) == {"p-req-1"}
+    c = dstats.data["counters"]
+    assert c["bytes:pulled"] == 4 * cons.geo.block_bytes
+    # [7,20,21,9] -> [30,31,32,40]: runs (7->30), (20,21 -> 31,32), (9 -> 40) per layer
+    assert c["descriptors:pulled"] == 3 * 2
+    assert pstats.data["counters"]["holds:released"] == 1
+    assert set(dstats.data["ops"]) >= {"query", "metadata", "transfer", "ack", "handoff"}
+
+
+@pytest.mark.integration
+def test_pull_waits_for_a_late_prefill(pair):
+    prod, cons, side, puller, *_ , boot = pair
+    puller.submit(_job(boot, "xfer-late", 0, [3, 4]))
+    time.sleep(1.5)  # D asked first; P's request finishes later (WAIT heartbeats meanwhile)
+    assert puller.take_results() == []
+    side.add_hold("p-late", "xfer-late", [10, 11])
+    res = _wait(puller.take_results)
+    assert res[0].ok
+    assert (cons.buf[:, 3] == prod.buf[:, 10]).all() and (cons.buf[:, 4] == prod.buf[:, 11]).all()
+
+
+@pytest.mark.integration
+def test_release_frees_without_transfer_even_before_the_hold(pair):
+    prod, cons, side, puller, pstats, dstats, boot = pair
+    snapshot = cons.pages([3])
+    side.add_hold("p-rel", "xfer-rel", [12, 13])
+    puller.submit(_job(boot, "xfer-rel", 0, []))
+    assert _wait(side.take_finished) == {"p-rel"}
+    # Release that arrives before P finished: the hold is dropped as soon as it opens.
+    puller.submit(_job(boot, "xfer-early", 0, []))
+    _wait(lambda: dstats.data["counters"].get("pulls:release") == 2)
+    side.add_hold("p-early", "xfer-early", [14])
+    assert _wait(side.take_finished) == {"p-early"}
+    assert (cons.pages([3])[0] == snapshot[0]).all()
+    assert "bytes:pulled" not in dstats.data["counters"]
+
+
+@pytest.mark.integration
+def test_failures_are_prompt_and_typed(pair):
+    prod, cons, side, puller, pstats, dstats, boot = pair
+    from kvcore.procs import free_port
+
+    # aborted prefill -> ERROR at once
+    side.abort("xfer-ab")
+    t0 = time.monotonic()
+    puller.submit(_job(boot, "xfer-ab", 0, [3]))
+    r = _wait(puller.take_results)[0]
+    assert (r.ok, r.cause) == (False, "remote") and "aborted" in r.detail and time.monotonic() - t0 < 2
+    # asking for more blocks than the prefill holds
+    side.add_hold("p-short", "xfer-short", [1, 2])
+    puller.submit(_job(boot, "xfer-short", 1, [3, 4]))
+    r = _wait(puller.take_results)[0]
+    assert (r.ok, r.cause) == (False, "remote") and "holds 2" in r.detail
+    assert _wait(side.take_finished) == {"p-short"}  # released at once, not at the abort timeout
+    # unknown engine id / unreachable bootstrap
+    puller.submit(_job(boot, "xfer-x", 0, [3], engine="eng-nope"))
+    r = _wait(puller.take_results)[0]
+    assert (r.ok, r.cause) == (False, "bootstrap") and "not registered" in r.detail
+    t0 = time.monotonic()
+    puller.submit(_job(boot, "xfer-y", 0, [3], url=f"http://127.0.0.1:{free_port()}"))
+    r = _wait(puller.take_results)[0]
+    assert (r.ok, r.cause) == (False, "bootstrap") and time.monotonic() - t0 < 3
+    # prefill never finishes: bounded by the decode deadline
+    t0 = time.monotonic()
+    puller.submit(_job(boot, "xfer-never", 0, [3], timeout=1.5))
+    r = _wait(puller.take_results)[0]
+    assert (r.ok, r.cause) == (False, "timeout") and 1.4 < time.monotonic() - t0 < 3
+    assert dstats.data["counters"]["failures:bootstrap"] == 2
+    # a hold nobody acknowledges expires (abort timeout 3 s here) and is counted
+    side.add_hold("p-orphan", "xfer-orphan", [30])
+    fin = _wait(side.take_finished, timeout=6)
+    assert "p-orphan" in fin and pstats.data["counters"]["holds:expired"] >= 1
+
+
+@pytest.mark.integration
+def test_dead_prefill_worker_detected_by_silence(pair):
+    prod, cons, side, puller, pstats, dstats, boot = pair
+    side.close()  # the prefill worker is gone; its bootstrap entry remains
+    t0 = time.monotonic()
+    puller.submit(_job(boot, "xfer-dead", 0, [3], timeout=30))
+    r = _wait(puller.take_results, timeout=10)[0]
+    assert (r.ok, r.cause) == (False, "peer") and time.monotonic() - t0 < 4

@@ -1,0 +1,112 @@
+"""The composite's cost model and its online calibration (pure Python)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvcore.plan import Source
+from multi.calibration import OnlineFit
+from multi.config import load_config
+from multi.policy import Inputs, Model, PolicyConfig, requested_source
+from kvcore.errors import ConfigError
+
+pytestmark = pytest.mark.unit
+
+BPT = 8192.0  # bytes of KV per token (the small model)
+
+
+def inputs(n, local=0, store=0, p2p=False, elapsed=0.0):
+    return Inputs(prompt_tokens=n, local_tokens=local, store_tokens=store, p2p=p2p, bytes_per_token=BPT,
+                  block_size=32, prefill_elapsed_s=elapsed)
+
+
+def covers(plan, n):
+    segs = plan.segments
+    assert segs[0].start == 0 and segs[-1].end == n
+    assert all(a.end == b.start for a, b in zip(segs, segs[1:]))
+    assert segs[-1].source == Source.RECOMPUTE  # the last token is always computed
+
+
+def test_short_prompt_recomputes_long_prompt_loads():
+    m = Model(PolicyConfig())
+    short, _, _ = m.choose(inputs(40, store=32, p2p=True))
+    assert short.name == "recompute"
+    long, plans, _ = m.choose(inputs(4096, store=4064, p2p=True))
+    assert long.name in ("store", "store+p2p")
+    for p in plans:
+        covers(p, 4096)
+
+
+def test_store_prefix_then_p2p_for_the_rest():
+    m = Model(PolicyConfig())
+    plan, plans, _ = m.choose(inputs(4096, store=2048, p2p=True))
+    assert plan.name == "store+p2p", [(p.name, p.seconds) for p in plans]
+    assert [(s.start, s.end, s.source.value) for s in plan.segments] == [
+        (0, 2048, "store"), (2048, 4095, "p2p"), (4095, 4096, "recompute")]
+
+
+def test_local_prefix_is_never_reloaded():
+    m = Model(PolicyConfig())
+    plan, plans, _ = m.choose(inputs(4096, local=1024, store=2048, p2p=True))
+    for p in plans:
+        covers(p, 4096)
+        assert p.segments[0].source == Source.LOCAL and p.segments[0].end == 1024
+    assert plan.tokens(Source.STORE) == 1024
+
+
+def test_forced_sources_are_obeyed_or_fall_back():
+    m = Model(PolicyConfig())
+    x = inputs(4096, store=2048, p2p=True)
+    assert m.choose(x, "recompute")[0].name == "recompute"
+    assert m.choose(x, "store")[0].name == "store"
+    assert m.choose(x, "p2p")[0].name == "p2p"
+    plan, _, reason = m.choose(inputs(4096), "store")
+    assert plan.name == "recompute" and "nothing" in reason
+    assert requested_source({"kv_source": "p2p"}, "auto") == ("p2p", None)
+    src, warning = requested_source({"kv_source": 7}, "auto")
+    assert src == "auto" and "kv_source" in warning
+
+
+def test_no_sources_means_recompute():
+    plan, plans, _ = Model(PolicyConfig()).choose(inputs(4096))
+    assert [p.name for p in plans] == ["recompute"] and plan.tokens(Source.RECOMPUTE) == 4096
+
+
+def test_fit_converges_and_resists_outliers():
+    rng = random.Random(0)
+    true = [0.004, 2e-4, 3e-8]
+    fit = OnlineFit([0.05, 1e-3, 0.0], lower=[0, 1e-7, 0], upper=[5, 1, 1e-3], scale=[1, 1e3, 1e6])
+    for i in range(60):
+        n = rng.randint(1, 4096)
+        c = rng.randint(0, 4096)
+        x = [1.0, n, n * (c + n / 2)]
+        y = sum(a * b for a, b in zip(true, x)) * rng.uniform(0.9, 1.1)
+        if i == 30:
+            y *= 100  # one wild sample
+        fit.update(x, y)
+    for n, c in ((32, 0), (512, 0), (2048, 1024), (4096, 4096)):
+        x = [1.0, n, n * (c + n / 2)]
+        want = sum(a * b for a, b in zip(true, x))
+        assert 0.7 < fit.predict(x) / want < 1.4, (n, c)
+    assert fit.clipped >= 1
+
+
+def test_fit_stays_within_bounds():
+    fit = OnlineFit([0.01, 1e-9], lower=[0.0, 1e-12], upper=[1.0, 1e-6], scale=[1.0, 1e9])
+    for _ in range(20):
+        fit.update([1.0, 1e6], 1e5)  # absurd measurement
+    assert fit.coef[0] <= 1.0 and fit.coef[1] <= 1e-6
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="at least one tier"):
+        load_config({})
+    with pytest.raises(ConfigError, match="polcy"):
+        load_config({"store": {}, "polcy": {}})
+    with pytest.raises(ConfigError, match="default_source"):
+        load_config({"p2p": {}, "default_source": "disk"})
+    cfg = load_config({"p2p": {}, "policy": {"local_compute_weight": 1.0}})
+    assert cfg.policy.local_compute_weight == 1.0 and cfg.store_role("kv_consumer") == "kv_consumer"
+    assert load_config({"store": {}, "write_back": True}).store_role("kv_consumer") == "kv_both"

@@ -1,0 +1,195 @@
+"""Store tier end to end: real mooncake_master + store server, real vLLM engines.
+
+Engine A runs the store tier alone; engine B runs it as the first child of vLLM's
+stock MultiConnector. Every reuse is checked against the no-connector baseline.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+from tests.harness import Engine, cached_tokens, prompt_ids, start_engines
+from tests.store_util import all_keys, kill_mid_put, multi_kv, raw_client, store_kv
+
+pytestmark = pytest.mark.e2e
+
+PREFIX = 512  # shared prefix: 8 chunks of 64 tokens
+
+
+@pytest.fixture(scope="module")
+def engines(store_cluster, tmp_path_factory):
+    a = Engine("store-A", 0, store_kv(store_cluster.master_addr))
+    b = Engine("store-B-multi", 1, multi_kv(store_cluster.master_addr, str(tmp_path_factory.mktemp("example"))))
+    start_engines(a, b)
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+@pytest.fixture(scope="module")
+def raw(store_cluster):
+    s = raw_client(store_cluster.master_addr)
+    yield s
+    s.close()
+
+
+def _shared(seed: int, tail_seed: int, n_tail: int = 100) -> tuple[list[int], list[int]]:
+    p = prompt_ids(PREFIX + 88, seed)
+    return p, p[:PREFIX] + prompt_ids(n_tail, tail_seed)
+
+
+def _serve_and_wait_saved(engine, prompt, cluster, before: set[str], **body) -> set[str]:
+    engine.complete(prompt, 4, **body)
+    deadline = time.monotonic() + 20
+    want = len(prompt) // 64
+    while time.monotonic() < deadline:
+        new = all_keys(cluster) - before
+        if len(new) >= want:
+            return new
+        time.sleep(0.2)
+    raise AssertionError(f"{engine.name} saved {len(all_keys(cluster) - before)} of {want} chunks")
+
+
+def test_prefix_reuse_across_engines(engines, baseline, store_cluster):
+    a, b = engines
+    p, q = _shared(1, 2)
+    _serve_and_wait_saved(a, p, store_cluster, all_keys(store_cluster))
+    r = b.complete(q, 8)
+    assert cached_tokens(r) == PREFIX
+    assert r["choices"][0]["token_ids"] == baseline.tokens(q, 8, cached_prefix=PREFIX)
+    assert b.metric("vllm:mctier_store_loaded_tokens_total") >= PREFIX
+    assert b.metric("vllm:mctier_store_lookups_total", kind="hit") >= 1
+    # B (MultiConnector child) saved its new tail chunk: A reuses it the other way round.
+    time.sleep(1.0)
+    q2 = q[:576] + prompt_ids(40, 3)
+    r2 = a.complete(q2, 8)
+    assert cached_tokens(r2) == 576
+    assert r2["choices"][0]["token_ids"] == baseline.tokens(q2, 8, cached_prefix=576)
+
+
+def test_negative_control_corrupted_bytes_change_tokens(engines, baseline, store_cluster, raw):
+    """Noise with a valid trailer (what a store bug that kept checksums intact would serve) is
+    used as KV and changes the tokens; noise without one is caught by the checksum and
+    recomputed, so the tokens stay right."""
+    a, b = engines
+    p, q = _shared(11, 12)
+    new = _serve_and_wait_saved(a, p, store_cluster, all_keys(store_cluster))
+    rng = np.random.default_rng(0)
+    want = baseline.tokens(q, 8, cached_prefix=PREFIX)
+    for k in new:
+        size = raw.get_size(k)
+        assert size > 8
+        noise = (rng.standard_normal((size - 8) // 2) * 3).astype(np.float16).tobytes()
+        trailer = struct.pack("<II", zlib.crc32(noise), 0x4D435431)
+        assert raw.upsert(k, noise + trailer) == 0
+    r = b.complete(q, 8)
+    assert cached_tokens(r) == PREFIX
+    assert r["choices"][0]["token_ids"] != want
+    # Same again with a broken trailer: B (fresh prompt tail) refuses the chunks.
+    p2, q2 = _shared(13, 14)
+    new = _serve_and_wait_saved(a, p2, store_cluster, all_keys(store_cluster))
+    for k in new:
+        data = bytearray(raw.get(k))
+        data[100:108] = rng.integers(0, 255, 8, dtype=np.uint8).tobytes()
+        assert raw.upsert(k, bytes(data)) == 0
+    fails0 = b.metric("vllm:mctier_store_failures_total", kind="load_checksum")
+    r = b.complete(q2, 8)
+    assert b.metric("vllm:mctier_store_failures_total", kind="load_checksum") == fails0 + 1
+    assert r["choices"][0]["token_ids"] == baseline.tokens(q2, 8)
+
+
+def test_cache_salt_isolation(engines, baseline, store_cluster):
+    a, b = engines
+    p, q = _shared(21, 22)
+    # B writes under salt "alice"; A (store tier alone: no other connector that ignores
+    # salts, and no local cache of q) reads under other salts, then under "alice".
+    _serve_and_wait_saved(b, p, store_cluster, all_keys(store_cluster), cache_salt="alice")
+    r = a.complete(q, 8, cache_salt="bob")
+    assert cached_tokens(r) == 0
+    assert r["choices"][0]["token_ids"] == baseline.tokens(q, 8)
+    r = a.complete(q, 8)  # no salt either
+    assert cached_tokens(r) == 0
+    q3 = p[:PREFIX] + prompt_ids(90, 23)  # q is now in A's and the baseline's local caches
+    r = a.complete(q3, 8, cache_salt="alice")
+    assert cached_tokens(r) == PREFIX
+    assert r["choices"][0]["token_ids"] == baseline.tokens(q3, 8, cached_prefix=PREFIX)
+
+
+def test_writer_killed_between_putstart_and_putend(engines, baseline, store_cluster, raw):
+    a, b = engines
+    p, q = _shared(31, 32)
+    keys = sorted(_serve_and_wait_saved(a, p, store_cluster, all_keys(store_cluster)))
+    sizes = [raw.get_size(k) for k in keys]
+    assert all(rc == 0 for rc in raw.batch_remove(keys, True))
+    kill_mid_put(store_cluster.master_addr, keys, sizes)
+    assert raw.batch_is_exist(keys) == [0] * len(keys)
+    r = b.complete(q, 8)
+    assert cached_tokens(r) == 0
+    assert r["choices"][0]["token_ids"] == baseline.tokens(q, 8)
+
+
+def test_master_stopped_then_restarted(engines, baseline, store_cluster):
+    a, b = engines
+    store_cluster.stop_master()
+    try:
+        for i in range(3):
+            p, q = prompt_ids(600, 40 + i), prompt_ids(600, 50 + i)
+            t0 = time.monotonic()
+            ra = a.complete(p, 8)
+            rb = b.complete(q, 8)
+            assert time.monotonic() - t0 < 15, "a dead master must not stall requests"
+            assert ra["choices"][0]["token_ids"] == baseline.tokens(p, 8)
+            assert rb["choices"][0]["token_ids"] == baseline.tokens(q, 8)
+            assert cached_tokens(rb) == 0
+    finally:
+        store_cluster.restart_master()
+    # Data is gone with the old master; saves and hits come back with the new one.
+    deadline = time.monotonic() + 60
+    attempt = 0
+    while True:
+        attempt += 1
+        p, q = _shared(60 + attempt, 80 + attempt)
+        a.complete(p, 4)
+        time.sleep(1.5)
+        r = b.complete(q, 8)
+        if cached_tokens(r) == PREFIX:
+            assert r["choices"][0]["token_ids"] == baseline.tokens(q, 8, cached_prefix=PREFIX)
+            break
+        assert time.monotonic() < deadline, "no store hit within 60 s of the master restart"
+
+
+def _ordered_chunk_keys(engine, prompt, cluster, n_chunks) -> list[str]:
+    """Keys of ``prompt``'s first chunks in chain order: serve growing prefixes, one chunk each."""
+    keys = []
+    for j in range(n_chunks):
+        before = all_keys(cluster)
+        engine.complete(prompt[: 64 * (j + 1) + 10], 1)
+        deadline = time.monotonic() + 10
+        while not (new := all_keys(cluster) - before):
+            assert time.monotonic() < deadline, f"chunk {j} was not saved"
+            time.sleep(0.1)
+        assert len(new) == 1, new
+        keys.append(new.pop())
+    return keys
+
+
+def test_bad_objects_mid_prompt_are_recomputed(engines, baseline, store_cluster, raw):
+    """Chunk 3 replaced by an object of another size and chunk 5 removed: B loads chunks 0-2,
+    reports chunks 3-4 as load errors, and vLLM recomputes from there; tokens stay right."""
+    a, b = engines
+    p, q = _shared(91, 92)
+    keys = _ordered_chunk_keys(a, p, store_cluster, 8)
+    assert raw.upsert(keys[3], b"\x01" * 1000) == 0
+    assert raw.remove(keys[5], True) == 0
+    fails0 = b.metric("vllm:mctier_store_failures_total")
+    r = b.complete(q, 8)
+    # B used chunks 0-2 and recomputed the rest against them.
+    assert r["choices"][0]["token_ids"] == baseline.tokens(q, 8, cached_prefix=192)
+    # Mooncake reports a short object as a transfer failure (-800) or bad params (-600).
+    assert b.metric("vllm:mctier_store_failures_total") == fails0 + 1
+    assert b.metric("vllm:mctier_store_lookups_total", kind="hit") >= 1

@@ -1,0 +1,264 @@
+"""Store tier against a real mooncake_master and store server, no vLLM engine:
+the worker's zero-copy data path on a KV-shaped tensor, load failures, the
+start-up probe and the breaker around a dead master."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from kvcore.errors import ConfigError
+from mcstore.client import StoreClient
+from mcstore.config import load_config
+from mcstore.keys import KeySpace, fingerprint
+from mcstore.protocol import ChunkIO, LoadJob, SaveJob, StoreMetadata
+from mcstore.server import CLIENT_ENV
+from mcstore.worker import StoreWorker
+from tests.store_util import raw_client
+
+pytestmark = pytest.mark.integration
+
+BLOCKS, BS, CHUNK = 64, 32, 64  # 2 blocks per chunk
+
+
+@pytest.fixture(autouse=True)
+def _client_env(monkeypatch):
+    for k, v in CLIENT_ENV.items():
+        monkeypatch.setenv(k, v)
+
+
+def _kv():
+    """Two layers of CPU-layout KV pages, views of one buffer (as vLLM's CPU backend)."""
+    buf = torch.empty(2, BLOCKS, 2, BS, 128, dtype=torch.bfloat16)
+    return buf, {f"layer{i}": buf[i] for i in range(2)}
+
+
+def _worker(master: str, **extra) -> tuple[StoreWorker, torch.Tensor]:
+    cfg = load_config({"master": master, "chunk_tokens": CHUNK, **extra}, env={})
+    w = StoreWorker(cfg, KeySpace(fingerprint({"t": "integration"}), CHUNK), BS, BLOCKS, 0,
+                    load=True, save=True)
+    buf, kv = _kv()
+    w.register_kv_caches(kv)
+    return w, buf
+
+
+def _until(pred, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while not (out := pred()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+    return out
+
+
+def _finish_load(w, rid):
+    def done():
+        _, recv = w.get_finished(set())
+        return recv and rid in recv
+    _until(done)
+    return w.get_block_ids_with_load_errors()
+
+
+def test_save_then_load_zero_copy_roundtrip(store_cluster):
+    w, buf = _worker(store_cluster.master_addr)
+    try:
+        buf.normal_()
+        links = [f"mct/it/{i}-{time.monotonic_ns()}" for i in range(3)]
+        src_blocks = [[1, 2], [5, 6], [9, 3]]
+        w.wait_for_save(StoreMetadata(saves=[SaveJob("s", [ChunkIO(l, i, b) for i, (l, b) in
+                                                           enumerate(zip(links, src_blocks))])]))
+        _until(lambda: (w.get_finished({"s"})[0] or set()) == {"s"})
+        # Full chunks land in other blocks; a partial head (block 1 of chunk 2 only) goes via staging.
+        dst = [[20, 21], [30, 40], [51]]
+        w.start_load_kv(StoreMetadata(loads=[LoadJob("l", [
+            ChunkIO(links[0], 0, dst[0]), ChunkIO(links[1], 1, dst[1]), ChunkIO(links[2], 2, dst[2], first=1)],
+            timeout_s=10)]))
+        assert _finish_load(w, "l") == set()
+        for s, d in [(1, 20), (2, 21), (5, 30), (6, 40), (3, 51)]:
+            assert torch.equal(buf[:, s], buf[:, d]), (s, d)
+        # Saving the same chunks again is deduplicated, not rewritten.
+        w.wait_for_save(StoreMetadata(saves=[SaveJob("s2", [ChunkIO(links[0], 0, [7, 8])])]))
+        _until(lambda: (w.get_finished({"s2"})[0] or set()) == {"s2"})
+        stats = w.take_stats().data["counters"]
+        assert stats["save_skipped:exists"] == 1 and stats["loaded_tokens"] == 5 * BS
+    finally:
+        w.close()
+
+
+def test_missing_and_wrong_size_objects_become_load_errors(store_cluster):
+    w, buf = _worker(store_cluster.master_addr)
+    raw = raw_client(store_cluster.master_addr)
+    try:
+        good = f"mct/it/good-{time.monotonic_ns()}"
+        w.wait_for_save(StoreMetadata(saves=[SaveJob("s", [ChunkIO(good, 0, [1, 2])])]))
+        _until(lambda: w.get_finished({"s"})[0])
+        short = f"mct/it/short-{time.monotonic_ns()}"
+        assert raw.put(w.keys.key(short, 0), b"\x01" * 1000) == 0
+        w.start_load_kv(StoreMetadata(loads=[
+            LoadJob("a", [ChunkIO(good, 0, [10, 11]), ChunkIO(f"mct/it/none-{time.monotonic_ns()}", 1, [12, 13]),
+                          ChunkIO(good, 2, [14, 15])], timeout_s=10),
+            LoadJob("b", [ChunkIO(short, 0, [16, 17])], timeout_s=10),
+        ]))
+        _until(lambda: len(w._done_loads) == 2)
+        sending, recving = w.get_finished(set())
+        assert recving == {"a", "b"}
+        # Everything from the first bad chunk on is reported; the good head is kept.
+        assert w.get_block_ids_with_load_errors() == {12, 13, 14, 15, 16, 17}
+        counters = w.take_stats().data["counters"]
+        assert counters["failures:load_not_found"] == 1
+        assert sum(v for k, v in counters.items() if k.startswith("failures:load_")) == 2
+    finally:
+        raw.close()
+        w.close()
+
+
+def test_checksum_catches_corrupted_object(store_cluster):
+    w, buf = _worker(store_cluster.master_addr)
+    raw = raw_client(store_cluster.master_addr)
+    try:
+        buf.normal_()
+        link = f"mct/it/crc-{time.monotonic_ns()}"
+        w.wait_for_save(StoreMetadata(saves=[SaveJob("s", [ChunkIO(link, 0, [1, 2])])]))
+        _until(lambda: w.get_finished({"s"})[0])
+        key = w.keys.key(link, 0)
+        data = bytearray(raw.get(key))
+        assert len(data) == w.chunk_bytes + 8
+        data[5000] ^= 0xFF  # one flipped byte
+        assert raw.upsert(key, bytes(data)) == 0
+        w.start_load_kv(StoreMetadata(loads=[LoadJob("l", [ChunkIO(link, 0, [8, 9])], timeout_s=10)]))
+        assert _finish_load(w, "l") == {8, 9}
+        assert w.take_stats().data["counters"]["failures:load_checksum"] == 1
+    finally:
+        raw.close()
+        w.close()
+
+
+def test_expired_deadline_fails_without_touching_memory(store_cluster):
+    w, buf = _worker(store_cluster.master_addr)
+    try:
+        buf.zero_()
+        w.start_load_kv(StoreMetadata(loads=[LoadJob("late", [ChunkIO("mct/it/x", 0, [3, 4])], timeout_s=-1)]))
+        assert _finish_load(w, "late") == {3, 4}
+        assert w.take_stats().data["counters"]["failures:load_timeout"] == 1
+        assert not buf.any()
+    finally:
+        w.close()
+
+
+def test_unreachable_master_is_one_clear_error_fast():
+    from kvcore.procs import free_port
+
+    cfg = load_config({"master": f"127.0.0.1:{free_port()}", "connect_timeout_s": 2}, env={})
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match="not reachable"):
+        StoreClient(cfg, "test", segment=False)
+    assert time.monotonic() - t0 < 5
+
+
+def test_store_pressure_backs_off_then_drops_with_a_count(tmp_path):
+    from mcstore.server import StoreCluster
+    from tests.harness import LOGS
+
+    with StoreCluster(LOGS, segment_size=16 << 20, extra_flags=["--client_ttl=2"]) as c:
+        raw = raw_client(c.master_addr)
+        try:
+            cfg = load_config({"master": c.master_addr, "chunk_tokens": CHUNK, "hard_pin": True,
+                               "save_retry_s": 0.3}, env={})
+            w = StoreWorker(cfg, KeySpace(fingerprint({"t": "pressure"}), CHUNK), BS, BLOCKS, 0,
+                            load=True, save=True)
+            buf, kv = _kv()
+            w.register_kv_caches(kv)
+            try:
+                # 31 blocks per job, hard-pinned: 16 MiB holds ~256 chunks of 64 KiB, then no eviction helps.
+                n_jobs = 12
+                t0 = time.monotonic()
+                for j in range(n_jobs):
+                    w.wait_for_save(StoreMetadata(saves=[SaveJob(f"r{j}", [
+                        ChunkIO(f"mct/p/{j}/{i}", i, [1 + (i % 31), 2 + (i % 31)]) for i in range(32)])]))
+                _until(lambda: len(w._pending_saves) == 0 or all(v == 0 for v in w._pending_saves.values()), 60)
+                counters = w.take_stats().data["counters"]
+                assert counters["failures:save_no_space"] > 0
+                assert counters["saved_tokens"] > 0
+                assert time.monotonic() - t0 < 30
+            finally:
+                w.close()
+        finally:
+            raw.close()
+
+
+def test_breaker_skips_dead_master_fast_and_recovers(store_cluster):
+    cfg = load_config({"master": store_cluster.master_addr, "probe_interval_s": 0.2}, env={})
+    c = StoreClient(cfg, "breaker-test", segment=False)
+    try:
+        assert c.available and c.exists(["mct/none"]) == [0]
+        store_cluster.stop_master()
+        try:
+            t0 = time.monotonic()
+            c.exists(["mct/none"])  # fails fast (connection gone) or the probe trips first
+            _until(lambda: not c.available, 5)
+            assert time.monotonic() - t0 < 5
+        finally:
+            store_cluster.restart_master()
+        _until(lambda: c.available, 10)
+        _until(lambda: c.exists(["mct/none"]) == [0], 10)
+    finally:
+        c.close()
+
+
+def test_dropped_save_still_releases_the_request(store_cluster):
+    """A save the bounded queue refuses must not keep the request's blocks forever."""
+    w, _ = _worker(store_cluster.master_addr, save_queue_chunks=1)
+    try:
+        w.wait_for_save(StoreMetadata(saves=[SaveJob("big", [ChunkIO("mct/q/0", 0, [1, 2]), ChunkIO("mct/q/1", 1, [3, 4])])]))
+        assert w.get_finished({"big"})[0] == {"big"}
+        assert w.take_stats().data["counters"]["failures:save_queue_full"] == 2
+    finally:
+        w.close()
+
+
+_SEGMENT_OWNER = r"""
+import struct, sys, zlib
+from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+master, keys = sys.argv[1], sys.argv[2:]
+s = MooncakeDistributedStore()
+assert s.setup("127.0.0.1", "P2PHANDSHAKE", 64 << 20, 16 << 20, "tcp", "", master) == 0
+rc = ReplicateConfig(); rc.preferred_segment = s.get_hostname()
+pages = bytes(65536)  # a well-formed chunk object: pages + CRC trailer
+for k in keys:
+    assert s.put(k, pages + struct.pack("<II", zlib.crc32(pages), 0x4D435431), rc) == 0
+print("READY", flush=True)
+import time; time.sleep(120)
+"""
+
+
+def test_segment_of_a_dead_engine_ends_in_load_errors_not_hangs(store_cluster):
+    """Engines may contribute their own segment; when one dies its chunks fail to load, cleanly."""
+    import signal
+    import subprocess
+    import sys
+
+    w, _ = _worker(store_cluster.master_addr)
+    links = [f"mct/dead/{i}-{time.monotonic_ns()}" for i in range(2)]
+    p = subprocess.Popen([sys.executable, "-c", _SEGMENT_OWNER, store_cluster.master_addr,
+                          *[w.keys.key(x, 0) for x in links]],
+                         stdout=subprocess.PIPE, text=True, env={**os.environ, **CLIENT_ENV}, start_new_session=True)
+    try:
+        assert p.stdout.readline().startswith("READY")
+        assert w.client.exists([w.keys.key(x, 0) for x in links]) == [1, 1]
+        # While the owner lives its chunks load fine (so the failure below is the death).
+        w.start_load_kv(StoreMetadata(loads=[LoadJob("alive", [ChunkIO(links[0], 0, [5, 6])], timeout_s=15)]))
+        assert _finish_load(w, "alive") == set()
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=10)
+        t0 = time.monotonic()
+        w.start_load_kv(StoreMetadata(loads=[LoadJob("d", [ChunkIO(links[0], 0, [1, 2]), ChunkIO(links[1], 1, [3, 4])],
+                                                     timeout_s=15)]))
+        assert _finish_load(w, "d") == {1, 2, 3, 4}
+        assert time.monotonic() - t0 < 20
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+        w.close()

@@ -1,0 +1,215 @@
+"""Store tier units: keys (determinism across processes, isolation, fingerprint
+sensitivity), configuration errors, and load planning."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from kvcore.errors import ConfigError
+from mcstore.config import load_config
+from mcstore.keys import KeySpace, fingerprint
+
+pytestmark = pytest.mark.unit
+
+FIELDS = {"model": "/m/tiny", "revision": None, "dtype": "torch.bfloat16", "cache_dtype": "auto",
+          "platform": "cpu", "kv_cache_layout": "LBHNC", "tp_size": 1, "pp_size": 1,
+          "groups": [{"spec": "FullAttentionSpec", "block_size": 32, "num_kv_heads": 2, "head_size": 64,
+                      "head_size_v": 64, "dtype": "torch.bfloat16", "page_size_bytes": 16384,
+                      "num_layers": 2}],
+          "chunk_tokens": 64}
+TOKENS = list(range(7, 7 + 64 * 5 + 13))
+
+
+def _ks(fields=FIELDS, tp=1) -> KeySpace:
+    return KeySpace(fingerprint(fields), 64, tp)
+
+
+def test_links_cover_full_chunks_only_and_chain():
+    ks = _ks()
+    links = ks.links(TOKENS)
+    assert len(links) == 5 and len(set(links)) == 5
+    # A shared prefix shares exactly the chunks before the first difference.
+    other = TOKENS[:200] + [1] + TOKENS[201:]
+    assert ks.links(other)[:3] == links[:3]
+    assert not set(ks.links(other)[3:]) & set(links)
+
+
+_CHILD = r"""
+import json, sys
+from mcstore.keys import KeySpace, fingerprint
+fields, tokens = json.loads(sys.stdin.read())
+print(json.dumps(KeySpace(fingerprint(fields), 64, 1).links(tokens, cache_salt="s", lora="l", mm_hashes=["h"])))
+"""
+
+
+def test_keys_identical_across_processes_and_hash_seeds():
+    outs = []
+    for seed in ("0", "12345", "random"):
+        r = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps([FIELDS, TOKENS]),
+                           capture_output=True, text=True, env={"PYTHONHASHSEED": seed, "PATH": ""},
+                           timeout=60, check=True)
+        outs.append(json.loads(r.stdout))
+    assert outs[0] == outs[1] == outs[2]
+    assert outs[0] == _ks().links(TOKENS, cache_salt="s", lora="l", mm_hashes=["h"])
+
+
+@pytest.mark.parametrize("kw", [
+    {"cache_salt": "alice"}, {"cache_salt": "bob"}, {"cache_salt": ""}, {"lora": "adapter"},
+    {"mm_hashes": ["img1"]}, {"mm_hashes": ["img1", "img2"]},
+])
+def test_isolation_keys_never_share_an_object(kw):
+    ks = _ks()
+    plain = set(ks.links(TOKENS))
+    isolated = ks.links(TOKENS, **kw)
+    assert not plain & set(isolated)
+    assert ks.links(TOKENS, **kw) == isolated  # and stay deterministic
+
+
+def test_salts_are_not_confusable():
+    ks = _ks()
+    assert not set(ks.links(TOKENS, cache_salt="a", lora="b")) & set(ks.links(TOKENS, cache_salt="ab"))
+    assert not set(ks.links(TOKENS, cache_salt="a")) & set(ks.links(TOKENS, lora="a"))
+
+
+@pytest.mark.parametrize("path,value", [
+    (("model",), "/m/other"), (("dtype",), "torch.float16"), (("kv_cache_layout",), "NHD"),
+    (("tp_size",), 2), (("chunk_tokens",), 128), (("groups", 0, "block_size"), 16),
+    (("groups", 0, "num_layers"), 4), (("groups", 0, "num_kv_heads"), 4),
+    (("groups", 0, "head_size"), 128), (("platform",), "cuda"),
+])
+def test_fingerprint_sensitive_to_every_field(path, value):
+    changed = json.loads(json.dumps(FIELDS))
+    node = changed
+    for p in path[:-1]:
+        node = node[p]
+    node[path[-1]] = value
+    assert fingerprint(changed) != fingerprint(FIELDS)
+    assert not set(_ks(changed).links(TOKENS)) & set(_ks().links(TOKENS))
+
+
+def test_tp_ranks_get_their_own_objects():
+    ks = _ks(tp=2)
+    links = ks.links(TOKENS)
+    keys = ks.all_rank_keys(links)
+    assert len(keys) == 2 * len(links) and len(set(keys)) == len(keys)
+    assert keys[0].endswith("/tp0") and keys[1].endswith("/tp1")
+
+
+# -- configuration --------------------------------------------------------------------------
+
+
+def test_config_defaults_and_sizes():
+    cfg = load_config({"master": "10.0.0.1:50051", "local_buffer_size": "32MB"}, env={})
+    assert cfg.chunk_tokens == 256 and cfg.global_segment_size == 0
+    assert cfg.local_buffer_size == 32 << 20 and cfg.replicas == 1 and not cfg.hard_pin
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ({"master": "h:1", "chunk_tokns": 64}, "chunk_tokns"),
+    ({}, "no master address"),
+    ({"master": "nohostport"}, "HOST:PORT"),
+    ({"master": "h:1", "chunk_tokens": 0}, "chunk_tokens"),
+    ({"master": "h:1", "replicas": "two"}, "replicas"),
+    ({"master": "h:1", "global_segment_size": "lots"}, "not a size"),
+    ({"master": "h:1", "enable_ssd_offload": True}, "ssd_offload_path"),
+    ({"master": "h:1", "master_server_address": "h:2"}, "not both"),
+])
+def test_config_errors_are_clear(extra, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(extra, env={})
+
+
+def test_chunk_must_be_multiple_of_block():
+    cfg = load_config({"master": "h:1", "chunk_tokens": 48}, env={})
+    with pytest.raises(ConfigError, match="multiple of the vLLM block size 32"):
+        cfg.check_block_size(32)
+
+
+def test_mooncake_config_path(tmp_path):
+    path = tmp_path / "mc.json"
+    path.write_text(json.dumps({"local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
+                                "master_server_address": "127.0.0.1:5555", "protocol": "TCP",
+                                "global_segment_size": "1GB", "local_buffer_size": 1048576,
+                                "device_name": "", "tenant_id": "default"}))
+    cfg = load_config({"chunk_tokens": 64}, env={"MOONCAKE_CONFIG_PATH": str(path)})
+    assert cfg.master == "127.0.0.1:5555" and cfg.protocol == "tcp"
+    assert cfg.global_segment_size == 1 << 30 and cfg.chunk_tokens == 64
+    # The connector's own keys win over the file.
+    assert load_config({"master": "h:9"}, env={"MOONCAKE_CONFIG_PATH": str(path)}).master == "h:9"
+    path.write_text(json.dumps({"master_server_address": "h:1", "bogus": 1}))
+    with pytest.raises(ConfigError, match="unknown key 'bogus'"):
+        load_config({}, env={"MOONCAKE_CONFIG_PATH": str(path)})
+    with pytest.raises(ConfigError, match="MOONCAKE_CONFIG_PATH"):
+        load_config({}, env={"MOONCAKE_CONFIG_PATH": str(tmp_path / "missing.json")})
+
+
+# -- load planning (scheduler side, no store needed) -------------------------------------------
+
+
+def _sched():
+    from mcstore.scheduler import StoreScheduler
+
+    cfg = load_config({"master": "h:1", "chunk_tokens": 64}, env={})
+    return StoreScheduler(cfg, _ks(), 32, load=False, save=True)
+
+
+def _request(n=64 * 5 + 13, rid="r1"):
+    return SimpleNamespace(request_id=rid, prompt_token_ids=TOKENS[:n], num_prompt_tokens=n,
+                           num_computed_tokens=0, cache_salt=None, lora_request=None, mm_features=None)
+
+
+def test_plan_load_maps_chunks_and_partial_heads():
+    s = _sched()
+    req = _request()
+    blocks = list(range(100, 111))
+    s.plan_load(req, 96, 319, blocks)  # local hit ends inside chunk 1; hit capped inside chunk 4
+    (job,) = s._loads
+    assert [(c.index, c.first, c.block_ids) for c in job.chunks] == [
+        (1, 1, [103]), (2, 0, [104, 105]), (3, 0, [106, 107]), (4, 0, [108, 109])]
+    with pytest.raises(ValueError):
+        s.plan_load(req, 0, 64 * 6, list(range(20)))  # beyond the stored chunks
+    with pytest.raises(ValueError):
+        s.plan_load(req, 10, 64, blocks)  # not block aligned
+
+
+def test_save_plan_new_full_prompt_chunks_only():
+    s = _sched()
+    req = _request()
+    s.get_num_new_matched_tokens(req, 0)
+
+    class KVM:
+        def get_block_ids(self, rid):
+            return (list(range(1, 12)),)
+
+    s.bind_kv_cache_manager(KVM())
+    out = SimpleNamespace(preempted_req_ids=set(), num_scheduled_tokens={"r1": 150})
+    (job,) = s.build_connector_meta(out).saves
+    assert [(c.index, c.block_ids) for c in job.chunks] == [(0, [1, 2]), (1, [3, 4])]
+    req.num_computed_tokens = 150
+    out.num_scheduled_tokens = {"r1": req.num_prompt_tokens - 150}
+    (job,) = s.build_connector_meta(out).saves
+    assert [c.index for c in job.chunks] == [2, 3, 4]
+    req.num_computed_tokens = req.num_prompt_tokens
+    out.num_scheduled_tokens = {"r1": 1}  # decode: nothing new
+    assert s.build_connector_meta(out).saves == []
+    assert s.request_finished(req, [])[0] is True  # blocks held until the saves finish
+
+
+@pytest.mark.parametrize("name", ["store-only.json", "store-multiconnector.json"])
+def test_example_configs_are_valid(name):
+    from pathlib import Path
+
+    from vllm.config import KVTransferConfig
+
+    data = json.loads((Path(__file__).resolve().parent.parent / "examples" / name).read_text())
+    KVTransferConfig(**data)
+    stores = [data] if data["kv_connector"] == "StoreConnector" else [
+        c for c in data["kv_connector_extra_config"]["connectors"] if c["kv_connector"] == "StoreConnector"]
+    assert stores and all(s["kv_connector_module_path"] == "mcstore" for s in stores)
+    for s in stores:
+        load_config(s["kv_connector_extra_config"], env={})

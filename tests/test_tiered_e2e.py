@@ -1,0 +1,196 @@
+"""The composite on real engines: a master, a prefill and a decode instance with
+``TieredConnector`` (the ``small`` model, where loading vs recomputing is a real
+choice), ``mctier proxy`` in front, and a no-connector baseline."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+import requests
+
+from kvcore.procs import Proc, free_port
+from tests.harness import LOGS, Engine, cached_tokens, model_dir, prompt_ids, reference_tokens, start_engines
+
+pytestmark = pytest.mark.e2e
+
+CHUNK = 256
+
+
+def tiered(role: str, master: str, bootstrap_port: int | None, **policy) -> dict:
+    p2p = {"bootstrap_port": bootstrap_port, "transfer_timeout_s": 30.0} if bootstrap_port else {}
+    return {"kv_connector": "TieredConnector", "kv_connector_module_path": "multi", "kv_role": role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"store": {"master": master, "chunk_tokens": CHUNK, "load_timeout_s": 20},
+                                          "p2p": p2p, "policy": policy}}
+
+
+class Deployment:
+    def __init__(self, cluster):
+        small = model_dir("small")
+        self.bootstrap = free_port()
+        self.p = Engine("tiered-P", core=0, model=small, max_model_len=8192,
+                        kv_config=tiered("kv_producer", cluster.master_addr, self.bootstrap))
+        self.d = Engine("tiered-D", core=1, model=small, max_model_len=8192,
+                        kv_config=tiered("kv_consumer", cluster.master_addr, free_port()))
+        self.base = Engine("baseline-small", core=0, model=small, max_model_len=8192)
+        start_engines(self.p, self.d, self.base)
+        self.proxy_port = free_port()
+        self.proxy = Proc("proxy", [sys.executable, "-m", "multi.cli", "proxy", "--port", str(self.proxy_port),
+                                    "--prefill", f"{self.p.url}@http://127.0.0.1:{self.bootstrap}",
+                                    "--decode", self.d.url], LOGS / f"proxy-{self.proxy_port}.log")
+        self.proxy.wait_port(self.proxy_port, 30)
+        self.url = f"http://127.0.0.1:{self.proxy_port}"
+
+    def complete(self, prompt, max_tokens=8, **kv) -> dict:
+        body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        if kv:
+            body["kv_transfer_params"] = kv
+        r = requests.post(self.url + "/v1/completions", json=body, timeout=180)
+        r.raise_for_status()
+        return r.json()
+
+    def p_reused_tokens(self) -> float:
+        """Prompt tokens the prefill instance did not compute (its prefix cache or the store), so far."""
+        return sum(self.p.metric("vllm:mctier_tiered_planned_tokens_total", kind=k) for k in ("local", "store"))
+
+    def reference(self, prompt, max_tokens, cached_prefix=0) -> list[int]:
+        return reference_tokens(self.base, prompt, max_tokens, cached_prefix)
+
+    def moved(self) -> dict[str, float]:
+        """Decode-side counters: tokens from the store, bytes pulled from the prefill instance."""
+        return {"store_tokens": self.d.metric("vllm:mctier_store_loaded_tokens_total"),
+                "p2p_bytes": self.d.metric("vllm:mctier_p2p_bytes_total", kind="pulled")}
+
+    def stop(self):
+        self.proxy.stop()
+        for e in (self.p, self.d, self.base):
+            e.stop()
+
+
+@pytest.fixture(scope="module")
+def dep(store_cluster):
+    d = Deployment(store_cluster)
+    yield d
+    d.stop()
+
+
+def plan_of(resp) -> list[tuple[int, int, str]]:
+    params = resp.get("kv_transfer_params") or {}
+    return [(r["start"], r["end"], r["source"]) for r in params.get("kv_plan", [])]
+
+
+def wait_for(pred, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_store_prefix_and_p2p_tail_in_one_request(dep):
+    prefix = prompt_ids(4 * CHUNK, 501)
+    # Store the prefix: a prefill-only request on P saves its chunks.
+    dep.p.complete(prefix + prompt_ids(40, 502), 1)
+    assert wait_for(lambda: dep.p.metric("vllm:mctier_store_saved_tokens_total") >= 4 * CHUNK)
+    prompt = prefix + prompt_ids(1000, 503)
+    before, p_store = dep.moved(), dep.p_reused_tokens()
+    resp = dep.complete(prompt, 8)
+    after = dep.moved()
+    n = len(prompt)
+    # The prefill instance reused the same prefix (its own cache or the store), computed the rest.
+    assert dep.p_reused_tokens() - p_store == 4 * CHUNK
+    assert plan_of(resp) == [(0, 4 * CHUNK, "store"), (4 * CHUNK, n - 1, "p2p"), (n - 1, n, "recompute")]
+    assert after["store_tokens"] - before["store_tokens"] == 4 * CHUNK
+    tail_blocks = -(-n // 32) - 4 * CHUNK // 32
+    bytes_per_block = 8 * 4 * 32 * 64 * 2 * 2  # layers * kv heads * block * head_dim * (K,V) * bf16
+    assert after["p2p_bytes"] - before["p2p_bytes"] == tail_blocks * bytes_per_block
+    assert resp["choices"][0]["token_ids"] == dep.reference(prompt, 8, cached_prefix=4 * CHUNK)
+    assert cached_tokens(resp) >= n - 32
+
+
+def test_short_prompt_recomputes_long_prompt_loads(dep):
+    short = prompt_ids(40, 510)
+    before = dep.moved()
+    r = dep.complete(short, 6)
+    assert plan_of(r)[-1] == (0, 40, "recompute") and len(plan_of(r)) == 1
+    assert dep.moved() == before  # nothing moved
+    assert r["choices"][0]["token_ids"] == dep.reference(short, 6)
+    long = prompt_ids(2000, 511)
+    r = dep.complete(long, 6)
+    sources = {s for _, _, s in plan_of(r)}
+    assert "p2p" in sources or "store" in sources
+    assert r["choices"][0]["token_ids"] == dep.reference(long, 6)
+
+
+@pytest.mark.parametrize("force", ["recompute", "p2p", "store"])
+def test_forced_sources_are_obeyed(dep, force):
+    # A prefix of its own per case: D's prefix cache must not already hold it.
+    seed = {"recompute": 600, "p2p": 610, "store": 620}[force]
+    saved = dep.p.metric("vllm:mctier_store_saved_tokens_total")
+    prefix = prompt_ids(2 * CHUNK, seed)
+    dep.p.complete(prefix + [7, 8, 9], 1)
+    assert wait_for(lambda: dep.p.metric("vllm:mctier_store_saved_tokens_total") >= saved + 2 * CHUNK)
+    prompt = prefix + prompt_ids(300, seed + 1)
+    p_store = dep.p_reused_tokens()
+    r = dep.complete(prompt, 6, kv_source=force)
+    p_split = int(dep.p_reused_tokens() - p_store)  # how the prefill instance computed it
+    sources = [s for _, _, s in plan_of(r)]
+    assert r["kv_transfer_params"]["kv_plan_estimates"]["reason"].startswith(f"forced {force}")
+    expected = {"recompute": ["recompute"], "p2p": ["p2p", "recompute"], "store": ["store", "recompute"]}[force]
+    assert sources == expected
+    split = {"recompute": 0, "p2p": p_split, "store": 2 * CHUNK}[force]
+    assert r["choices"][0]["token_ids"] == dep.reference(prompt, 6, cached_prefix=split)
+
+
+def test_calibration_converges(dep):
+    """After a warm-up, forward-time estimates are within a factor of 2 of the measured times
+    (mean relative error below 1.0 over the samples taken after the warm-up)."""
+    for seed in range(4):
+        dep.complete(prompt_ids(300 + 200 * seed, 530 + seed), 4)
+    n0 = dep.d.metric("vllm:mctier_tiered_estimate_samples_total", kind="forward")
+    e0 = dep.d.metric("vllm:mctier_tiered_estimate_error_total", kind="forward")
+    for seed in range(4):
+        dep.complete(prompt_ids(400 + 150 * seed, 540 + seed), 4, kv_source="recompute")
+    n1 = dep.d.metric("vllm:mctier_tiered_estimate_samples_total", kind="forward")
+    e1 = dep.d.metric("vllm:mctier_tiered_estimate_error_total", kind="forward")
+    assert n1 - n0 >= 8
+    assert (e1 - e0) / (n1 - n0) < 1.0
+
+
+def test_store_master_down_everything_from_prefill(dep, store_cluster):
+    prompt = prompt_ids(1500, 560)
+    store_cluster.stop_master()
+    try:
+        t0 = time.monotonic()
+        r = dep.complete(prompt, 6)
+        assert time.monotonic() - t0 < 60
+        assert [s for _, _, s in plan_of(r)] == ["p2p", "recompute"]
+        assert r["choices"][0]["token_ids"] == dep.reference(prompt, 6)
+    finally:
+        store_cluster.restart_master()
+
+
+def test_prefill_dead_store_plus_recompute(dep):
+    prefix = prompt_ids(4 * CHUNK, 570)
+    # The master was restarted empty by the previous test: store the prefix again.
+    saved = dep.p.metric("vllm:mctier_store_saved_tokens_total")
+    assert wait_for(lambda: dep.p.complete(prefix + [11, 12], 1) and
+                    dep.p.metric("vllm:mctier_store_saved_tokens_total") >= saved + 4 * CHUNK, timeout=30)
+    query = requests.get(f"http://127.0.0.1:{dep.bootstrap}/query", timeout=5).json()
+    engine_id = next(iter(query.values()))["engine_id"]
+    dep.p.proc.kill()
+    prompt = prefix + prompt_ids(1200, 571)
+    before = dep.moved()
+    t0 = time.monotonic()
+    r = dep.d.complete(prompt, 6, kv_transfer_params={
+        "do_remote_prefill": True, "do_remote_decode": False, "transfer_id": "xfer-dead-prefill",
+        "remote_bootstrap_addr": f"http://127.0.0.1:{dep.bootstrap}", "remote_engine_id": engine_id})
+    assert time.monotonic() - t0 < 60
+    assert [s for _, _, s in plan_of(r)] == ["store", "p2p", "recompute"], plan_of(r)
+    assert dep.moved()["store_tokens"] - before["store_tokens"] == 4 * CHUNK
+    assert r["choices"][0]["token_ids"] == dep.reference(prompt, 6, cached_prefix=4 * CHUNK)
+    assert dep.d.tokens(prompt_ids(50, 572), 4) == dep.reference(prompt_ids(50, 572), 4)  # D still serves
