@@ -48,6 +48,7 @@ class _Req:
     local: int = 0  # tokens computed locally when the connector was asked
     save_next: int = 0  # next chunk to consider for saving
     saves: int = 0  # save jobs sent to the worker
+    load_tried: bool = False  # one load per request: a failed one is recomputed, not retried
 
 
 class StoreScheduler:
@@ -124,6 +125,7 @@ class StoreScheduler:
         for c in range(b0 // cb, last_chunk):
             lo, hi = max(b0, c * cb), min(b1, (c + 1) * cb)
             chunks.append(ChunkIO(st.links[c], c, list(block_ids[lo:hi]), lo - c * cb))
+        st.load_tried = True
         self._loads.append(LoadJob(request.request_id, chunks, self.cfg.load_timeout_s))
 
     # -- vLLM hooks ------------------------------------------------------------------
@@ -131,7 +133,9 @@ class StoreScheduler:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)
         st.local = num_computed_tokens
-        if not self.load_enabled:
+        # vLLM asks again after a load that failed from its first block: answering with the
+        # same hit would load the same bad chunk forever.
+        if not self.load_enabled or st.load_tried:
             return 0, False
         ext = self.lookup(request) - num_computed_tokens
         return (ext, True) if ext > 0 else (0, False)

@@ -9,7 +9,9 @@ engine's settings: the same ``--model`` string the engine was started with (or
 ``--kv-transfer-config``. vLLM's own code does the work: ``EngineArgs`` builds
 the ``VllmConfig``, the platform's default attention backend customizes a
 ``FullAttentionSpec`` per decoder layer, ``get_kv_cache_groups`` groups them
-and ``resolve_kv_cache_layout`` picks the layout, as the engine core does.
+and ``resolve_kv_cache_layout`` picks the layout, as the engine core does; the
+connector's own :func:`mcstore.connector.key_space` then turns them into the key
+space, so connector-side fingerprint changes reach the tools by construction.
 ``tests/test_tools.py`` proves the result equal to a real engine's.
 
 Also here: the connector config inside any of the kv-transfer-config shapes
@@ -31,7 +33,7 @@ import msgspec
 
 from kvcore.errors import ConfigError
 from mcstore.config import StoreConfig, load_config
-from mcstore.keys import KeySpace, fingerprint
+from mcstore.keys import KeySpace
 
 META_SUFFIX = "meta"
 
@@ -161,19 +163,16 @@ def derive_meta(model: str, kv_config: str | dict, *, block_size: int | None = N
                 kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1) -> EngineMeta:
     """The key space an engine with these settings uses (imports vLLM: ~15 s)."""
     from kvcore.vllm_glue import kv_fingerprint_fields
+    from mcstore.connector import key_space  # the connector's own derivation: one source of truth
 
     kv = read_kv_config(kv_config)
     cfg = store_config(kv)
     vc = _vllm_config(model, block_size, dtype, kv_cache_dtype, tensor_parallel_size, kv)
     cfg.check_block_size(vc.cache_config.block_size)
-    fields = kv_fingerprint_fields(vc, _kv_cache_config(vc))
-    # Same overrides as mcstore.connector.key_space.
-    if cfg.model_id:
-        fields["model"] = cfg.model_id
-        fields["revision"] = None
-    fields["chunk_tokens"] = cfg.chunk_tokens
-    return EngineMeta(fingerprint=fingerprint(fields), chunk_tokens=cfg.chunk_tokens, tp_size=fields["tp_size"],
-                      key_prefix=cfg.key_prefix, model=fields["model"], fields=fields)
+    kvcc = _kv_cache_config(vc)
+    ks = key_space(cfg, vc, kvcc)
+    return EngineMeta(fingerprint=ks.fp, chunk_tokens=ks.chunk_tokens, tp_size=ks.tp_size, key_prefix=cfg.key_prefix,
+                      model=cfg.model_id or vc.model_config.model, fields=kv_fingerprint_fields(vc, kvcc))
 
 
 def meta_from_args(args) -> EngineMeta | None:

@@ -62,7 +62,7 @@ class Deployment:
         if kv_config is not None:
             argv += ["--kv-transfer-config", json.dumps(kv_config)]
         env = {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
-        proc = Proc(name, argv, self.log_dir / f"{name}.log", env=env)
+        proc = Proc(name, argv, self.log_dir / f"{name}.log", env=env, cpus={core})
         self.procs.append(proc)
         return f"http://127.0.0.1:{port}", proc
 

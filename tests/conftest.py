@@ -50,7 +50,7 @@ def store_cluster(tmp_path_factory):
     cluster = StoreCluster(
         log_dir=LOGS,
         segment_size=256 << 20,
-        extra_flags=["--default_kv_lease_ttl=500", "--client_ttl=2"],
+        extra_flags=["--default_kv_lease_ttl=500", "--client_ttl=5"],
     ).start()
     yield cluster
     cluster.stop()

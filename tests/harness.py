@@ -17,7 +17,7 @@ from pathlib import Path
 import requests
 
 from kvcore.procs import Proc, free_port
-from mcstore.server import CLIENT_ENV
+from multi.demo import ENGINE_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("MCTIER_CACHE", ROOT / ".cache"))
@@ -25,16 +25,6 @@ LOGS = Path(os.environ.get("MCTIER_TEST_LOGS", ROOT / ".cache" / "test-logs"))
 BLOCK = 32
 VOCAB = 2048
 
-ENGINE_ENV = {
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "VLLM_HOST_IP": "127.0.0.1",
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_TARGET_DEVICE": "cpu",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    **CLIENT_ENV,
-}
 ENGINE_START_TIMEOUT = float(os.environ.get("MCTIER_ENGINE_START_TIMEOUT", "240"))
 REQUEST_TIMEOUT = 120.0
 
@@ -79,7 +69,7 @@ class Engine:
             argv += ["--kv-transfer-config", json.dumps(kv_config)]
         argv += list(extra_args or [])
         full_env = {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core), **(env or {})}
-        self.proc = Proc(name, argv, LOGS / f"{name}-{self.port}.log", env=full_env, cwd=str(ROOT))
+        self.proc = Proc(name, argv, LOGS / f"{name}-{self.port}.log", env=full_env, cwd=str(ROOT), cpus={core})
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float = ENGINE_START_TIMEOUT) -> Engine:

@@ -133,36 +133,6 @@ def test_writer_killed_between_putstart_and_putend(engines, baseline, store_clus
     assert r["choices"][0]["token_ids"] == baseline.tokens(q, 8)
 
 
-def test_master_stopped_then_restarted(engines, baseline, store_cluster):
-    a, b = engines
-    store_cluster.stop_master()
-    try:
-        for i in range(3):
-            p, q = prompt_ids(600, 40 + i), prompt_ids(600, 50 + i)
-            t0 = time.monotonic()
-            ra = a.complete(p, 8)
-            rb = b.complete(q, 8)
-            assert time.monotonic() - t0 < 15, "a dead master must not stall requests"
-            assert ra["choices"][0]["token_ids"] == baseline.tokens(p, 8)
-            assert rb["choices"][0]["token_ids"] == baseline.tokens(q, 8)
-            assert cached_tokens(rb) == 0
-    finally:
-        store_cluster.restart_master()
-    # Data is gone with the old master; saves and hits come back with the new one.
-    deadline = time.monotonic() + 60
-    attempt = 0
-    while True:
-        attempt += 1
-        p, q = _shared(60 + attempt, 80 + attempt)
-        a.complete(p, 4)
-        time.sleep(1.5)
-        r = b.complete(q, 8)
-        if cached_tokens(r) == PREFIX:
-            assert r["choices"][0]["token_ids"] == baseline.tokens(q, 8, cached_prefix=PREFIX)
-            break
-        assert time.monotonic() < deadline, "no store hit within 60 s of the master restart"
-
-
 def _ordered_chunk_keys(engine, prompt, cluster, n_chunks) -> list[str]:
     """Keys of ``prompt``'s first chunks in chain order: serve growing prefixes, one chunk each."""
     keys = []
@@ -193,3 +163,33 @@ def test_bad_objects_mid_prompt_are_recomputed(engines, baseline, store_cluster,
     # Mooncake reports a short object as a transfer failure (-800) or bad params (-600).
     assert b.metric("vllm:mctier_store_failures_total") == fails0 + 1
     assert b.metric("vllm:mctier_store_lookups_total", kind="hit") >= 1
+
+
+def test_master_stopped_then_restarted(engines, baseline, store_cluster):
+    a, b = engines
+    store_cluster.stop_master()
+    try:
+        for i in range(3):
+            p, q = prompt_ids(600, 40 + i), prompt_ids(600, 50 + i)
+            t0 = time.monotonic()
+            ra = a.complete(p, 8)
+            rb = b.complete(q, 8)
+            assert time.monotonic() - t0 < 15, "a dead master must not stall requests"
+            assert ra["choices"][0]["token_ids"] == baseline.tokens(p, 8)
+            assert rb["choices"][0]["token_ids"] == baseline.tokens(q, 8)
+            assert cached_tokens(rb) == 0
+    finally:
+        store_cluster.restart_master()
+    # Data is gone with the old master; saves and hits come back with the new one.
+    deadline = time.monotonic() + 60
+    attempt = 0
+    while True:
+        attempt += 1
+        p, q = _shared(60 + attempt, 80 + attempt)
+        a.complete(p, 4)
+        time.sleep(1.5)
+        r = b.complete(q, 8)
+        if cached_tokens(r) == PREFIX:
+            assert r["choices"][0]["token_ids"] == baseline.tokens(q, 8, cached_prefix=PREFIX)
+            break
+        assert time.monotonic() < deadline, "no store hit within 60 s of the master restart"

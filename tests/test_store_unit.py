@@ -213,3 +213,16 @@ def test_example_configs_are_valid(name):
     assert stores and all(s["kv_connector_module_path"] == "mcstore" for s in stores)
     for s in stores:
         load_config(s["kv_connector_extra_config"], env={})
+
+
+def test_replicate_config_from_settings():
+    from mooncake.store import SoftPinAction
+
+    from mcstore.client import replicate_config
+
+    rc = replicate_config(load_config({"master": "h:1"}, env={}))
+    assert rc.replica_num == 1 and not rc.with_hard_pin and rc.soft_pin_action != SoftPinAction.ENABLE
+    rc = replicate_config(load_config({"master": "h:1", "replicas": 2, "soft_pin": True, "soft_pin_ttl_ms": 60000,
+                                       "hard_pin": True, "preferred_segment": "10.0.0.2:12345"}, env={}))
+    assert rc.replica_num == 2 and rc.with_hard_pin and rc.soft_pin_action == SoftPinAction.ENABLE
+    assert rc.soft_pin_ttl_ms == 60000 and rc.preferred_segment == "10.0.0.2:12345"

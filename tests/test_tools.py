@@ -75,7 +75,7 @@ def env(baseline):
         insp = Inspector(cluster.master_addr, admin, meta, renderer, engine.url)
         yield SimpleNamespace(cluster=cluster, kv=kv, model=model, engine=engine, admin=admin, meta=meta,
                               renderer=renderer, insp=insp, http=f"http://127.0.0.1:{http_port}",
-                              stored=[])  # token lists whose full chunks are in the store
+                              stored=[], obj_bytes=None, messages=None)  # stored: token lists whose full chunks are in the store
         insp.close()
     finally:
         for p in reversed(procs):
@@ -138,7 +138,10 @@ def test_tool_fingerprint_equals_engine(env):
     lk = env.insp.lookup(prompt)
     assert lk.hit_tokens == 3 * CHUNK and lk.loadable_tokens == 3 * CHUNK
     assert [c.present for c in lk.chunks] == [True, True, True]
-    assert all(c.tier == "memory" and c.bytes == CHUNK_BYTES for c in lk.chunks)
+    # One object per chunk: its pages, plus whatever small trailer the tier's object format adds.
+    env.obj_bytes = lk.chunks[0].bytes
+    assert CHUNK_BYTES <= env.obj_bytes <= CHUNK_BYTES + 64
+    assert all(c.tier == "memory" and c.bytes == env.obj_bytes for c in lk.chunks)
     # A different prompt, and the same prompt under a cache_salt, are misses.
     assert env.insp.lookup(prompt_ids(3 * CHUNK, 502)).hit_tokens == 0
     assert env.insp.lookup(prompt, cache_salt="other-tenant").hit_tokens == 0
@@ -210,6 +213,7 @@ def test_warmup_offline_jsonl(env, baseline, tmp_path):
     env.stored.extend(p.tokens for p in prefixes)
     chat = env.renderer.messages(messages, add_generation_prompt=False)
     assert chat == prefixes[0].tokens
+    env.messages = messages
     # The served engine (another process, same settings) loads what the offline engine computed.
     prompt = chat + prompt_ids(10, 8)
     loaded0 = env.engine.metric("vllm:mctier_store_loaded_tokens_total")
@@ -277,7 +281,7 @@ def test_inspection_faces(env, face):
     rows = {r["fingerprint"]: r for r in summ["fingerprints"]}
     mine = rows[env.meta.fingerprint[:16]]
     assert mine["chunks"] == mine["objects"] == len(want)
-    assert mine["bytes"] == len(want) * CHUNK_BYTES == mine["memory"]["bytes"]
+    assert mine["bytes"] == len(want) * env.obj_bytes == mine["memory"]["bytes"]
     assert mine["disk"]["objects"] == 0
     assert mine["chunk_tokens"] == CHUNK and mine["model"] == env.model  # from warmup's metadata object
     assert (rows[fp[:16]]["objects"], rows[fp[:16]]["bytes"]) == (3, 3 * 4096)
@@ -343,6 +347,16 @@ def test_http_refuses_and_rejects(env):
     r = requests.post(url + "/lookup", json={"prompt": text}, timeout=30)
     assert r.status_code == 200 and r.json()["prompt_tokens"] == len(env.renderer.text(text))
     assert r.json()["hit_tokens"] == len(env.renderer.text(text)) // CHUNK * CHUNK
+    # Chat messages rendered with the model's template (as warmed by the offline test): HTTP and CLI.
+    chat = env.renderer.messages(env.messages, add_generation_prompt=False)
+    r = requests.post(url + "/lookup", json={"messages": env.messages, "add_generation_prompt": False}, timeout=30)
+    assert r.status_code == 200 and r.json()["hit_tokens"] == len(chat) // CHUNK * CHUNK > 0
+    f = LOGS / "tools-messages.json"
+    f.write_text(json.dumps(env.messages))
+    out = cli("inspect", "lookup", "--master", env.cluster.master_addr, "--admin", env.admin, "--model", env.model,
+              "--fingerprint", env.meta.fingerprint[:16], "--messages", str(f), "--no-generation-prompt", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)["hit_tokens"] == len(chat) // CHUNK * CHUNK
 
 
 def test_warmup_replicas(env):
@@ -379,25 +393,30 @@ def test_warmup_pins_survive_eviction_pressure(env, baseline):
     rep = warmup([control], env.meta, env.cluster.master_addr, runner, progress=False)
     assert rep.failed == 0 and rep.prefixes[0].pinned == 0
 
-    # Pressure: 48 MiB of other objects into a 16 MiB pool (puts retry while eviction catches up).
+    # Pressure: three times the 16 MiB pool in other objects (puts retry while eviction catches up).
     import numpy as np
 
+    t0 = time.monotonic()
     store = raw_client(env.cluster.master_addr)
     buf = np.full(1 << 20, 7, dtype=np.uint8)
     store.register_buffer(buf.ctypes.data, buf.nbytes)
-    written = 0
+    written, rcs = 0, {}
     try:
         for i in range(48):
-            for _ in range(100):
+            deadline = time.monotonic() + 1.0
+            while True:
                 rc = store.put_from(f"filler/{i}", buf.ctypes.data, buf.nbytes)
-                if rc != -200:
+                if rc != -200 or time.monotonic() > deadline:
                     break
                 time.sleep(0.02)
             written += rc == 0
+            rcs[rc] = rcs.get(rc, 0) + 1
     finally:
         store.unregister_buffer(buf.ctypes.data)
         store.close()
-    assert written >= 40
+    with open(LOGS / "tools-store-trace.log", "a") as f:
+        f.write(f"eviction fill: {written} MiB written in {time.monotonic() - t0:.1f}s, put results {rcs}\n")
+    assert written >= 32, rcs
     assert env.insp.lookup(pinned.tokens).hit_tokens == 4 * CHUNK  # hard-pinned: all there
     assert env.insp.lookup(control.tokens).hit_tokens < 4 * CHUNK  # unpinned: pressure was real
     # The pinned prefix still serves a real request, with the right tokens.

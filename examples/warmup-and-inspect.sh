@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Warm the store with recurring prefixes, then look at what it holds.
+#
+#   mctier master --port 50051 --metrics-port 9003 &            # master + store server
+#   mctier serve MODEL --block-size 32 --port 8000 \
+#       --kv-transfer-config "$(cat examples/store-only.json)" &  # an engine with the store tier
+#   examples/warmup-and-inspect.sh MODEL
+#
+# --model, --block-size and --kv-config must be what the engine was started with: the tools
+# derive the engine's key fingerprint from them (they print it; `inspect summary` lists the
+# fingerprints present in the store).
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+MODEL="${1:?usage: $0 MODEL}"
+ENGINE="${ENGINE:-http://127.0.0.1:8000}"
+ENGINE_ARGS=(--model "$MODEL" --block-size 32 --kv-config "$HERE/store-only.json")
+
+# 1. Warm through the live engine, hard-pinned (first run computes, re-runs skip what is stored).
+mctier warmup "$HERE/warmup-prefixes.txt" --server "$ENGINE" "${ENGINE_ARGS[@]}" --pin hard
+mctier warmup "$HERE/warmup-chat.jsonl" --server "$ENGINE" "${ENGINE_ARGS[@]}"
+# (Without --server an offline vLLM engine runs in a child process instead.)
+
+# 2. What the store holds, per fingerprint and tier; a prompt's hit depth chunk by chunk.
+mctier inspect summary --master 127.0.0.1:50051 --admin http://127.0.0.1:9003
+mctier inspect lookup --master 127.0.0.1:50051 --admin http://127.0.0.1:9003 "${ENGINE_ARGS[@]}" \
+    --prompt "$(head -c 2000 "$HERE/warmup-prefixes.txt") and now my question"
+mctier inspect stats --master 127.0.0.1:50051 --admin http://127.0.0.1:9003 --engine "$ENGINE"
+
+# 3. The same as an HTTP JSON API on loopback (OpenAPI at /docs); deletes need the token.
+#   MCTIER_INSPECT_TOKEN=secret mctier inspect serve --master 127.0.0.1:50051 \
+#       --admin http://127.0.0.1:9003 "${ENGINE_ARGS[@]}" --port 9400 &
+#   curl -s localhost:9400/summary
+#   curl -s -X POST localhost:9400/lookup -H 'Content-Type: application/json' -d '{"prompt": "..."}'
+#   curl -s -X DELETE -H "Authorization: Bearer secret" localhost:9400/fingerprints/FP16
