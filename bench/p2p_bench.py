@@ -104,7 +104,7 @@ def main() -> int:
     tp_n = args.throughput_blocks
     num_blocks = 2 * (tp_n + tp_n // 4) + 64
     p_tp, d_tp = block_set(tp_n, 1), block_set(tp_n, num_blocks // 2)
-    holds, plan = [], []
+    holds = []
     for rep in range(args.reps + 1):  # +1 warm-up
         holds.append((f"tp-{rep}", p_tp))
         for name, n in sizes.items():

@@ -57,14 +57,14 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--lookups", type=int, default=1000)
-    ap.add_argument("--no-verify", action="store_true", help="tier without its CRC32 trailer check")
+    ap.add_argument("--verify", action="store_true", help="tier with its (opt-in) xxh3 trailer check")
     a = ap.parse_args()
     n = a.chunks
     blocks = n * BLOCKS_PER_CHUNK + 1
     logs = Path(tempfile.mkdtemp(prefix="store-bench-"))
     with StoreCluster(logs, segment_size=max(1 << 30, 4 * n << 20), extra_flags=["--client_ttl=2"]) as c:
         cfg = load_config({"master": c.master_addr, "chunk_tokens": CHUNK,
-                           "verify_checksums": not a.no_verify}, env={})
+                           "verify_checksums": a.verify}, env={})
         keys = KeySpace(fingerprint({"bench": 1}), CHUNK)
         w = StoreWorker(cfg, keys, BS, blocks, 0, load=True, save=True)
         kv = torch.randn(LAYERS, blocks, HEADS, 2 * BS, HEAD).to(torch.bfloat16)
@@ -139,7 +139,7 @@ def main() -> int:
 
         print(f"chunks: {n} x {chunk_bytes >> 10} KiB ({LAYERS} layers x {BLOCKS_PER_CHUNK} pages of "
               f"{chunk_bytes // LAYERS // BLOCKS_PER_CHUNK >> 10} KiB), {PER_JOB} chunks per batch, "
-              f"median of {a.reps}, tier checksums {'off' if a.no_verify else 'on'}")
+              f"median of {a.reps}, tier checksums {'on' if a.verify else 'off (default)'}")
         print(f"save  raw batch_put_from  {gbps(res['raw_put']):6.2f} GB/s   tier {gbps(res['tier_save']):6.2f} GB/s"
               f"   ratio {gbps(res['tier_save']) / gbps(res['raw_put']):.2f}")
         print(f"load  raw batch_get_into  {gbps(res['raw_get']):6.2f} GB/s   tier {gbps(res['tier_load']):6.2f} GB/s"

@@ -11,26 +11,18 @@ step. The probe closes it again when the master answers.
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 
 from kvcore.errors import ConfigError, check
 from kvcore.log import get_logger
+from kvcore.procs import port_open
 from mcstore.config import StoreConfig
 
 logger = get_logger("mcstore.client")
 
 # Codes that mean "the master (or the network to it) is not answering".
 _RPC_DOWN = frozenset({-900, -901, -1})
-
-
-def tcp_probe(host: str, port: int, timeout: float) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 class Breaker:
@@ -59,7 +51,7 @@ class Breaker:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            ok = tcp_probe(self.host, self.port, min(0.5, self.interval))
+            ok = port_open(self.port, self.host, min(0.5, self.interval))
             if ok and not self._up.is_set():
                 logger.warning("mcstore: master %s:%s reachable again; store resumed", self.host, self.port)
                 self._up.set()
@@ -92,7 +84,7 @@ class StoreClient:
         self.cfg = cfg
         host, port = cfg.master_host_port
         # One clear error instead of Mooncake's 20 x 4 s set-up retries.
-        if not tcp_probe(host, port, cfg.connect_timeout_s):
+        if not port_open(port, host, cfg.connect_timeout_s):
             raise ConfigError(
                 f"mcstore: Mooncake master {cfg.master} is not reachable (TCP connect failed within "
                 f"{cfg.connect_timeout_s:.0f}s); start it with `mctier master` or fix "

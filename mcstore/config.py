@@ -21,7 +21,8 @@ Keys (all optional except the master address, which may also come from
     slow_rpc_s           a lookup slower than this opens the breaker (default 1)
     connect_timeout_s    start-up TCP probe deadline for the master (default 5)
     key_prefix           namespace of our objects in the store (default "mct")
-    verify_checksums     store a CRC32 trailer with each chunk and check it on load (default true)
+    verify_checksums     store an xxh3 checksum trailer with each chunk and check it on load (default false;
+                         host-resident KV only: it reads the pages with the CPU)
 
 ``MOONCAKE_CONFIG_PATH`` (Mooncake's own JSON: master_server_address, protocol,
 global_segment_size, local_buffer_size, device_name, metadata_server,
@@ -79,7 +80,7 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     slow_rpc_s: float = 1.0
     connect_timeout_s: float = 5.0
     key_prefix: str = "mct"
-    verify_checksums: bool = True
+    verify_checksums: bool = False
 
     def __post_init__(self):
         if not self.master:

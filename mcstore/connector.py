@@ -40,7 +40,7 @@ def key_space(cfg: StoreConfig, vllm_config, kv_cache_config) -> KeySpace:
         fields["model"] = cfg.model_id
         fields["revision"] = None
     fields["chunk_tokens"] = cfg.chunk_tokens
-    fields["object_format"] = "pages+crc32" if cfg.verify_checksums else "pages"
+    fields["object_format"] = "pages+xxh3" if cfg.verify_checksums else "pages"
     return KeySpace(fingerprint(fields), cfg.chunk_tokens, fields["tp_size"], cfg.key_prefix)
 
 

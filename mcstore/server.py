@@ -114,9 +114,14 @@ class StoreCluster:
 
     def start(self) -> StoreCluster:
         self.master = Proc("mooncake_master", self.master_argv(), self.log_dir / f"master-{self.port}.log")
-        self.master.wait_port(self.port, self.start_timeout)
-        if self.with_store_server:
-            self.start_store_server()
+        try:
+            self.master.wait_port(self.port, self.start_timeout)
+            if self.with_store_server:
+                self.start_store_server()
+        except BaseException:
+            # A half-started cluster must not outlive the caller that never got it back.
+            self.stop()
+            raise
         return self
 
     def start_store_server(self) -> None:

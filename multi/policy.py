@@ -44,7 +44,6 @@ class Inputs(msgspec.Struct):
     store_tokens: int  # S: the store can supply [0, S), S <= N - 1
     p2p: bool  # a prefill instance holds (or is computing) this prompt
     bytes_per_token: float
-    block_size: int
     prefill_elapsed_s: float = 0.0  # time since the request arrived (the prefill instance's head start)
 
 
@@ -88,7 +87,7 @@ class Model:
         return self.prefill.predict([1.0, n, n * (start + n / 2)]) if n > 0 else 0.0
 
     def plans(self, x: Inputs) -> list[Plan]:
-        N, L, bs = x.prompt_tokens, x.local_tokens, x.block_size
+        N, L = x.prompt_tokens, x.local_tokens
         w = self.cfg.local_compute_weight
         S = x.store_tokens if x.store_tokens > L else L
         # The prefill instance sends every block of the prompt; the engine recomputes the last token.

@@ -58,6 +58,11 @@ class TieredScheduler:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         rid = request.request_id
         d = self._decisions.get(rid)
+        if d is not None and d.loads:
+            # vLLM asks again only after a load failed from the request's first block (or a
+            # preemption): planning the same load again would fail again, forever. One load
+            # per request; the rest is recomputed (as each tier does on its own).
+            return 0, False
         if d is None or d.local != num_computed_tokens:
             d = self._decisions[rid] = self._decide(request, num_computed_tokens)
         ext = max(d.store_end, d.p2p_end) - num_computed_tokens
@@ -71,7 +76,7 @@ class TieredScheduler:
         if warning:
             logger.warning("request %s: %s", request.request_id, warning)
         x = Inputs(prompt_tokens=n, local_tokens=local, store_tokens=store_hit, p2p=p2p,
-                   bytes_per_token=self.bytes_per_token, block_size=self.block_size,
+                   bytes_per_token=self.bytes_per_token,
                    prefill_elapsed_s=max(0.0, time.time() - getattr(request, "arrival_time", time.time())))
         plan, plans, reason = self.model.choose(x, force)
         if force != "auto":

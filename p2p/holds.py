@@ -176,6 +176,7 @@ class SideChannel:
             msg = decode_to_prefill(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             logger.warning("side channel: undecodable message dropped: %s", e)
+            self._inc("rejected:undecodable")
             return
         if isinstance(msg, PullDone):
             hold = self._holds.get(msg.transfer_id)
@@ -185,9 +186,12 @@ class SideChannel:
                     logger.info("decode side failed to pull %s (%s): %s", msg.transfer_id, msg.req_id, msg.cause)
                 if hold.acks >= hold.acks_needed:
                     self._release(hold, "released")
+            else:
+                self._inc("rejected:unknown_transfer")
             self._send(ident, DoneAck(msg.transfer_id))
             return
         if msg.tp_size != self.tp_size:
+            self._inc("rejected:tp_mismatch")
             self._send(ident, PullReply(Status.ERROR, msg.transfer_id,
                                         error=f"TP mismatch: prefill tp_size={self.tp_size}, decode tp_size={msg.tp_size}"))
             return
@@ -221,6 +225,8 @@ class SideChannel:
                 self._send(w.ident, PullReply(Status.ERROR, tid, error="prefill request was aborted"))
                 return True
             if now >= w.until:
+                # No hold for this transfer id within the wait the decode side allowed.
+                self._inc("rejected:unknown_transfer")
                 self._send(w.ident, PullReply(Status.ERROR, tid, error="prefill did not finish in time"))
                 return True
             if now >= w.next_beat:
@@ -231,6 +237,7 @@ class SideChannel:
         if req.start_block < 0 or end > len(hold.block_ids):
             self._send(w.ident, PullReply(Status.ERROR, tid, error=(
                 f"asked for blocks [{req.start_block}, {end}) but the prefill holds {len(hold.block_ids)}")))
+            self._inc("rejected:bad_range")
             self._release(hold, "released")  # that consumer will not come back for it
             return True
         if hold.fence is not None:

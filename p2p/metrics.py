@@ -2,7 +2,8 @@
 
 Counters (label ``kind``): bytes{pulled}, descriptors{pulled}, pulls{ok,failed,release},
 failures{bootstrap,peer,timeout,transfer,remote,protocol,invalid_params}, holds{opened,
-released,expired,aborted,early_release}. Histograms: query, metadata, transfer, ack,
+released,expired,aborted,early_release}, rejected{undecodable,unknown_transfer,tp_mismatch,
+bad_range} (prefill side channel). Histograms: query, metadata, transfer, ack,
 handoff (decode side) and hold (prefill side: time blocks were held).
 """
 
@@ -18,6 +19,7 @@ SPEC = MetricSpec(
         "pulls": "Handoffs by outcome (ok, failed, release)",
         "failures": "Failed handoffs by cause",
         "holds": "Prefill-side block holds by outcome (opened, released, expired, aborted)",
+        "rejected": "Prefill side channel: messages rejected (undecodable, unknown_transfer, tp_mismatch, bad_range)",
     },
     ops={
         "query": "Bootstrap /query lookup",

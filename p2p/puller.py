@@ -126,6 +126,23 @@ class Puller:
             logger.warning("P2P handoff %s (transfer %s) failed [%s]: %s; %s", job.req_id, job.transfer_id,
                            res.cause, res.detail, "recomputing locally" if job.block_ids else "release not delivered")
         self._finish(res)
+        if not res.ok and job.block_ids and res.cause in _RELEASE_AFTER:
+            self._release_after_failure(job)
+
+    def _release_after_failure(self, job: PullJob) -> None:
+        """The prefill side may still finish this request after we gave up on it (a slow or
+        stalled peer): without a word from us it would hold the blocks until its abort
+        timeout. A release makes it free them as soon as its hold opens (early release)."""
+        rel = PullJob(job.req_id, job.transfer_id, job.bootstrap_url, job.engine_id, 0, [],
+                      time.monotonic() + _RELEASE_AFTER_S)
+        try:
+            res = self.pull(rel)
+        except Exception as e:  # noqa: BLE001 - best effort; the abort timeout still applies
+            logger.info("release of %s after a failed pull not delivered: %s", job.transfer_id, e)
+            return
+        if res is not None and not res.ok:
+            logger.info("release of %s after a failed pull not delivered (%s): %s; the prefill side frees "
+                        "its blocks at its abort timeout", job.transfer_id, res.cause, res.detail)
 
     def _entry(self, job: PullJob) -> EngineEntry:
         key = (job.bootstrap_url, job.engine_id)
@@ -161,7 +178,9 @@ class Puller:
             except KeyError:
                 raise PullFailed("protocol", f"no prefill worker tp={self.tp_rank} pp={self.pp_rank}") from None
             sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
+            # A release must reach a peer that is only slow (or stalled, mid-handshake) even
+            # after we stop waiting for its answer: ZMQ keeps delivering it after close.
+            sock.setsockopt(zmq.LINGER, 0 if job.block_ids else _RELEASE_LINGER_MS)
             sock.connect(addr)
             wait_s = max(0.0, job.deadline - time.monotonic())
             sock.send(encode(PullRequest(job.transfer_id, job.req_id, self.tp_rank, self.tp_size,
@@ -251,6 +270,11 @@ class Puller:
 
 # Sentinel: the successful result was already reported by _finish_ok_early.
 _ALREADY = None
+# Failures after which the prefill side may still open a hold for the transfer (it did not
+# answer READY in time, or answered ERROR "did not finish in time"): tell it to let go.
+_RELEASE_AFTER = frozenset({"timeout", "peer", "remote"})
+_RELEASE_AFTER_S = 3.0
+_RELEASE_LINGER_MS = 10_000
 
 
 def _flip_signs(addrs: list[int], lens: list[int]) -> None:

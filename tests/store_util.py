@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -75,7 +76,7 @@ def kill_mid_put(master: str, keys: list[str], sizes: list[int], timeout: float 
         line = p.stdout.readline()
         if not line.startswith("STARTED"):
             raise RuntimeError(f"put-session child did not start: {line!r}")
-        rcs = eval(line.split(" ", 1)[1])  # noqa: S307 - our own child's list of ints
+        rcs = json.loads(line.split(" ", 1)[1])
         if any(rc != 0 for rc in rcs):
             raise RuntimeError(f"batch_put_session_start failed: {rcs}")
     finally:

@@ -19,7 +19,7 @@ BPT = 8192.0  # bytes of KV per token (the small model)
 
 def inputs(n, local=0, store=0, p2p=False, elapsed=0.0):
     return Inputs(prompt_tokens=n, local_tokens=local, store_tokens=store, p2p=p2p, bytes_per_token=BPT,
-                  block_size=32, prefill_elapsed_s=elapsed)
+                  prefill_elapsed_s=elapsed)
 
 
 def covers(plan, n):

@@ -6,13 +6,12 @@ stock MultiConnector. Every reuse is checked against the no-connector baseline.
 
 from __future__ import annotations
 
-import struct
 import time
-import zlib
 
 import numpy as np
 import pytest
 
+from mcstore.worker import trailer as worker_trailer
 from tests.harness import Engine, cached_tokens, prompt_ids, start_engines
 from tests.store_util import all_keys, kill_mid_put, multi_kv, raw_client, store_kv
 
@@ -23,8 +22,11 @@ PREFIX = 512  # shared prefix: 8 chunks of 64 tokens
 
 @pytest.fixture(scope="module")
 def engines(store_cluster, tmp_path_factory):
-    a = Engine("store-A", 0, store_kv(store_cluster.master_addr))
-    b = Engine("store-B-multi", 1, multi_kv(store_cluster.master_addr, str(tmp_path_factory.mktemp("example"))))
+    # Checksums on (they are opt-in): the negative control shows both what they catch and
+    # that KV with a valid trailer really is used.
+    a = Engine("store-A", 0, store_kv(store_cluster.master_addr, verify_checksums=True))
+    b = Engine("store-B-multi", 1, multi_kv(store_cluster.master_addr, str(tmp_path_factory.mktemp("example")),
+                                            verify_checksums=True))
     start_engines(a, b)
     yield a, b
     a.stop()
@@ -85,7 +87,7 @@ def test_negative_control_corrupted_bytes_change_tokens(engines, baseline, store
         size = raw.get_size(k)
         assert size > 8
         noise = (rng.standard_normal((size - 8) // 2) * 3).astype(np.float16).tobytes()
-        trailer = struct.pack("<II", zlib.crc32(noise), 0x4D435431)
+        trailer = worker_trailer(noise)
         assert raw.upsert(k, noise + trailer) == 0
     r = b.complete(q, 8)
     assert cached_tokens(r) == PREFIX

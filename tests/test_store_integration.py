@@ -17,6 +17,7 @@ from mcstore.keys import KeySpace, fingerprint
 from mcstore.protocol import ChunkIO, LoadJob, SaveJob, StoreMetadata
 from mcstore.server import CLIENT_ENV
 from mcstore.worker import StoreWorker
+from mcstore.worker import trailer as worker_trailer
 from tests.store_util import raw_client
 
 pytestmark = pytest.mark.integration
@@ -94,7 +95,7 @@ def test_missing_and_wrong_size_objects_become_load_errors(store_cluster):
         good = f"mct/it/good-{time.monotonic_ns()}"
         good2 = f"mct/it/good2-{time.monotonic_ns()}"
         # Distinct keys: Mooncake serves a key repeated within one batch get only once
-        # while reporting success for both (the CRC trailer catches that too).
+        # while reporting success for both (the checksum trailer catches that too).
         w.wait_for_save(StoreMetadata(saves=[SaveJob("s", [ChunkIO(good, 0, [1, 2]), ChunkIO(good2, 2, [3, 4])])]))
         _until(lambda: w.get_finished({"s"})[0])
         short = f"mct/it/short-{time.monotonic_ns()}"
@@ -118,7 +119,7 @@ def test_missing_and_wrong_size_objects_become_load_errors(store_cluster):
 
 
 def test_checksum_catches_corrupted_object(store_cluster):
-    w, buf = _worker(store_cluster.master_addr)
+    w, buf = _worker(store_cluster.master_addr, verify_checksums=True)
     raw = raw_client(store_cluster.master_addr)
     try:
         buf.normal_()
@@ -127,7 +128,7 @@ def test_checksum_catches_corrupted_object(store_cluster):
         _until(lambda: w.get_finished({"s"})[0])
         key = w.keys.key(link, 0)
         data = bytearray(raw.get(key))
-        assert len(data) == w.chunk_bytes + 8
+        assert len(data) == w.chunk_bytes + len(worker_trailer(b""))
         data[5000] ^= 0xFF  # one flipped byte
         assert raw.upsert(key, bytes(data)) == 0
         w.start_load_kv(StoreMetadata(loads=[LoadJob("l", [ChunkIO(link, 0, [8, 9])], timeout_s=10)]))
@@ -222,15 +223,16 @@ def test_dropped_save_still_releases_the_request(store_cluster):
 
 
 _SEGMENT_OWNER = r"""
-import struct, sys, zlib
+import sys
 from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+from mcstore.worker import trailer
 master, keys = sys.argv[1], sys.argv[2:]
 s = MooncakeDistributedStore()
 assert s.setup("127.0.0.1", "P2PHANDSHAKE", 64 << 20, 16 << 20, "tcp", "", master) == 0
 rc = ReplicateConfig(); rc.preferred_segment = s.get_hostname()
-pages = bytes(65536)  # a well-formed chunk object: pages + CRC trailer
+pages = bytes(65536)  # a well-formed chunk object: pages + checksum trailer
 for k in keys:
-    assert s.put(k, pages + struct.pack("<II", zlib.crc32(pages), 0x4D435431), rc) == 0
+    assert s.put(k, pages + trailer(pages), rc) == 0
 print("READY", flush=True)
 import time; time.sleep(120)
 """
@@ -242,7 +244,7 @@ def test_segment_of_a_dead_engine_ends_in_load_errors_not_hangs(store_cluster):
     import subprocess
     import sys
 
-    w, _ = _worker(store_cluster.master_addr)
+    w, _ = _worker(store_cluster.master_addr, verify_checksums=True)  # the owner writes trailers
     links = [f"mct/dead/{i}-{time.monotonic_ns()}" for i in range(2)]
     p = subprocess.Popen([sys.executable, "-c", _SEGMENT_OWNER, store_cluster.master_addr,
                           *[w.keys.key(x, 0) for x in links]],
