@@ -161,10 +161,13 @@ class TieredConnector(KVConnectorBase_V1):
         if self._worker is not None:
             return self._worker.take_stats()
         stats = self._sched.take_stats() or TieredStats()
-        if self._store is not None:
-            s = self._store.get_kv_connector_stats()
-            if s is not None and not s.is_empty():
-                stats.data[STORE] = s.data
+        # Scheduler-side counters of both children (store lookups; P2P invalid params and
+        # aborted holds), not only the store's.
+        for name, child in ((STORE, self._store), (P2P, self._p2p)):
+            if child is not None:
+                s = child.get_kv_connector_stats()
+                if s is not None and not s.is_empty():
+                    stats.data[name] = s.data
         return None if stats.is_empty() else stats
 
     @classmethod

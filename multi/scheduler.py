@@ -33,7 +33,6 @@ class _Decision:
     local: int
     store_end: int
     p2p_end: int
-    started: float = 0.0
     loads: list[str] = field(default_factory=list)
     counted: bool = False
 
@@ -103,7 +102,6 @@ class TieredScheduler:
             return
         ids = first_group_block_ids(blocks)
         bs = self.block_size
-        d.started = time.monotonic()
         if d.store_end > d.local:
             self.store.plan_load(request, d.local, d.store_end, ids)
             d.loads.append(STORE)
@@ -119,24 +117,14 @@ class TieredScheduler:
     def build_connector_meta(self, scheduler_output) -> TieredMetadata:
         store_meta = self.store.build_connector_meta(scheduler_output) if self.store is not None else None
         p2p_meta = self.p2p.build_connector_meta() if self.p2p is not None else None
-        step = []
-        for rid, n in scheduler_output.num_scheduled_tokens.items():
-            req = self._request_ctx(scheduler_output, rid)
-            step.append((n, req))
+        # Context length before this step's tokens, for the forward-time fit.
+        ctx = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        ctx.update(zip(cached.req_ids, cached.num_computed_tokens))
+        step = [(n, ctx.get(rid, 0)) for rid, n in scheduler_output.num_scheduled_tokens.items()]
         meta = TieredMetadata(store_meta, p2p_meta, loads=self._loads, sends=self._sends, step_tokens=step)
         self._loads, self._sends = {}, {}
         return meta
-
-    @staticmethod
-    def _request_ctx(scheduler_output, rid: str) -> int:
-        for new in scheduler_output.scheduled_new_reqs:
-            if new.req_id == rid:
-                return new.num_computed_tokens
-        cached = scheduler_output.scheduled_cached_reqs
-        try:
-            return cached.num_computed_tokens[cached.req_ids.index(rid)]
-        except (ValueError, AttributeError):
-            return 0
 
     # -- results -----------------------------------------------------------------------
 
@@ -146,10 +134,6 @@ class TieredScheduler:
         stats = out.kv_connector_stats
         if stats is not None and not stats.is_empty():
             self._learn(stats.data.get("samples", []))
-        for rid in out.finished_recving or ():
-            d = self._decisions.get(rid)
-            if d is not None and d.started:
-                d.started = 0.0
 
     def _learn(self, samples: list) -> None:
         for kind, x, seconds in samples:

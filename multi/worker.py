@@ -27,21 +27,16 @@ class TieredWorker:
         self._loading: dict[str, set[str]] = {}  # req -> children still loading it
         self._failed: dict[str, set[str]] = {}  # req -> children whose load failed
         self._load_start: dict[str, dict[str, float]] = {}
-        self._load_bytes: dict[str, dict[str, int]] = {}
         self._p2p_blocks: dict[str, list[int]] = {}
         self._holders: dict[str, set[str]] = {}  # req -> children holding its blocks
         self._released: dict[str, set[str]] = {}  # req -> children that let go
         self._invalid: set[int] = set()
         self._forward_start = 0.0
         self._step_tokens: list[tuple[int, int]] = []
-        self.block_bytes = 0
 
     def register_kv_caches(self, kv_caches) -> None:
-        from kvcore.geometry import KVGeometry
-
         for c in self.children.values():
             c.register_kv_caches(kv_caches)
-        self.block_bytes = KVGeometry.from_kv_caches(kv_caches, next(iter(kv_caches.values())).shape[0]).block_bytes
 
     def bind(self, meta: TieredMetadata) -> None:
         now = time.monotonic()

@@ -26,7 +26,7 @@ class Baseline:
         key = (tuple(prompt), max_tokens, cached_prefix)
         if key not in self._memo:
             if self._engine is None:
-                self._engine = start_engines(Engine("baseline", core=0))[0]
+                self._engine = start_engines(Engine("baseline", core=0, dev_mode=True))[0]
             self._memo[key] = reference_tokens(self._engine, prompt, max_tokens, cached_prefix)
         return self._memo[key]
 

@@ -53,6 +53,7 @@ class Engine:
         extra_args: list[str] | None = None,
         env: dict[str, str] | None = None,
         max_model_len: int = 4096,
+        dev_mode: bool = False,
     ):
         self.name = name
         self.port = free_port()
@@ -69,6 +70,8 @@ class Engine:
             argv += ["--kv-transfer-config", json.dumps(kv_config)]
         argv += list(extra_args or [])
         full_env = {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core), **(env or {})}
+        if dev_mode:
+            full_env["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache, for reference engines
         self.proc = Proc(name, argv, LOGS / f"{name}-{self.port}.log", env=full_env, cwd=str(ROOT), cpus={core})
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -96,6 +99,17 @@ class Engine:
 
     def tokens(self, prompt, max_tokens: int = 8, **body) -> list[int]:
         return self.complete(prompt, max_tokens, **body)["choices"][0]["token_ids"]
+
+    def reset_prefix_cache(self, timeout: float = 30.0) -> None:
+        """Empty the engine's local prefix cache (needs ``dev_mode=True``)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r = requests.post(self.url + "/reset_prefix_cache", timeout=10)
+            r.raise_for_status()
+            if r.json().get("success"):
+                return
+            time.sleep(0.2)  # blocks still held by a finishing request
+        raise TimeoutError(f"engine {self.name} did not reset its prefix cache in {timeout}s")
 
     def metrics_text(self) -> str:
         return requests.get(self.url + "/metrics", timeout=10).text
@@ -125,6 +139,8 @@ def reference_tokens(engine: Engine, prompt: list[int], max_tokens: int = 8, cac
     model), so a cold one-pass run is the wrong reference for a prefix hit."""
     if cached_prefix % BLOCK:
         raise ValueError(f"cached_prefix {cached_prefix} is not a multiple of the block size {BLOCK}")
+    # Start from an empty prefix cache: another test's prompt may share a head with this one.
+    engine.reset_prefix_cache()
     if cached_prefix:
         engine.complete(prompt[:cached_prefix], 1)
     resp = engine.complete(prompt, max_tokens)

@@ -34,7 +34,7 @@ class Deployment:
                         kv_config=tiered("kv_producer", cluster.master_addr, self.bootstrap))
         self.d = Engine("tiered-D", core=1, model=small, max_model_len=8192,
                         kv_config=tiered("kv_consumer", cluster.master_addr, free_port()))
-        self.base = Engine("baseline-small", core=0, model=small, max_model_len=8192)
+        self.base = Engine("baseline-small", core=0, model=small, max_model_len=8192, dev_mode=True)
         start_engines(self.p, self.d, self.base)
         self.proxy_port = free_port()
         self.proxy = Proc("proxy", [sys.executable, "-m", "multi.cli", "proxy", "--port", str(self.proxy_port),
@@ -176,7 +176,21 @@ def test_store_master_down_everything_from_prefill(dep, store_cluster):
 
 def test_prefill_dead_store_plus_recompute(dep):
     prefix = prompt_ids(4 * CHUNK, 570)
-    # The master was restarted empty by the previous test: store the prefix again.
+    # The master was restarted empty by the previous test; wait until D's store client is
+    # back (its breaker closes on the next probe). Each probe uses a fresh prefix: one that
+    # D computed itself would come from its local cache, not the store.
+    probes = iter(range(5000, 5100))
+
+    def store_back() -> bool:
+        probe = prompt_ids(CHUNK, next(probes))
+        before = dep.p.metric("vllm:mctier_store_saved_tokens_total")
+        dep.p.complete(probe + [1], 1)
+        if not wait_for(lambda: dep.p.metric("vllm:mctier_store_saved_tokens_total") > before, timeout=5):
+            return False
+        r = dep.d.complete(probe + [2, 3], 1, kv_transfer_params={"kv_source": "store"})
+        return "store" in {s for _, _, s in plan_of(r)}
+
+    assert wait_for(store_back, timeout=60)
     saved = dep.p.metric("vllm:mctier_store_saved_tokens_total")
     assert wait_for(lambda: dep.p.complete(prefix + [11, 12], 1) and
                     dep.p.metric("vllm:mctier_store_saved_tokens_total") >= saved + 4 * CHUNK, timeout=30)

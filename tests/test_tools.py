@@ -24,7 +24,7 @@ from mcstore.inspect import Inspector
 from mcstore.server import CLIENT_ENV, StoreCluster
 from mcstore.toolkeys import Renderer, derive_meta
 from mcstore.warmup import OfflineRunner, Prefix, ServerRunner, split_text, warmup
-from tests.harness import ENGINE_ENV, LOGS, ROOT, Engine, model_dir, prompt_ids
+from tests.harness import ENGINE_ENV, LOGS, ROOT, Engine, cached_tokens, model_dir, prompt_ids
 from tests.store_util import raw_client, store_kv
 
 pytestmark = pytest.mark.e2e
@@ -170,10 +170,11 @@ def test_warmup_server_cli_stores_verifies_and_is_idempotent(env, baseline, tmp_
     # The first real request that shares the prefix loads it from the store, with the right tokens.
     prompt = toks[0] + prompt_ids(20, 7)
     loaded0 = env.engine.metric("vllm:mctier_store_loaded_tokens_total")
-    got = env.engine.tokens(prompt, 8)
+    resp = env.engine.complete(prompt, 8)
     env.stored.append(prompt)
     assert env.engine.metric("vllm:mctier_store_loaded_tokens_total") - loaded0 >= (len(toks[0]) // CHUNK) * CHUNK
-    assert got == baseline.tokens(prompt, 8)
+    # The no-connector reference computes the same split (see tests/harness.reference_tokens).
+    assert resp["choices"][0]["token_ids"] == baseline.tokens(prompt, 8, cached_prefix=cached_tokens(resp))
 
     # Second run: nothing to compute, nothing new stored, no request reaches the engine.
     prompts0 = env.engine.metric("vllm:prompt_tokens_total")
@@ -217,10 +218,10 @@ def test_warmup_offline_jsonl(env, baseline, tmp_path):
     # The served engine (another process, same settings) loads what the offline engine computed.
     prompt = chat + prompt_ids(10, 8)
     loaded0 = env.engine.metric("vllm:mctier_store_loaded_tokens_total")
-    got = env.engine.tokens(prompt, 8)
+    resp = env.engine.complete(prompt, 8)
     env.stored.append(prompt)
     assert env.engine.metric("vllm:mctier_store_loaded_tokens_total") - loaded0 >= (len(chat) // CHUNK) * CHUNK
-    assert got == baseline.tokens(prompt, 8)
+    assert resp["choices"][0]["token_ids"] == baseline.tokens(prompt, 8, cached_prefix=cached_tokens(resp))
 
 
 # -- inspection: three faces over one implementation -----------------------------------------------
@@ -422,9 +423,9 @@ def test_warmup_pins_survive_eviction_pressure(env, baseline):
     # The pinned prefix still serves a real request, with the right tokens.
     prompt = pinned.tokens + prompt_ids(16, 613)
     loaded0 = env.engine.metric("vllm:mctier_store_loaded_tokens_total")
-    got = env.engine.tokens(prompt, 8)
+    resp = env.engine.complete(prompt, 8)
     assert env.engine.metric("vllm:mctier_store_loaded_tokens_total") - loaded0 >= 4 * CHUNK
-    assert got == baseline.tokens(prompt, 8)
+    assert resp["choices"][0]["token_ids"] == baseline.tokens(prompt, 8, cached_prefix=cached_tokens(resp))
 
 
 

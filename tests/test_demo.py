@@ -1,0 +1,36 @@
+"""``mctier demo`` (the README's first command) runs, prints its summary, exits 0 and leaves
+no process behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness import ROOT
+
+pytestmark = pytest.mark.e2e
+
+
+def _our_processes() -> set[int]:
+    """PIDs of engines, masters, store servers and proxies on this machine."""
+    out = subprocess.run(["pgrep", "-f", "VLLM::|mooncake_master|mcstore.server|multi.cli"],
+                         capture_output=True, text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+def test_demo_runs_and_cleans_up(tmp_path):
+    before = _our_processes()
+    r = subprocess.run([sys.executable, "-m", "multi.cli", "demo", "--log-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=900, cwd=str(ROOT))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout
+    for needle in ("TTFT median ms", "store hit rate", "bytes moved", "mctier inspect", "stopped all processes"):
+        assert needle in out, out
+    # Per-request lines: "[demo] KIND N tokens -> PLAN TTFT ..."; the workload must exercise
+    # both a loading plan and local computation.
+    plans = {line.split("->")[1].split()[0] for line in out.splitlines() if line.startswith("[demo]") and "->" in line}
+    assert plans & {"p2p", "store+p2p", "store"} and "recompute" in plans, plans
+    leftovers = _our_processes() - before
+    assert not leftovers, f"processes left behind: {leftovers}"
