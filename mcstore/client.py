@@ -28,8 +28,11 @@ _RPC_DOWN = frozenset({-900, -901, -1})
 class Breaker:
     """Open while the master is unreachable; a daemon thread probes it."""
 
-    def __init__(self, host: str, port: int, interval: float, name: str):
+    def __init__(self, host: str, port: int, interval: float, name: str, rpc_ok=None):
         self.host, self.port, self.interval = host, port, interval
+        # After a master restart its port answers before a client's RPCs do (the first
+        # one fails with -900): close only once a real, cheap RPC went through.
+        self.rpc_ok = rpc_ok or (lambda: True)
         self._up = threading.Event()
         self._up.set()
         self._stop = threading.Event()
@@ -52,6 +55,8 @@ class Breaker:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             ok = port_open(self.port, self.host, min(0.5, self.interval))
+            if ok and not self._up.is_set() and not self.rpc_ok():
+                continue
             if ok and not self._up.is_set():
                 logger.warning("mcstore: master %s:%s reachable again; store resumed", self.host, self.port)
                 self._up.set()
@@ -109,7 +114,8 @@ class StoreClient:
                 f"metadata_server={cfg.metadata_server!r}"
             )
         self.replicate = replicate_config(cfg)
-        self.breaker = Breaker(host, port, cfg.probe_interval_s, name)
+        self.breaker = Breaker(host, port, cfg.probe_interval_s, name,
+                               rpc_ok=lambda: self.store.is_exist(f"{cfg.key_prefix}/probe") >= 0)
         self._registered: list[int] = []
         logger.info("mcstore %s client up (%s, segment %d bytes) against %s", name,
                     self.store.get_hostname(), seg, cfg.master)
