@@ -14,7 +14,7 @@ setup:
 	@bash scripts/setup.sh
 
 bench: setup
-	$(VENV)/bin/pip install -q -e ".[cpu,test,bench]"
+	$(VENV)/bin/pip install -q -e ".[bench]"  # not the cpu extra again: it would bring back CUDA torchvision
 	$(PY) bench/tiered_bench.py
 
 clean:

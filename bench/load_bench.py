@@ -144,12 +144,9 @@ def main(argv=None) -> int:
     try:
         dep.cluster = StoreCluster(log_dir=log_dir, segment_size=1 << 30, extra_flags=["--client_ttl=20"]).start()
         boot = free_port()
-        p_url, p_proc = dep.engine("prefill", model, 0, tiered_config("kv_producer", dep.cluster.master_addr, boot))
-        d_url, d_proc = dep.engine("decode", model, 1, tiered_config("kv_consumer", dep.cluster.master_addr,
-                                                                      free_port()))
-        dep.wait_http(p_url, p_proc)
-        dep.wait_http(d_url, d_proc)
-        proxy = dep.proxy(p_url, f"http://127.0.0.1:{boot}", d_url)
+        master = dep.cluster.master_addr
+        p_url, d_url, proxy = dep.pd_pair(model, tiered_config("kv_producer", master, boot),
+                                          tiered_config("kv_consumer", master, free_port()), boot)
         print(f"[load] deployment up in {time.monotonic() - t_start:.0f}s (logs {log_dir})", flush=True)
         wl = Workload(a.seed, a.shared_prefixes, a.prefix_tokens, a.shared_ratio)
         asyncio.run(drive(proxy, 2, 3.0, wl, 4, a.seed + 99))  # warm-up: first-request compilation

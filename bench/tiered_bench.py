@@ -62,12 +62,9 @@ def store_prefix(p_url: str, prefix: list[int]) -> None:
         time.sleep(0.3)  # saves run off the forward path
 
 
-def start_pair(dep: Deployment, model: str, master: str, p_cfg: dict, d_cfg: dict, boot: int) -> str:
-    p_url, p_proc = dep.engine(f"P-{len(dep.procs)}", model, 0, p_cfg)
-    d_url, d_proc = dep.engine(f"D-{len(dep.procs)}", model, 1, d_cfg)
-    dep.wait_http(p_url, p_proc)
-    dep.wait_http(d_url, d_proc)
-    return p_url, dep.proxy(p_url, f"http://127.0.0.1:{boot}", d_url)
+def start_pair(dep: Deployment, model: str, p_cfg: dict, d_cfg: dict, boot: int) -> tuple[str, str]:
+    p_url, _, proxy = dep.pd_pair(model, p_cfg, d_cfg, boot)
+    return p_url, proxy
 
 
 def stock_config(role: str, master: str, boot: int) -> dict:
@@ -161,14 +158,14 @@ def main() -> int:
         dep.cluster = StoreCluster(log_dir=out / "logs", segment_size=4 << 30).start()
         master = dep.cluster.master_addr
         boot = free_port()
-        tiered = start_pair(dep, model, master, tiered_config("kv_producer", master, boot),
+        tiered = start_pair(dep, model, tiered_config("kv_producer", master, boot),
                             tiered_config("kv_consumer", master, free_port()), boot)
         print("decision quality (TTFT medians through the proxy):", flush=True)
         result["decision_quality"] = decision_quality(*tiered, lengths, fractions, reps, rng)
         ok = sum(r["auto_vs_best"] <= 1.10 for r in result["decision_quality"])
         result["auto_within_10pct"] = ok / len(result["decision_quality"])
         boot2 = free_port()
-        stock = start_pair(dep, model, master, stock_config("kv_producer", master, boot2),
+        stock = start_pair(dep, model, stock_config("kv_producer", master, boot2),
                            stock_config("kv_consumer", master, free_port()), boot2)
         print("TieredConnector vs stock MultiConnector (half the prompt in the store):", flush=True)
         result["composite_vs_stock"] = composite_vs_stock({"tiered": tiered, "stock": stock},

@@ -66,6 +66,16 @@ class Deployment:
         self.procs.append(proc)
         return f"http://127.0.0.1:{port}", proc
 
+    def pd_pair(self, model: str, p_cfg: dict, d_cfg: dict, bootstrap_port: int) -> tuple[str, str, str]:
+        """A prefill engine on core 0, a decode engine on core 1 and the proxy in front of them:
+        their (prefill, decode, proxy) URLs."""
+        n = len(self.procs)
+        p_url, p_proc = self.engine(f"prefill-{n}", model, 0, p_cfg)
+        d_url, d_proc = self.engine(f"decode-{n}", model, 1, d_cfg)
+        self.wait_http(p_url, p_proc)
+        self.wait_http(d_url, d_proc)
+        return p_url, d_url, self.proxy(p_url, f"http://127.0.0.1:{bootstrap_port}", d_url)
+
     def proxy(self, prefill: str, bootstrap: str, decode: str) -> str:
         port = free_port()
         proc = Proc("proxy", [sys.executable, "-m", "multi.cli", "proxy", "--port", str(port),
@@ -160,12 +170,9 @@ def run(args: argparse.Namespace) -> int:
         dep.cluster = StoreCluster(log_dir=log_dir, segment_size=2 << 30, extra_flags=["--client_ttl=2"]).start()
         print(f"[demo] mooncake master {dep.cluster.master_addr} + store server (2 GiB DRAM)")
         boot = free_port()
-        p_url, p_proc = dep.engine("prefill", model, 0, tiered_config("kv_producer", dep.cluster.master_addr, boot))
-        d_url, d_proc = dep.engine("decode", model, 1, tiered_config("kv_consumer", dep.cluster.master_addr,
-                                                                      free_port()))
-        dep.wait_http(p_url, p_proc)
-        dep.wait_http(d_url, d_proc)
-        proxy = dep.proxy(p_url, f"http://127.0.0.1:{boot}", d_url)
+        master = dep.cluster.master_addr
+        p_url, d_url, proxy = dep.pd_pair(model, tiered_config("kv_producer", master, boot),
+                                          tiered_config("kv_consumer", master, free_port()), boot)
         print(f"[demo] prefill {p_url}, decode {d_url}, proxy {proxy} ({time.monotonic() - t0:.0f}s)")
         system, items = workload()
         t = time.monotonic()
