@@ -97,6 +97,7 @@ class StoreWorker:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._staging = None
+        self._full_until = 0.0  # until then the store counts as full (see _save)
         self.verify = cfg.verify_checksums
         if self.verify and current_platform().device_type != "cpu":
             # The digest reads the pages with the CPU; device KV would need a staging copy.
@@ -362,7 +363,10 @@ class StoreWorker:
         if len(todo) < len(keys):
             self._count("save_skipped:exists", len(keys) - len(todo))
         written: list[str] = []
-        deadline, delay = t0 + self.cfg.save_retry_s, 0.005
+        # Under sustained pressure only the first job waits save_retry_s; jobs behind it try
+        # once until a put succeeds again, so their blocks are not held for a queue of waits.
+        patient = t0 >= self._full_until
+        deadline, delay = t0 + (self.cfg.save_retry_s if patient else 0.0), 0.005
         while todo:
             todo, later = todo[:_TRAILER_SLOTS], todo[_TRAILER_SLOTS:]
             ptrs, sizes = [], []
@@ -380,15 +384,17 @@ class StoreWorker:
             for (k, c), rc in zip(todo, rcs):
                 if rc == 0:
                     written.append(k)
+                    self._full_until = 0.0
                 elif rc == _NO_SPACE:
                     retry.append((k, c))
                 else:
                     self._count(f"failures:save_{error_for(rc, 'put').cause}")
             todo = retry + later
             if retry and time.monotonic() + delay > deadline:
+                self._full_until = time.monotonic() + self.cfg.save_retry_s
                 self._count("failures:save_no_space", len(retry))
-                logger.warning("mcstore: store full for %.1fs, dropped %d chunk(s) of %s",
-                               self.cfg.save_retry_s, len(retry), job.req_id)
+                logger.warning("mcstore: store full (no space), dropped %d chunk(s) of %s",
+                               len(retry), job.req_id)
                 todo = later
                 continue
             if retry:
