@@ -147,6 +147,15 @@ def _full_block_tokens(n: int) -> int:
 # ------------------------------------------------------------------ happy path
 
 
+def _tokens_and_body(r, stream: bool) -> tuple[list[int], dict]:
+    """Greedy ids and the (last) response body of a proxied completion or chat call."""
+    assert r.status_code == 200, r.text
+    if stream:
+        return _stream_tokens(r)
+    body = r.json()
+    return body["choices"][0]["token_ids"], body
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_completions_through_proxy_match_baseline(pd, baseline, stream):
     prompt = prompt_ids(300, 1 if not stream else 2)
@@ -154,12 +163,7 @@ def test_completions_through_proxy_match_baseline(pd, baseline, stream):
     held_before = _counter(pd.P, "holds", "released")
     ok_before = _counter(pd.D, "pulls", "ok")
     r = _completion(pd.proxy_url, prompt, stream=stream)
-    assert r.status_code == 200, r.text
-    if stream:
-        toks, body = _stream_tokens(r)
-    else:
-        body = r.json()
-        toks = body["choices"][0]["token_ids"]
+    toks, body = _tokens_and_body(r, stream)
     assert toks == want
     # The decode instance computed only the last prompt token: its cache covers the full blocks.
     assert cached_tokens(body) >= _full_block_tokens(len(prompt)), body.get("usage")
@@ -191,12 +195,7 @@ def test_chat_through_proxy_matches_baseline(pd, baseline, stream):
     assert len(prompt) > 3 * BLOCK
     want = baseline.tokens(prompt, MAX_TOKENS)
     r = _chat(pd.proxy_url, text, stream=stream)
-    assert r.status_code == 200, r.text
-    if stream:
-        toks, body = _stream_tokens(r)
-    else:
-        body = r.json()
-        toks = body["choices"][0]["token_ids"]
+    toks, body = _tokens_and_body(r, stream)
     assert toks == want
 
 
