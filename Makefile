@@ -13,9 +13,10 @@ test: setup
 setup:
 	@bash scripts/setup.sh
 
+# Benchmarks against the peers (tens of minutes; LMCache goes into its own .venv-lmcache).
+# BENCH_ARGS=--quick for the reduced matrix.
 bench: setup
-	$(VENV)/bin/pip install -q -e ".[bench]"  # not the cpu extra again: it would bring back CUDA torchvision
-	$(PY) bench/tiered_bench.py
+	$(VENV)/bin/mctier bench $(BENCH_ARGS)
 
 clean:
 	rm -rf .cache/test-logs .pytest_cache

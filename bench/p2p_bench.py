@@ -91,6 +91,7 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--throughput-blocks", type=int, default=2048, help="block set for the throughput part")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
     if args.producer:
         producer(args)
@@ -182,6 +183,11 @@ def main() -> int:
               f"vs raw read {gb(tier_x) / gb(raw_r):.2f}")
         print(f"  tier pull, whole handoff        {gb(tier_h):6.2f} GB/s  [{best(tier_h):.2f}]  ratio vs raw write {gb(tier_h) / gb(raw_w):.2f}, "
               f"vs raw read {gb(tier_h) / gb(raw_r):.2f}")
+        figures = {"bytes": nbytes, "descriptors": len(lens), "reps": args.reps,
+                   "gbps": {"raw_write": gb(raw_w), "raw_read": gb(raw_r), "tier_transfer": gb(tier_x),
+                            "tier_handoff": gb(tier_h)},
+                   "transfer_ratio": gb(tier_x) / gb(raw_r), "handoff_ratio": gb(tier_h) / gb(raw_r),
+                   "latency_ms": {}}
 
         # ---- 2. latency breakdown per prompt size
         print(f"\nHandoff latency breakdown (ms, median of {args.reps}; query is cached after the first handoff"
@@ -205,7 +211,10 @@ def main() -> int:
             total = statistics.median(sum(t[k] for k in ("query", "metadata", "transfer", "ack")) for t in rows) * 1e3
             print(f"  {name:>6} {n:>6} {n * page / 2**20:>6.2f} {med['query']:>7.3f} {med['metadata']:>9.3f}"
                   f" {med['transfer']:>9.3f} {med['ack']:>7.3f} {total:>7.3f}")
+            figures["latency_ms"][name] = {**med, "total": total}
         print(f"  first (uncached) bootstrap query: {first_query * 1e3:.2f} ms")
+        if args.json:
+            Path(args.json).write_text(json.dumps(figures, indent=1))
         return 0
     finally:
         try:

@@ -15,6 +15,7 @@ the best case for Mooncake.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -58,6 +59,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--lookups", type=int, default=1000)
     ap.add_argument("--verify", action="store_true", help="tier with its (opt-in) xxh3 trailer check")
+    ap.add_argument("--json", help="also write the figures to this file")
     a = ap.parse_args()
     n = a.chunks
     blocks = n * BLOCKS_PER_CHUNK + 1
@@ -163,6 +165,12 @@ def main() -> int:
         q = lambda p: lat[min(len(lat) - 1, int(p * len(lat)))] * 1e3  # noqa: E731
         print(f"lookup 8K-token prompt ({8192 // CHUNK} chunks): p50 {q(0.5):.3f} ms  p99 {q(0.99):.3f} ms  "
               f"max {lat[-1] * 1e3:.3f} ms  (n={len(lat)})")
+        if a.json:
+            Path(a.json).write_text(json.dumps({
+                "bytes": total, "reps": a.reps, "gbps": {k: gbps(v) for k, v in res.items()},
+                "save_ratio": gbps(res["tier_save"]) / gbps(res["raw_put"]),
+                "load_ratio": gbps(res["tier_load"]) / gbps(res["raw_get"]),
+                "lookup_ms": {"p50": q(0.5), "p99": q(0.99), "n": len(lat)}}, indent=1))
         sched.close()
         w.close()
     return 0

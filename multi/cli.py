@@ -67,6 +67,20 @@ def _cmd_proxy(args: argparse.Namespace, rest: list[str]) -> int:
     return proxy_main(rest)
 
 
+def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "bench" / "suite.py").is_file():
+        print("mctier bench runs from a source checkout (bench/ sits beside the packages); "
+              "install with `pip install -e .[bench]`", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(root))
+    from bench.suite import main as bench_main
+
+    return bench_main(rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mctier", description="Mooncake-backed tiered KV cache for vLLM")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -83,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--no-store-server", action="store_true", help="master only; engines must contribute segments")
     m.add_argument("--log-dir", default="./mctier-logs")
     m.set_defaults(func=_cmd_master, passthrough=True)
+
+    b = sub.add_parser("bench", help="benchmarks against the peers (LMCache, stock vLLM, raw Mooncake)",
+                       add_help=False)
+    b.set_defaults(func=_cmd_bench, passthrough=True)
 
     px = sub.add_parser("proxy", help="OpenAI-compatible P/D proxy (vLLM Mooncake proxy contract)", add_help=False)
     px.set_defaults(func=_cmd_proxy, passthrough=True)
@@ -109,9 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if argv and argv[0] in ("serve", "proxy"):
+    own_parser = {"serve": _cmd_serve, "proxy": _cmd_proxy, "bench": _cmd_bench}
+    if argv and argv[0] in own_parser:
         # Their own parsers own every flag, --help included.
-        return {"serve": _cmd_serve, "proxy": _cmd_proxy}[argv[0]](argparse.Namespace(), argv[1:])
+        return own_parser[argv[0]](argparse.Namespace(), argv[1:])
     args, rest = parser.parse_known_args(argv)
     if rest and not args.passthrough:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

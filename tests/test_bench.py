@@ -1,0 +1,85 @@
+"""The benchmark harness itself (``mctier bench --quick``), so that it cannot rot.
+
+Runs the reduced matrix for real: a Mooncake master, the store tier's writer and
+reader engines, LMCache's server and engines from their own virtualenv, a 1P1D pair,
+the TieredConnector and stock MultiConnector pairs, and the raw-API benchmarks.
+Asserts what the harness promises (every section and configuration measured, greedy
+tokens identical across configurations, the outputs written, every process it
+started gone afterwards), never how fast anything was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from tests.harness import ROOT
+
+pytestmark = pytest.mark.e2e
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run([sys.executable, "-m", "multi.cli", "bench", "--quick", "--out", str(out)],
+                          cwd=str(ROOT), capture_output=True, text=True, timeout=1800)
+    (out / "stdout.txt").write_text(proc.stdout + proc.stderr)
+    return proc, out
+
+
+def test_quick_bench_measures_every_section(quick):
+    proc, out = quick
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((out / "bench.json").read_text())
+    assert r["quick"] and r["sections"] == ["store_hit", "pd", "composite", "raw"]
+    assert r["lmcache"] and r["lmcache"] != "unknown"
+    for row in r["store_hit"]:
+        assert set(row["ttft"]) >= {"miss", "floor", "ours", "lmcache"}
+        # Both stores served the whole shared prefix: the cell compares hits, not misses.
+        assert row["hit_tokens"] == {"ours": row["prefix_tokens"], "lmcache": row["prefix_tokens"]}
+    assert [x["prompt_tokens"] for x in r["pd"]] == [513, 2049]
+    assert all(x["transfer"]["n"] >= 1 and 0 < x["kv_move_share_of_ttft"] < 1 for x in r["pd"])
+    assert r["composite"] and all(set(x["ttft"]) == {"tiered", "stock"} for x in r["composite"])
+    assert r["raw"]["store"]["gbps"]["tier_load"] > 0 and r["raw"]["p2p"]["gbps"]["tier_transfer"] > 0
+
+
+def test_quick_bench_checks_tokens_across_configurations(quick):
+    _, out = quick
+    r = json.loads((out / "bench.json").read_text())
+    # store_hit: 2 lengths x 2 repetitions x (1 + 2 per store); pd: 2 x 2 x 2; composite: 1 x 2 x 2.
+    assert r["token_checks"] >= 2 * 2 * 5 + 2 * 2 * 2 + 2 * 2
+    assert r["token_mismatches"] == []
+
+
+def test_quick_bench_writes_outputs_and_stops_everything(quick):
+    _, out = quick
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "bench.md").read_text()
+    for title in ("Store-hit TTFT", "P/D handoff", "Composite vs stock", "Tier vs raw"):
+        assert title in md
+    r = json.loads((out / "bench.json").read_text())
+    # base + 2 store engines + LMCache server and 2 engines + 3 P/D pairs with proxies + master + store server
+    assert len(r["pids"]) >= 16
+    assert [p for p in r["pids"] if not _gone(p)] == []
+    # Each was a process-group leader: nothing it spawned (EngineCore, workers) is left either.
+    leaders = set(r["pids"])
+    left = []
+    for p in psutil.process_iter(["pid", "status"]):
+        try:
+            if os.getpgid(p.pid) in leaders and p.info["status"] != psutil.STATUS_ZOMBIE:
+                left.append(p.pid)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    assert left == []
