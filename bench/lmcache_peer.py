@@ -35,14 +35,15 @@ def version() -> str:
     return out.stdout.strip() or "unknown"
 
 
-def start_server(log_dir: Path, l1_gb: int) -> tuple[Proc, int]:
-    """``lmcache server`` on loopback with an ``l1_gb`` DRAM L1 (allocated eagerly on CPU)."""
+def start_server(log_dir: Path, l1_gb: int, track=lambda proc: proc) -> tuple[Proc, int]:
+    """``lmcache server`` on loopback with an ``l1_gb`` DRAM L1 (allocated eagerly on CPU);
+    ``track`` sees the process before it is waited for, so that a caller can always stop it."""
     port, http_port = free_port(), free_port()
     argv = [str(VENV / "bin" / "lmcache"), "server", "--host", "127.0.0.1", "--port", str(port),
             "--http-host", "127.0.0.1", "--http-port", str(http_port), "--chunk-size", str(CHUNK_TOKENS),
             "--l1-size-gb", str(l1_gb), "--l1-init-size-gb", str(l1_gb), "--eviction-policy", "LRU",
             "--supported-transfer-mode", "auto"]
-    proc = Proc("lmcache-server", argv, log_dir / "lmcache-server.log", env=ENV)
+    proc = track(Proc("lmcache-server", argv, log_dir / "lmcache-server.log", env=ENV))
     proc.wait_port(port, 120)
     return proc, port
 

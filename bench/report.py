@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
+
+README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
 def _ms(s: dict | None) -> str:
@@ -83,6 +86,8 @@ def verdicts(r: dict) -> list[str]:
         if x.get("kv_move_share_of_ttft") is not None:
             lines.append(f"P/D at {x['prompt_tokens']} tokens: KV read is {x['kv_move_share_of_ttft']:.1%} of "
                          "decode-side TTFT (seeds' RDMA anchor: 4.2% at 32K)")
+    for name, err in (r.get("errors") or {}).items():
+        lines.append(f"section {name} FAILED: {err.splitlines()[0][:300]}")
     mism = r.get("token_mismatches") or []
     lines.append(f"greedy token identity: {r.get('token_checks', 0)} comparisons, {len(mism)} mismatches")
     return lines
@@ -123,6 +128,8 @@ def plot(r: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = [k for k in ("store_hit", "pd", "composite", "raw") if r.get(k)]
+    if not panels:
+        return
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
     for ax, key in zip(axes[0], panels):
         if key == "store_hit":
@@ -174,3 +181,16 @@ def _errorline(ax, xs, spreads, label):
     lo = [m - s["min"] * 1e3 for m, s in zip(med, spreads)]
     hi = [s["max"] * 1e3 - m for m, s in zip(med, spreads)]
     ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, label=label)
+
+
+def publish(r: dict, out: Path, readme: Path, png: Path) -> None:
+    """Put this run's table and plot into the README, between its bench markers."""
+    text = readme.read_text()
+    head, sep, rest = text.partition(README_START)
+    _, sep2, tail = rest.partition(README_END)
+    if not sep or not sep2:
+        raise ValueError(f"{readme} has no {README_START} ... {README_END} section")
+    png.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(out / "bench.png", png)
+    body = render_markdown(r) + f"\n![benchmark plot]({png.relative_to(readme.parent).as_posix()})\n"
+    readme.write_text(f"{head}{README_START}\n{body}{README_END}{tail}")

@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import lmcache_peer  # noqa: E402
 from bench.client import complete, ids, stream  # noqa: E402
-from bench.report import plot, render_markdown, render_table  # noqa: E402
+from bench.report import plot, publish, render_markdown, render_table  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
 from multi.demo import Deployment, metrics, tiered_config  # noqa: E402
@@ -269,6 +269,7 @@ def composite(base: str, pairs: dict[str, tuple[str, str, str]], lengths: list[i
 def raw(out: Path, quick: bool) -> dict:
     """The tier-vs-raw benchmarks, each in its own process (they start their own cluster / producer)."""
     res = {}
+    print("[bench] raw: each tier against the raw Mooncake API on the same bytes", flush=True)
     store_args = ["--chunks", "32", "--reps", "3", "--lookups", "200"] if quick else ["--reps", "7"]
     p2p_args = ["--throughput-blocks", "512", "--reps", "3"] if quick else ["--reps", "7"]
     for name, script, args in (("store", "store_bench.py", store_args), ("p2p", "p2p_bench.py", p2p_args)):
@@ -328,82 +329,97 @@ def run(a: argparse.Namespace) -> int:
                     "quick": quick, "reps": reps, "sections": sections,
                     "lmcache": lmcache_peer.version() if lmc_python else None}
     dep = Deployment(out / "logs")
+    errors: dict[str, str] = {}
 
     def on_signal(*_):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
     t_start = time.monotonic()
+
+    def section(name: str, fn) -> None:
+        """Run one section; a failure is recorded and the next section still runs."""
+        if name not in sections:
+            return
+        n0 = len(dep.procs)
+        try:
+            result[name] = fn()
+        except Exception as e:  # noqa: BLE001 - one broken section must not lose the others
+            errors[name] = f"{type(e).__name__}: {e}"
+            print(f"[bench] {name} FAILED: {errors[name][:2000]}", flush=True)
+        finally:
+            dep.stop(dep.procs[n0:])
+
+    def pair(p_cfg, d_cfg, boot: int) -> tuple[str, str, str]:
+        return dep.pd_pair(model, p_cfg(boot), d_cfg(free_port()), boot)
+
+    def run_store_hit() -> list[dict]:
+        print("[bench] store_hit: starting writers (core 0) and readers (core 1)", flush=True)
+        engines = {"ours": (dep.engine("store-writer", model, 0, store_config(master)),
+                            dep.engine("store-reader", model, 1, store_config(master)))}
+        if lmc_python:
+            _, port = lmcache_peer.start_server(out / "logs", l1_gb=2, track=dep.track)
+            kv = lmcache_peer.kv_config(port)
+            engines["lmcache"] = (dep.engine("lmcache-writer", model, 0, kv, python=lmc_python, env=lmcache_peer.ENV),
+                                  dep.engine("lmcache-reader", model, 1, kv, python=lmc_python, env=lmcache_peer.ENV))
+        for w, r in engines.values():
+            dep.wait_http(*w)
+            dep.wait_http(*r)
+        print(f"[bench] store_hit: TTFT of a prompt whose prefix another engine stored ({reps} reps):", flush=True)
+        return store_hit(base_url, {k: (w[0], r[0]) for k, (w, r) in engines.items()}, prefixes, reps, rng, check)
+
+    def run_pd() -> list[dict]:
+        print("[bench] pd: starting a P2PConnector prefill (core 0) and decode (core 1) behind mctier proxy",
+              flush=True)
+        p_url, d_url, proxy = pair(lambda b: p2p_config("kv_producer", b), lambda b: p2p_config("kv_consumer", b),
+                                   free_port())
+        print(f"[bench] pd: 1P1D through the proxy vs one instance ({reps} reps):", flush=True)
+        return pd(base_url, p_url, d_url, proxy, lengths, reps, rng, check)
+
+    def run_composite() -> list[dict]:
+        print("[bench] composite: starting TieredConnector and stock MultiConnector pairs", flush=True)
+        # Each bootstrap port is picked right before its pair starts: engines that are
+        # starting bind ports of their own, and one of them could take a port picked earlier.
+        pairs = {"tiered": pair(lambda b: tiered_config("kv_producer", master, b),
+                                lambda b: tiered_config("kv_consumer", master, b), free_port())}
+        pairs["stock"] = pair(lambda b: stock_config("kv_producer", master, b),
+                              lambda b: stock_config("kv_consumer", master, b), free_port())
+        print(f"[bench] composite: decode-side TTFT, half of the prompt in the store ({reps} reps):", flush=True)
+        return composite(base_url, pairs, [n for n in lengths if n >= 1024] or lengths, reps, rng, check)
+
     try:
         dep.cluster = StoreCluster(log_dir=out / "logs", segment_size=4 << 30).start()
         master = dep.cluster.master_addr
         base_url, base = dep.engine("base", model, 1, None)
-        if "store_hit" in sections:
-            print("[bench] store_hit: starting writers (core 0) and readers (core 1)", flush=True)
-            peer_procs = []
-            ours_w, pw = dep.engine("store-writer", model, 0, store_config(master))
-            ours_r, pr = dep.engine("store-reader", model, 1, store_config(master))
-            peer_procs += [pw, pr]
-            peers = {"ours": (ours_w, ours_r)}
-            if lmc_python:
-                lmc_server, lmc_port = lmcache_peer.start_server(out / "logs", l1_gb=2)
-                peer_procs.append(dep.track(lmc_server))
-                env = lmcache_peer.ENV
-                lw, plw = dep.engine("lmcache-writer", model, 0, lmcache_peer.kv_config(lmc_port),
-                                     python=lmc_python, env=env)
-                lr, plr = dep.engine("lmcache-reader", model, 1, lmcache_peer.kv_config(lmc_port),
-                                     python=lmc_python, env=env)
-                peer_procs += [plw, plr]
-                peers["lmcache"] = (lw, lr)
-            for url, proc in ((base_url, base), (ours_w, pw), (ours_r, pr),
-                              *(((lw, plw), (lr, plr)) if lmc_python else ())):
-                dep.wait_http(url, proc)
-            print(f"[bench] store_hit: TTFT of a prompt whose prefix another engine stored ({reps} reps):", flush=True)
-            result["store_hit"] = store_hit(base_url, peers, prefixes, reps, rng, check)
-            dep.stop(peer_procs)
-        else:
-            dep.wait_http(base_url, base)
-        if "pd" in sections:
-            print("[bench] pd: starting a P2PConnector prefill (core 0) and decode (core 1) behind mctier proxy",
-                  flush=True)
-            n0 = len(dep.procs)
-            boot = free_port()
-            p_url, d_url, proxy = dep.pd_pair(model, p2p_config("kv_producer", boot),
-                                              p2p_config("kv_consumer", free_port()), boot)
-            print(f"[bench] pd: 1P1D through the proxy vs one instance ({reps} reps):", flush=True)
-            result["pd"] = pd(base_url, p_url, d_url, proxy, lengths, reps, rng, check)
-            dep.stop(dep.procs[n0:])
-        if "composite" in sections:
-            print("[bench] composite: starting TieredConnector and stock MultiConnector pairs", flush=True)
-            boot1, boot2 = free_port(), free_port()
-            pairs = {"tiered": dep.pd_pair(model, tiered_config("kv_producer", master, boot1),
-                                           tiered_config("kv_consumer", master, free_port()), boot1),
-                     "stock": dep.pd_pair(model, stock_config("kv_producer", master, boot2),
-                                          stock_config("kv_consumer", master, free_port()), boot2)}
-            print(f"[bench] composite: decode-side TTFT, half of the prompt in the store ({reps} reps):", flush=True)
-            result["composite"] = composite(base_url, pairs, [n for n in lengths if n >= 1024] or lengths,
-                                            reps, rng, check)
+        dep.wait_http(base_url, base)
+        section("store_hit", run_store_hit)
+        section("pd", run_pd)
+        section("composite", run_composite)
     except KeyboardInterrupt:
         print("\n[bench] interrupted; stopping everything", file=sys.stderr)
         return 130
     finally:
         dep.stop()
-    if "raw" in sections:
-        print("[bench] raw: each tier against the raw Mooncake API on the same bytes", flush=True)
-        result["raw"] = raw(out, quick)
+    section("raw", lambda: raw(out, quick))
     result["machine"]["loadavg_end"] = os.getloadavg()[0]
     result["seconds"] = round(time.monotonic() - t_start)
     result["token_checks"] = check.checked
     result["token_mismatches"] = check.mismatches
+    result["errors"] = errors
     result["pids"] = sorted(set(dep.started))
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     table = render_table(result)
     print("\n" + table)
     (out / "bench.md").write_text(render_markdown(result))
     plot(result, out / "bench.png")
+    if a.publish:
+        publish(result, out, ROOT / "README.md", ROOT / "docs" / "bench-latest.png")
+        print("[bench] README.md benchmark section and docs/bench-latest.png updated")
     print(f"\n[bench] {check.checked} token comparisons, {len(check.mismatches)} mismatches; "
           f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'} ({result['seconds']} s)")
-    return 1 if check.mismatches else 0
+    for name, err in errors.items():
+        print(f"[bench] section {name} failed: {err.splitlines()[0][:300]}", file=sys.stderr)
+    return 1 if check.mismatches or errors else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -415,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-lmcache", action="store_true",
                     help="leave LMCache out of store_hit (recorded in the JSON and the table)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--publish", action="store_true",
+                    help="write the table and plot into README.md (between its bench markers) and docs/")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
     return run(ap.parse_args(argv))
 
