@@ -20,7 +20,8 @@ import pytest
 
 from tests.harness import ROOT
 
-pytestmark = pytest.mark.e2e
+# The first run also builds LMCache's virtualenv (a few minutes of downloads).
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 
 
 def _gone(pid: int) -> bool:
@@ -34,7 +35,7 @@ def _gone(pid: int) -> bool:
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     proc = subprocess.run([sys.executable, "-m", "multi.cli", "bench", "--quick", "--out", str(out)],
-                          cwd=str(ROOT), capture_output=True, text=True, timeout=1800)
+                          cwd=str(ROOT), capture_output=True, text=True, timeout=2100)
     (out / "stdout.txt").write_text(proc.stdout + proc.stderr)
     return proc, out
 
