@@ -309,15 +309,24 @@ def d_store(dep: Dep, prompt, **body) -> dict:
 
 def load_outcome(dep: Dep, before: tuple[float, float], timeout: float = 10) -> tuple[float, float]:
     """(tokens loaded from the store, store load failures) on D since ``before``."""
-    now = lambda: (counter(dep.D, "store_loaded_tokens"), counter(dep.D, "store_failures"))  # noqa: E731
-    wait_for(lambda: now() != before, timeout)
+    wait_for(lambda: d_load_counters(dep) != before, timeout)
     time.sleep(0.3)  # a second counter of the same load may arrive one step later
-    a = now()
+    a = d_load_counters(dep)
     return a[0] - before[0], a[1] - before[1]
 
 
 def d_load_counters(dep: Dep) -> tuple[float, float]:
     return counter(dep.D, "store_loaded_tokens"), counter(dep.D, "store_failures")
+
+
+def assert_interrupted_load_ended(dep: Dep, baseline, call, before: tuple[float, float], prompt) -> None:
+    """A store load cut by a fault: the request ended within its deadline, either every chunk
+    arrived or the load failed (whole chunks only), and the tokens are those of that split."""
+    r = call.get(LOAD_TIMEOUT + 30)
+    assert call.took < LOAD_TIMEOUT + 10
+    loaded, failed = load_outcome(dep, before)
+    assert loaded in (0, CHUNK, 2 * CHUNK) and (loaded == 2 * CHUNK or failed == 1), (loaded, failed)
+    assert toks(r) == baseline.tokens(prompt, MAX_TOKENS, cached_prefix=int(loaded))
 
 
 # -- 6. bad input: kv_transfer_params, side channel, bootstrap ------------------------------
@@ -528,11 +537,7 @@ def test_read_lease_expires_during_a_slow_load(dep, baseline):
         c = Call(d_store, dep, prompt)
         c.start()
         time.sleep(2.0)
-    r = c.get(LOAD_TIMEOUT + 30)
-    assert c.took < LOAD_TIMEOUT + 10
-    loaded, failed = load_outcome(dep, before)
-    assert loaded in (0, CHUNK, 2 * CHUNK) and (loaded == 2 * CHUNK or failed == 1), (loaded, failed)
-    assert toks(r) == baseline.tokens(prompt, MAX_TOKENS, cached_prefix=int(loaded))
+    assert_interrupted_load_ended(dep, baseline, c, before, prompt)
     recovered(dep, baseline, 41)
 
 
@@ -687,11 +692,7 @@ def test_master_killed_during_load_and_save_then_restarted(dep, baseline, cluste
         c.start()
         time.sleep(0.8)
         cluster.stop_master(sig=signal.SIGKILL)
-    r = c.get(LOAD_TIMEOUT + 30)
-    assert c.took < LOAD_TIMEOUT + 10
-    loaded, failed = load_outcome(dep, before)
-    assert loaded in (0, CHUNK, 2 * CHUNK) and (loaded == 2 * CHUNK or failed == 1), (loaded, failed)
-    assert toks(r) == baseline.tokens(prompt, MAX_TOKENS, cached_prefix=int(loaded))
+    assert_interrupted_load_ended(dep, baseline, c, before, prompt)
     recovered(dep, baseline, 11)
 
     # During a save: P's put session started (the master allocated space) and its bytes are
