@@ -16,7 +16,7 @@ setup:
 # Benchmarks against the peers (tens of minutes; LMCache goes into its own .venv-lmcache).
 # BENCH_ARGS=--quick for the reduced matrix.
 bench: setup
-	$(VENV)/bin/mctier bench $(BENCH_ARGS)
+	$(PY) -m bench.suite $(BENCH_ARGS)
 
 clean:
 	rm -rf .cache/test-logs .pytest_cache

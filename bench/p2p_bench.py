@@ -62,11 +62,11 @@ def producer(args) -> None:
     from p2p import bootstrap
     from p2p.holds import SideChannel
     from p2p.protocol import RegisterPayload
-    from p2p.transfer import Engine
+    from p2p.transfer import TransferEngineHandle
 
     spec = json.loads(sys.stdin.readline())
     buf, kv, geo = make_kv(args.layers, spec["num_blocks"], args.kv_heads, args.head_dim, seed=1)
-    eng = Engine("127.0.0.1", "tcp", "")
+    eng = TransferEngineHandle("127.0.0.1", "tcp", "")
     eng.register(geo.buffers)
     server = bootstrap.BootstrapServer("127.0.0.1", 0).start()
     side = SideChannel(geo.regions, eng.addr, TierStats(), threading.Lock(), abort_timeout_s=3600)
@@ -99,7 +99,7 @@ def main() -> int:
 
     from kvcore.metrics import TierStats
     from p2p.puller import PullJob, Puller
-    from p2p.transfer import Engine
+    from p2p.transfer import TransferEngineHandle
 
     sizes = {"512": 512 // BLOCK, "2K": 2048 // BLOCK, "8K": 8192 // BLOCK}
     tp_n = args.throughput_blocks
@@ -131,7 +131,7 @@ def main() -> int:
                 raise RuntimeError("producer exited")
         info = json.loads(line[6:])
         buf, kv, geo = make_kv(args.layers, num_blocks, args.kv_heads, args.head_dim, seed=2)
-        eng = Engine("127.0.0.1", "tcp", "")
+        eng = TransferEngineHandle("127.0.0.1", "tcp", "")
         eng.register(geo.buffers)
         stats = TierStats()
         puller = Puller(geo, eng, stats, threading.Lock())

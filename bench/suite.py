@@ -1,6 +1,6 @@
 """Benchmarks against the peers: one command, side by side, with plots (not a test).
 
-    make bench                      # == .venv/bin/mctier bench
+    make bench                      # == .venv/bin/python -m bench.suite (from the repository root)
     .venv/bin/python bench/suite.py [--quick] [--reps N] [--sections store_hit,pd,composite,raw]
 
 On the ``small`` model, engines pinned one per core (writers and prefill on core 0,
@@ -50,7 +50,7 @@ from bench.client import complete, ids, stream  # noqa: E402
 from bench.report import plot, publish, render_markdown, render_table  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
-from multi.demo import Deployment, metrics, tiered_config  # noqa: E402
+from multi.deploy import Deployment, metrics, tiered_config  # noqa: E402
 
 SECTIONS = ("store_hit", "pd", "composite", "raw")
 SUFFIX = 32          # the unshared tail of a store_hit prompt: one block
@@ -423,7 +423,7 @@ def run(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="mctier bench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m bench.suite", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="reduced matrix (2 lengths, 1 timed repetition)")
     ap.add_argument("--reps", type=int, help="timed repetitions per cell (default 5, quick 1)")

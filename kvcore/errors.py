@@ -1,11 +1,16 @@
 """Mooncake integer status codes turned into typed exceptions, in one place.
 
 Mooncake's Python bindings return ints (0 or a byte count on success, a negative
-``ErrorCode`` on failure). Everything in this project calls :func:`check` (or
-:func:`error_for`) instead of comparing integers itself.
+``ErrorCode`` on failure). :data:`CODES` has one row per code this project meets;
+the exception classes (``NoSpace``, ``ObjectNotFound``, ...) and every predicate are
+derived from it. Everything in this project calls :func:`check` / :func:`error_for`
+or a predicate (:func:`is_missing`, :func:`is_rpc_down`, :func:`is_no_space`, ...)
+instead of comparing integers itself.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 
 class ConfigError(ValueError):
@@ -16,11 +21,39 @@ class TransferTimeout(TimeoutError):
     """A load, pull or handshake did not finish before its deadline."""
 
 
-class MooncakeError(RuntimeError):
-    """A Mooncake call returned a negative status code."""
+class Code(NamedTuple):
+    code: int
+    name: str  # Mooncake's ErrorCode name (mooncake-store/include/types.h)
+    cls: str  # the exception class raised for it
+    cause: str  # short label for metrics ("no_space", "not_found", ...)
+    missing: bool = False  # the object is not (fully) there: a reader treats it as a miss and
+    #                        recomputes, never as corrupt data
+    rpc_down: bool = False  # the master (or the network to it) is not answering
 
-    code: int = -1
-    name: str = "INTERNAL_ERROR"
+
+CODES: tuple[Code, ...] = (
+    #    code  Mooncake name            class              cause
+    Code(-1,   "INTERNAL_ERROR",        "InternalError",   "error",          rpc_down=True),  # is_exist: "could not ask"
+    Code(-200, "NO_AVAILABLE_HANDLE",   "NoSpace",         "no_space"),
+    Code(-600, "INVALID_PARAMS",        "InvalidParams",   "invalid_params"),
+    Code(-703, "REPLICA_IS_NOT_READY",  "ReplicaNotReady", "not_ready",      missing=True),
+    Code(-704, "OBJECT_NOT_FOUND",      "ObjectNotFound",  "not_found",      missing=True),
+    Code(-705, "OBJECT_ALREADY_EXISTS", "ObjectExists",    "exists"),
+    Code(-706, "OBJECT_HAS_LEASE",      "ObjectHasLease",  "has_lease"),
+    Code(-707, "LEASE_EXPIRED",         "LeaseExpired",    "lease_expired",  missing=True),
+    Code(-800, "TRANSFER_FAIL",         "TransferFailed",  "transfer"),
+    Code(-900, "RPC_FAIL",              "RpcFailed",       "rpc",            rpc_down=True),
+    Code(-901, "RPC_TIMEOUT",           "RpcTimeout",      "rpc",            rpc_down=True),
+)
+
+_ROWS: dict[int, Code] = {row.code: row for row in CODES}
+
+
+class MooncakeError(RuntimeError):
+    """A Mooncake call returned a negative status code (one not in :data:`CODES` if raised as is)."""
+
+    code: int = 0
+    name: str = "UNKNOWN"
 
     def __init__(self, op: str, code: int | None = None, detail: str = ""):
         if code is not None:
@@ -33,88 +66,74 @@ class MooncakeError(RuntimeError):
     @property
     def cause(self) -> str:
         """Short label for metrics ("no_space", "not_found", ...)."""
-        return _CAUSES.get(type(self), "error")
+        return cause_of(self.code)
 
 
-class NoSpace(MooncakeError):
-    code, name = -200, "NO_AVAILABLE_HANDLE"
+def _make_class(row: Code) -> type[MooncakeError]:
+    doc = f"Mooncake {row.name} ({row.code})."
+    return type(row.cls, (MooncakeError,), {"code": row.code, "name": row.name, "__doc__": doc,
+                                            "__module__": __name__, "__qualname__": row.cls})
 
 
-class InvalidParams(MooncakeError):
-    code, name = -600, "INVALID_PARAMS"
+# The classes, built from the table and bound under their names (``from kvcore.errors
+# import NoSpace`` works as for a class statement).
+_BY_CODE: dict[int, type[MooncakeError]] = {row.code: _make_class(row) for row in CODES}
+globals().update({cls.__name__: cls for cls in _BY_CODE.values()})
 
 
-class ReplicaNotReady(MooncakeError):
-    code, name = -703, "REPLICA_IS_NOT_READY"
+def _code(code_or_exc: int | MooncakeError) -> int:
+    return code_or_exc.code if isinstance(code_or_exc, MooncakeError) else int(code_or_exc)
 
 
-class ObjectNotFound(MooncakeError):
-    code, name = -704, "OBJECT_NOT_FOUND"
+def _row(code_or_exc: int | MooncakeError) -> Code | None:
+    return _ROWS.get(_code(code_or_exc))
 
 
-class ObjectExists(MooncakeError):
-    code, name = -705, "OBJECT_ALREADY_EXISTS"
+def _is(code_or_exc: int | MooncakeError, name: str) -> bool:
+    row = _row(code_or_exc)
+    return bool(row and row.name == name)
 
 
-class ObjectHasLease(MooncakeError):
-    code, name = -706, "OBJECT_HAS_LEASE"
+def cause_of(code_or_exc: int | MooncakeError) -> str:
+    """The metrics label of a failure code ("error" for a code not in the table)."""
+    row = _row(code_or_exc)
+    return row.cause if row else "error"
 
 
-class LeaseExpired(MooncakeError):
-    code, name = -707, "LEASE_EXPIRED"
+def is_missing(code_or_exc: int | MooncakeError) -> bool:
+    """The object is not (fully) there (not ready, not found, lease expired): a miss."""
+    row = _row(code_or_exc)
+    return bool(row and row.missing)
 
 
-class TransferFailed(MooncakeError):
-    code, name = -800, "TRANSFER_FAIL"
+def is_rpc_down(code_or_exc: int | MooncakeError) -> bool:
+    """The master (or the network to it) did not answer."""
+    row = _row(code_or_exc)
+    return bool(row and row.rpc_down)
 
 
-class RpcFailed(MooncakeError):
-    code, name = -900, "RPC_FAIL"
+def is_no_space(code_or_exc: int | MooncakeError) -> bool:
+    """The pool is full (eviction runs asynchronously: a short retry may succeed)."""
+    return _is(code_or_exc, "NO_AVAILABLE_HANDLE")
 
 
-class RpcTimeout(MooncakeError):
-    code, name = -901, "RPC_TIMEOUT"
+def is_not_found(code_or_exc: int | MooncakeError) -> bool:
+    """No such object (never stored, evicted, or removed)."""
+    return _is(code_or_exc, "OBJECT_NOT_FOUND")
 
 
-_BY_CODE: dict[int, type[MooncakeError]] = {
-    cls.code: cls
-    for cls in (
-        NoSpace,
-        InvalidParams,
-        ReplicaNotReady,
-        ObjectNotFound,
-        ObjectExists,
-        ObjectHasLease,
-        LeaseExpired,
-        TransferFailed,
-        RpcFailed,
-        RpcTimeout,
-    )
-}
+def is_leased(code_or_exc: int | MooncakeError) -> bool:
+    """A reader holds a lease on the object: a non-forced remove is refused until it ends."""
+    return _is(code_or_exc, "OBJECT_HAS_LEASE")
 
-_CAUSES: dict[type, str] = {
-    NoSpace: "no_space",
-    InvalidParams: "invalid_params",
-    ReplicaNotReady: "not_ready",
-    ObjectNotFound: "not_found",
-    ObjectExists: "exists",
-    ObjectHasLease: "has_lease",
-    LeaseExpired: "lease_expired",
-    TransferFailed: "transfer",
-    RpcFailed: "rpc",
-    RpcTimeout: "rpc",
-    MooncakeError: "error",
-}
 
-# Codes whose failure means "the object is not (fully) there": a reader treats
-# them as a miss and recomputes, never as corrupt data.
-MISSING_CODES = frozenset({-703, -704, -707})
+def is_invalid_params(code_or_exc: int | MooncakeError) -> bool:
+    """Mooncake refused the arguments (for a read: buffers of another size than the object)."""
+    return _is(code_or_exc, "INVALID_PARAMS")
 
 
 def error_for(code: int, op: str, detail: str = "") -> MooncakeError:
-    cls = _BY_CODE.get(code)
-    if cls is None:
-        return MooncakeError(op, code, detail)
+    cls = _BY_CODE.get(code, MooncakeError)
     return cls(op, code, detail)
 
 

@@ -1,16 +1,18 @@
-"""Plan types: which range of a prompt's tokens comes from where."""
+"""Plan types: which range of a prompt's tokens comes from where.
+
+A source is a string: :data:`Source.LOCAL` (vLLM's prefix cache),
+:data:`Source.RECOMPUTE`, or the name of a tier (``kvcore.tier.Tier.name``).
+"""
 
 from __future__ import annotations
-
-import enum
 
 import msgspec
 
 
-class Source(str, enum.Enum):
+class Source:
+    """The two sources that are not tiers."""
+
     LOCAL = "local"
-    STORE = "store"
-    P2P = "p2p"
     RECOMPUTE = "recompute"
 
 
@@ -19,7 +21,7 @@ class Segment(msgspec.Struct, frozen=True):
 
     start: int
     end: int
-    source: Source
+    source: str
 
     @property
     def tokens(self) -> int:

@@ -176,3 +176,67 @@ def request_block_ids(kv_cache_manager, req_id: str) -> list[int]:
 # --- added for the composite ---
 from vllm.config import KVTransferConfig  # noqa: E402,F401
 
+
+
+# --- added for the store tools: an engine's KV layout without starting an engine ---------
+
+
+def engine_vllm_config(model: str, kv_transfer_config: dict, *, block_size: int | None = None, dtype: str = "auto",
+                       kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1):
+    """The ``VllmConfig`` vLLM builds from these engine arguments (reads the model's config, no weights)."""
+    install_version_alias()
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=model, block_size=block_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+        tensor_parallel_size=tensor_parallel_size, enforce_eager=True,
+        distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
+        kv_transfer_config=KVTransferConfig(**kv_transfer_config),
+    )
+    return args.create_engine_config()
+
+
+def engine_kv_cache_layout(vllm_config):
+    """The parts of the engine's ``KVCacheConfig`` that :func:`kv_fingerprint_fields` reads
+    (``kv_cache_groups``, ``kv_cache_layout``), computed as the engine core does: the platform's
+    default attention backend customizes a ``FullAttentionSpec`` per decoder layer,
+    ``get_kv_cache_groups`` groups them, ``resolve_kv_cache_layout`` picks the layout.
+    Full-attention decoder models only (:class:`kvcore.errors.ConfigError` otherwise)."""
+    from types import SimpleNamespace
+
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
+
+    from kvcore.errors import ConfigError
+
+    model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    if model.use_mla or getattr(model, "is_hybrid", False) or model.get_sliding_window() is not None:
+        raise ConfigError("only full-attention decoder models are laid out without an engine; use the "
+                          "fingerprint a running engine published instead")
+    with set_current_vllm_config(vllm_config):
+        backends = get_current_attn_backends(vllm_config)
+    backend = backends[0]
+    dtype = STR_DTYPE_TO_TORCH_DTYPE[cache.cache_dtype] if cache.cache_dtype != "auto" else model.dtype
+    spec = FullAttentionSpec(
+        block_size=cache.block_size,
+        num_kv_heads=model.get_num_kv_heads(parallel),
+        head_size=model.get_head_size(),
+        dtype=dtype,
+        kv_quant_mode=get_kv_quant_mode(cache.cache_dtype),
+    )
+    try:  # the worker's helper (vLLM 0.32); older releases only have the backend's classmethod
+        from vllm.v1.worker.utils import customize_attention_spec
+
+        spec = customize_attention_spec(backend, spec)
+    except ImportError:
+        spec = backend.customize_spec(spec)
+    n_layers = model.get_num_layers_by_block_type(parallel, "attention")
+    specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(n_layers)}
+    groups = get_kv_cache_groups(vllm_config, specs)
+    supported = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
+    layout = resolve_kv_cache_layout(vllm_config, [supported], list(specs.values()))
+    return SimpleNamespace(kv_cache_groups=groups, kv_cache_layout=layout.name)

@@ -1,5 +1,7 @@
-"""The Mooncake store client as the tier uses it: fail-fast set-up, a health
-breaker around the master, typed replicate config, zero-copy batch calls.
+"""The Mooncake store client as the tier and its tools use it: fail-fast set-up, a
+health breaker around the master, typed replicate config, zero-copy batch calls,
+the master's HTTP admin API (:mod:`mcstore.admin`), and the metadata the tools read
+(published here).
 
 Mooncake's client blocks ~4 s per RPC when the master is gone and its
 ``health_check`` keeps answering 0, so a background thread probes the master's
@@ -14,15 +16,18 @@ import os
 import threading
 import time
 
-from kvcore.errors import ConfigError, check
+import msgspec
+
+from kvcore.errors import ConfigError, check, is_rpc_down
 from kvcore.log import get_logger
 from kvcore.procs import port_open
+from mcstore.admin import DEFAULT_ADMIN_PORT, MasterAdmin, Unavailable
 from mcstore.config import StoreConfig
+from mcstore.keys import MASTER_INFO_KEY, KeySpace, MasterInfo, engine_meta, meta_key
 
 logger = get_logger("mcstore.client")
 
-# Codes that mean "the master (or the network to it) is not answering".
-_RPC_DOWN = frozenset({-900, -901, -1})
+_PUBLISH_WINDOW_S = 60.0
 
 
 class Breaker:
@@ -67,18 +72,32 @@ class Breaker:
         self._stop.set()
 
 
-def replicate_config(cfg: StoreConfig):
+_REPLICATE_DEFAULTS = {"replicas": 1, "hard_pin": False, "soft_pin": False, "soft_pin_ttl_ms": None,
+                       "preferred_segment": None}
+
+
+def replicate_config(cfg: StoreConfig | None = None, **override):
+    """Mooncake's ``ReplicateConfig``: ``cfg``'s replicas and pins (Mooncake's defaults without
+    it), with keyword overrides (``replicas``, ``hard_pin``, ``soft_pin``, ``soft_pin_ttl_ms``,
+    ``preferred_segment``), e.g. a tool's ``--pin``/``--replicas``."""
     from mooncake.store import ReplicateConfig, SoftPinAction
 
+    unknown = set(override) - set(_REPLICATE_DEFAULTS)
+    if unknown:
+        raise TypeError(f"replicate_config: unknown settings {sorted(unknown)}")
+    s = dict(_REPLICATE_DEFAULTS)
+    if cfg is not None:
+        s.update({k: getattr(cfg, k) for k in s})
+    s.update(override)
     rc = ReplicateConfig()
-    rc.replica_num = cfg.replicas
-    rc.with_hard_pin = cfg.hard_pin
-    if cfg.soft_pin:
+    rc.replica_num = s["replicas"]
+    rc.with_hard_pin = bool(s["hard_pin"])
+    if s["soft_pin"]:
         rc.soft_pin_action = SoftPinAction.ENABLE
-        if cfg.soft_pin_ttl_ms is not None:
-            rc.soft_pin_ttl_ms = cfg.soft_pin_ttl_ms
-    if cfg.preferred_segment:
-        rc.preferred_segment = cfg.preferred_segment
+        if s["soft_pin_ttl_ms"] is not None:
+            rc.soft_pin_ttl_ms = s["soft_pin_ttl_ms"]
+    if s["preferred_segment"]:
+        rc.preferred_segment = s["preferred_segment"]
     return rc
 
 
@@ -127,7 +146,7 @@ class StoreClient:
         return self.breaker.closed
 
     def _after(self, rcs: list[int], t0: float, op: str) -> None:
-        if any(rc in _RPC_DOWN for rc in rcs):
+        if any(is_rpc_down(rc) for rc in rcs):
             self.breaker.trip(f"{op} returned {sorted(set(rc for rc in rcs if rc < 0))}")
         elif time.monotonic() - t0 > self.cfg.slow_rpc_s:
             self.breaker.trip(f"{op} took {time.monotonic() - t0:.1f}s")
@@ -157,6 +176,87 @@ class StoreClient:
         check(self.store.register_buffer(addr, size), "register_buffer", f"{size} bytes at {addr:#x}")
         self._registered.append(addr)
 
+    def unregister(self, addr: int) -> None:
+        if addr in self._registered:
+            self._registered.remove(addr)
+            self.store.unregister_buffer(addr)
+
+    # -- tool operations: raise Unavailable while the breaker is open ----------------------
+
+    @classmethod
+    def for_tool(cls, master: str, name: str) -> StoreClient:
+        """A pure client for an operator tool (small staging buffer, no slow-RPC trips:
+        a tool's large batches are slow by nature)."""
+        return cls(StoreConfig(master=master, local_buffer_size=4 << 20, slow_rpc_s=120.0), name, segment=False)
+
+    def _guard(self, op: str) -> float:
+        if not self.available:
+            raise Unavailable(f"master {self.cfg.master} unavailable: {op} skipped")
+        return time.monotonic()
+
+    def get(self, key: str) -> bytes | None:
+        """The object's bytes (through the staging buffer: small objects), None if absent."""
+        t0 = self._guard("get")
+        raw = self.store.get(key)
+        self._after([], t0, "get")
+        return bytes(raw) if raw else None
+
+    def read(self, key: str, type_):
+        """A msgspec JSON object, None when absent or not of that type."""
+        raw = self.get(key)
+        if raw is None:
+            return None
+        try:
+            return msgspec.json.decode(raw, type=type_)
+        except msgspec.DecodeError:
+            return None
+
+    def sizes(self, keys: list[str]) -> list[int]:
+        """Bytes per key (a negative status code when it has none)."""
+        t0 = self._guard("get_size")
+        out = [self.store.get_size(k) for k in keys]
+        self._after([rc for rc in out if rc < 0], t0, "get_size")
+        return out
+
+    def upsert(self, key: str, value: bytes, replicate=None) -> int:
+        t0 = self._guard("upsert")
+        rc = self.store.upsert(key, value, replicate if replicate is not None else self.replicate)
+        self._after([rc], t0, "upsert")
+        return rc
+
+    def put_many(self, keys: list[str], ptrs: list[int], sizes: list[int], replicate=None) -> list[int]:
+        """One registered buffer per key, ``replicate`` (default: the tier's) for every one."""
+        t0 = self._guard("batch_put_from")
+        rcs = list(self.store.batch_put_from(keys, ptrs, sizes, replicate if replicate is not None else self.replicate))
+        self._after(rcs, t0, "batch_put_from")
+        return rcs
+
+    def get_many(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        t0 = self._guard("batch_get_into")
+        rcs = list(self.store.batch_get_into(keys, ptrs, sizes))
+        self._after([rc for rc in rcs if rc < 0], t0, "batch_get_into")
+        return rcs
+
+    def remove(self, keys: list[str], force: bool = False) -> list[int]:
+        """0 per removed key, else a status code (a leased object is refused unless ``force``)."""
+        if not keys:
+            return []
+        t0 = self._guard("batch_remove")
+        rcs = list(self.store.batch_remove(keys, force))
+        self._after(rcs, t0, "batch_remove")
+        return rcs
+
+    def admin(self, url: str | None = None, timeout: float = 5.0) -> MasterAdmin:
+        """The master's HTTP admin API: ``url``, else the address the store server published
+        (:data:`mcstore.keys.MASTER_INFO_KEY`), else the master host's default admin port."""
+        if url is None:
+            try:
+                info = self.read(MASTER_INFO_KEY, MasterInfo)
+            except Unavailable:
+                info = None
+            url = info.admin if info is not None else f"http://{self.cfg.master_host_port[0]}:{DEFAULT_ADMIN_PORT}"
+        return MasterAdmin(url, timeout)
+
     def close(self) -> None:
         self.breaker.stop()
         for addr in self._registered:
@@ -169,3 +269,59 @@ class StoreClient:
             self.store.close()
         except Exception:  # noqa: BLE001
             pass
+
+
+# -- published metadata ------------------------------------------------------------------
+
+
+def publish(cfg: StoreConfig, key: str, value: bytes, client: StoreClient | None = None,
+            window_s: float = _PUBLISH_WINDOW_S) -> threading.Thread:
+    """Upsert ``key`` (hard-pinned: a few hundred bytes that eviction must not take) in a
+    daemon thread, through ``client`` or a short-lived pure client of its own. Retries for
+    ``window_s`` while the master does not answer, then logs and gives up: never blocks
+    nor fails the caller."""
+
+    def run() -> None:
+        own, deadline, why = None, time.monotonic() + window_s, ""
+        try:
+            while True:
+                try:
+                    c = client
+                    if c is None:
+                        own = own or StoreClient(msgspec.structs.replace(cfg, local_buffer_size=4 << 20),
+                                                 "publish", segment=False)
+                        c = own
+                    rc = c.upsert(key, value, replicate_config(hard_pin=True))
+                    if rc == 0:
+                        logger.info("mcstore: published %s", key)
+                        return
+                    why = f"upsert returned {rc}"
+                except Exception as e:  # noqa: BLE001 - publishing is best effort by design
+                    why = str(e)
+                if time.monotonic() > deadline:
+                    logger.warning("mcstore: could not publish %s within %.0fs (%s); `mctier inspect` will "
+                                   "not name this engine's model", key, window_s, why)
+                    return
+                time.sleep(min(5.0, max(0.1, deadline - time.monotonic())))
+        finally:
+            if own is not None:
+                own.close()
+
+    t = threading.Thread(target=run, name=f"mcstore-publish-{key}", daemon=True)
+    t.start()
+    return t
+
+
+def publish_engine_meta(cfg: StoreConfig, keys: KeySpace, vllm_config, kv_cache_config,
+                        client: StoreClient | None = None) -> threading.Thread | None:
+    """Publish this engine's key space (:class:`mcstore.keys.EngineMeta`) for the tools, in
+    the background (see :func:`publish`); never raises."""
+    try:
+        from kvcore.vllm_glue import kv_fingerprint_fields
+
+        meta = engine_meta(keys, cfg.key_prefix, cfg.model_id or vllm_config.model_config.model,
+                           kv_fingerprint_fields(vllm_config, kv_cache_config))
+        return publish(cfg, meta_key(keys), msgspec.json.encode(meta), client)
+    except Exception as e:  # noqa: BLE001
+        logger.warning("mcstore: engine metadata not published: %s", e)
+        return None

@@ -156,3 +156,12 @@ def load_config(extra: dict[str, Any] | None, env: dict[str, str] | None = None)
         extra["master"] = extra.pop("master_server_address")
     data.update(extra)
     return load(StoreConfig, data, "mcstore kv_connector_extra_config")
+
+
+def composite_role(kv_role: str, write_back: bool) -> str:
+    """The store's ``kv_role`` inside a composite of role ``kv_role``: prefill (and
+    kv_both) instances load prefixes and save; decode instances only load unless
+    ``write_back``."""
+    if kv_role == "kv_consumer" and not write_back:
+        return "kv_consumer"
+    return "kv_both"

@@ -9,13 +9,15 @@ Load it with::
 alone or as a child of vLLM's ``MultiConnector``. ``kv_role`` picks the data
 paths: ``kv_producer`` saves only, ``kv_consumer`` loads only, ``kv_both`` does
 both. Scheduler-side work lives in :mod:`mcstore.scheduler`, worker-side work in
-:mod:`mcstore.worker`; this class only dispatches by role.
+:mod:`mcstore.worker`; this class only dispatches by role. It is also the store
+tier of a composite (``kvcore.tier.Tier``: lookup, plan_load, release, load reports).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from kvcore.tier import LoadPrior, LoadReport, Tier
 from kvcore.vllm_glue import (
     KVConnectorBase_V1,
     KVConnectorRole,
@@ -24,7 +26,8 @@ from kvcore.vllm_glue import (
     register_connector_name,
     tp_rank,
 )
-from mcstore.config import StoreConfig, load_config
+from mcstore.client import publish_engine_meta
+from mcstore.config import StoreConfig, composite_role, load_config
 from mcstore.keys import KeySpace, fingerprint
 from mcstore.metrics import StorePromMetrics, StoreStats
 from mcstore.protocol import StoreMetadata
@@ -44,7 +47,12 @@ def key_space(cfg: StoreConfig, vllm_config, kv_cache_config) -> KeySpace:
     return KeySpace(fingerprint(fields), cfg.chunk_tokens, fields["tp_size"], cfg.key_prefix)
 
 
-class StoreConnector(KVConnectorBase_V1):
+class StoreConnector(KVConnectorBase_V1, Tier):
+    name = "store"
+    # A load parks the request for at least one extra engine step; that is most of
+    # its fixed cost on loopback.
+    load_prior = LoadPrior(latency_s=0.02, bandwidth_gbps=1.0)
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         if kv_cache_config is None:
@@ -60,15 +68,30 @@ class StoreConnector(KVConnectorBase_V1):
         self._worker: StoreWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._sched = StoreScheduler(cfg, keys, block_size, load=load, save=save)
+            publish_engine_meta(cfg, keys, vllm_config, kv_cache_config, self._sched.client)  # for mctier tools
         else:
             self._worker = StoreWorker(cfg, keys, block_size, kv_cache_config.num_blocks, tp_rank(),
                                        load=load, save=save)
 
-    # -- scheduler side ------------------------------------------------------------
+    # -- tier contract (kvcore.tier) ------------------------------------------------
 
-    @property
-    def scheduler(self) -> StoreScheduler | None:
-        return self._sched
+    @classmethod
+    def composite_role(cls, kv_role: str, write_back: bool) -> str:
+        return composite_role(kv_role, write_back)
+
+    def lookup(self, request) -> int:
+        return self._sched.lookup(request)
+
+    def plan_load(self, request, start_token: int, end_token: int, block_ids: list[int]) -> None:
+        self._sched.plan_load(request, start_token, end_token, block_ids)
+
+    def release(self, request) -> None:
+        return None  # nothing is held elsewhere on a request's behalf
+
+    def take_load_reports(self) -> list[LoadReport]:
+        return self._worker.reports.take() if self._worker is not None else []
+
+    # -- scheduler side ------------------------------------------------------------
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)

@@ -8,6 +8,11 @@ hashes) go into the seed, so two requests that differ in any of them never share
 an object. Only ``hashlib``: deterministic across processes and hosts.
 
 One object per (chunk, TP rank): ``{prefix}/{fp16}/{link hex}/tp{rank}``.
+
+Published metadata, for the operator tools (``mcstore.tools``): every engine's
+connector writes its key space to ``{prefix}/{fp16}/meta`` (:class:`EngineMeta`)
+when it starts, and the store server writes the master's admin address to
+:data:`MASTER_INFO_KEY` (:class:`MasterInfo`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import sys
 from array import array
 from collections.abc import Sequence
 from typing import Any
+
+import msgspec
 
 KEY_VERSION = "mctier-store-v1"
 
@@ -77,3 +84,38 @@ class KeySpace:
     def all_rank_keys(self, links: Sequence[str]) -> list[str]:
         """Chunk-major: chunk i's keys are ``[i*tp_size, (i+1)*tp_size)``."""
         return [self.key(link, r) for link in links for r in range(self.tp_size)]
+
+
+# -- published metadata ---------------------------------------------------------------
+
+META_SUFFIX = "meta"
+MASTER_INFO_KEY = "mctier/master"
+
+
+class EngineMeta(msgspec.Struct, kw_only=True):
+    """One engine configuration's key space; published under ``{prefix}/{fp16}/meta``."""
+
+    fingerprint: str
+    chunk_tokens: int
+    tp_size: int
+    key_prefix: str = "mct"
+    model: str | None = None  # model_id if configured, else the engine's --model
+    fields: dict[str, Any] = msgspec.field(default_factory=dict)  # kvcore.vllm_glue.kv_fingerprint_fields
+
+    def key_space(self) -> KeySpace:
+        return KeySpace(self.fingerprint, self.chunk_tokens, self.tp_size, self.key_prefix)
+
+
+def engine_meta(ks: KeySpace, key_prefix: str, model: str | None, fields: dict[str, Any]) -> EngineMeta:
+    return EngineMeta(fingerprint=ks.fp, chunk_tokens=ks.chunk_tokens, tp_size=ks.tp_size, key_prefix=key_prefix,
+                      model=model, fields=fields)
+
+
+def meta_key(ks: KeySpace) -> str:
+    return f"{ks.prefix}/{META_SUFFIX}"
+
+
+class MasterInfo(msgspec.Struct, kw_only=True):
+    """What tools cannot learn from the master's RPC port; published under :data:`MASTER_INFO_KEY`."""
+
+    admin: str  # the master's HTTP admin/metrics base URL

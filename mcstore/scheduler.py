@@ -1,6 +1,7 @@
 """Store tier, scheduler side (runs in the EngineCore process).
 
-The API a composite drives, kept apart from vLLM's hooks:
+The tier's half of the scheduler-side contract (``kvcore.tier``; the connector
+facade exposes it, ``release`` is a no-op there), kept apart from vLLM's hooks:
 
 ``lookup(request) -> int``
     Prompt tokens ``[0, n)`` the store can supply: the longest prefix of full

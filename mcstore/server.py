@@ -23,6 +23,8 @@ from kvcore.config import parse_size
 from kvcore.errors import check
 from kvcore.log import get_logger
 from kvcore.procs import Proc, free_port
+from mcstore.client import replicate_config
+from mcstore.keys import MASTER_INFO_KEY, MasterInfo
 
 logger = get_logger("mcstore.server")
 
@@ -134,7 +136,7 @@ class StoreCluster:
             env.update(offload_env(self.ssd_dir))
         ready = self.log_dir / f"store-server-{self.port}.ready"
         ready.unlink(missing_ok=True)
-        argv += ["--ready-file", str(ready)]
+        argv += ["--ready-file", str(ready), "--admin", f"http://127.0.0.1:{self.metrics_port}"]
         self.server = Proc("store-server", argv, self.log_dir / f"store-server-{self.port}.log", env=env)
         deadline = time.monotonic() + self.start_timeout
         while not ready.exists():
@@ -176,8 +178,11 @@ class StoreCluster:
         self.stop()
 
 
-def serve_segment(master: str, segment_size: int, ssd: str | None, ready_file: str | None) -> int:
-    """Body of the store-server process: mount a segment, hold it until SIGTERM."""
+def serve_segment(master: str, segment_size: int, ssd: str | None, ready_file: str | None,
+                  admin: str | None = None) -> int:
+    """Body of the store-server process: mount a segment, hold it until SIGTERM. With
+    ``admin``, keep the master's admin URL published for the tools (again after a master
+    restart)."""
     from mooncake.store import MooncakeDistributedStore
 
     store = MooncakeDistributedStore()
@@ -189,11 +194,18 @@ def serve_segment(master: str, segment_size: int, ssd: str | None, ready_file: s
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    info = msgspec.json.encode(MasterInfo(admin=admin)) if admin else None
+    if info is not None:
+        store.upsert(MASTER_INFO_KEY, info, replicate_config(hard_pin=True))
     if ready_file:
         Path(ready_file).write_text(store.get_hostname())
     print(f"store server {store.get_hostname()} serving {segment_size} bytes for {master}", flush=True)
+    checked = time.monotonic()
     while not stop.wait(1.0):
-        pass
+        if info is not None and time.monotonic() - checked > 5.0:
+            checked = time.monotonic()
+            if store.is_exist(MASTER_INFO_KEY) == 0:  # gone with a restarted master
+                store.upsert(MASTER_INFO_KEY, info, replicate_config(hard_pin=True))
     store.close()
     return 0
 
@@ -204,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--segment-size", default="1GB")
     p.add_argument("--ssd")
     p.add_argument("--ready-file")
+    p.add_argument("--admin", help="the master's HTTP admin URL, published for the tools")
     a = p.parse_args(argv)
-    return serve_segment(a.master, parse_size(a.segment_size), a.ssd, a.ready_file)
+    return serve_segment(a.master, parse_size(a.segment_size), a.ssd, a.ready_file, a.admin)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ chunk of one TP rank: the chunk's pages in canonical order (layer-major, then
 block order; see ``KVGeometry.ranges``), so its bytes do not depend on the block
 ids it was saved from or is loaded into.
 
-With ``verify_checksums`` (opt-in) an object ends in a 12-byte trailer (xxh3-64 of
-the pages, magic); a load whose bytes do not match it is a load error, so no
+With ``verify_checksums`` (opt-in) an object ends in a 12-byte trailer
+(:mod:`mcstore.objects`: xxh3-64 of the pages, magic); a load whose bytes do not match it is a load error, so no
 corrupted or half-overwritten chunk is ever used as KV, whatever went wrong
 between the save and the load.
 
@@ -21,18 +21,18 @@ from __future__ import annotations
 
 import ctypes
 import queue
-import struct
 import threading
 import time
 from collections import Counter, deque
 
-import xxhash
-
-from kvcore.errors import ConfigError, error_for
+from kvcore.errors import ConfigError, cause_of, is_missing, is_no_space
 from kvcore.geometry import KVGeometry
 from kvcore.log import get_logger
 from kvcore.platform import current as current_platform
 from kvcore.platform import wait_fence
+from kvcore.tier import LoadReport, LoadReports
+from mcstore.objects import TRAILER as _TRAILER
+from mcstore.objects import pack_trailer, read_cause, trailer, trailer_ok  # noqa: F401  (tests import trailer here)
 from mcstore.client import StoreClient
 from mcstore.config import StoreConfig
 from mcstore.keys import KeySpace
@@ -41,32 +41,8 @@ from mcstore.protocol import ChunkIO, LoadJob, SaveJob, StoreMetadata
 
 logger = get_logger("mcstore.worker")
 
-_NO_SPACE = -200
 _PREEMPT_WAIT_S = 5.0
-_TRAILER = struct.Struct("<QI")  # xxh3-64 of the pages, magic
-_MAGIC = 0x4D435432  # "MCT2"
 _TRAILER_SLOTS = 4096  # chunks per put/get call when verifying
-
-
-def _digest(ranges_addr: list[int], ranges_size: list[int]) -> int:
-    # xxh3 runs near memory bandwidth; CRC32 (zlib) halved save/load throughput.
-    h = xxhash.xxh3_64()
-    for addr, size in zip(ranges_addr, ranges_size):
-        h.update((ctypes.c_char * size).from_address(addr))
-    return h.intdigest()
-
-
-def trailer(data: bytes) -> bytes:
-    """The trailer this worker appends to ``data`` (for tools and tests writing our format)."""
-    return _TRAILER.pack(xxhash.xxh3_64_intdigest(data), _MAGIC)
-
-
-def _cause(rc: int, expected: int) -> str:
-    if rc >= 0:
-        return "size_mismatch" if rc != expected else "ok"
-    if rc == -600:
-        return "size_mismatch"  # Mooncake: "buffer too small" for an object of another size
-    return error_for(rc, "store").cause
 
 
 class StoreWorker:
@@ -82,6 +58,7 @@ class StoreWorker:
         self.save_enabled = save
         self.client = StoreClient(cfg, f"worker{rank}", segment=True)
         self.stats = StoreStats()
+        self.reports = LoadReports()  # one per ended load, for a composite's calibration
         self.geo: KVGeometry | None = None
         self.chunk_bytes = 0
         self._lock = threading.Condition()
@@ -233,6 +210,7 @@ class StoreWorker:
                 logger.exception("mcstore: load of %s failed: %s", job.req_id, e)
                 self._count("failures:load_error")
                 failed = [b for c in job.chunks for b in c.block_ids]
+                self.reports.add(LoadReport("store", job.req_id, 0, 0.0, False))
             with self._lock:
                 self._done_loads[job.req_id] = failed
 
@@ -240,6 +218,7 @@ class StoreWorker:
         t0 = time.monotonic()
         n = len(job.chunks)
         ok = [False] * n
+        gone = False  # the load failed on a chunk no longer there (evicted, lease expired): a miss
         if t0 > deadline:
             cause = "timeout"
         elif not self.client.available:
@@ -263,8 +242,9 @@ class StoreWorker:
                 for slot, (i, rc) in enumerate(zip(part, self.client.get_into(keys, ptrs, sizes))):
                     ok[i] = rc == want
                     if not ok[i]:
-                        cause = cause or _cause(rc, want)
-                    elif self.verify and not self._trailer_ok(
+                        if cause is None:
+                            cause, gone = read_cause(rc, want), is_missing(rc)
+                    elif self.verify and not trailer_ok(
                             self._load_trailers.data_ptr() + slot * _TRAILER.size, ptrs[slot][:-1], sizes[slot][:-1]):
                         ok[i] = False
                         cause = cause or "checksum"
@@ -280,23 +260,27 @@ class StoreWorker:
                 for i, e in zip(good, still):
                     if e != 1:
                         ok[i] = False
-                        cause = cause or "evicted_during_load"
+                        if cause is None:
+                            cause, gone = "evicted_during_load", True
             if time.monotonic() > deadline:
                 # Bytes may be in place, but too late to be trusted as on time: recompute.
-                cause, ok = "timeout", [False] * n
+                cause, gone, ok = "timeout", False, [False] * n
         first_bad = next((i for i in range(n) if not ok[i]), n)
         loaded = job.chunks[:first_bad]
         nblocks = sum(len(c.block_ids) for c in loaded)
         with self._lock:
-            self.stats.observe("load", time.monotonic() - t0)
+            self.stats.observe("load", seconds := time.monotonic() - t0)
             if nblocks:
                 self.stats.inc("loaded_tokens", nblocks * self.block_size)
                 self.stats.inc("loaded_bytes", nblocks * self.geo.block_bytes)
             if first_bad < n:
                 self.stats.inc(f"failures:load_{cause or 'error'}")
+        self.reports.add(LoadReport("store", job.req_id, nblocks * self.geo.block_bytes, seconds, first_bad == n))
         if first_bad < n:
-            logger.warning("mcstore: load of %s failed at chunk %d/%d (%s); those tokens are recomputed",
-                           job.req_id, first_bad, n, cause)
+            # A chunk evicted (or its lease expired) meanwhile is an ordinary miss; the rest is not.
+            (logger.info if gone else logger.warning)(
+                "mcstore: load of %s failed at chunk %d/%d (%s); those tokens are recomputed",
+                job.req_id, first_bad, n, cause)
         return [b for c in job.chunks[first_bad:] for b in c.block_ids]
 
     def _load_partial(self, c: ChunkIO) -> tuple[bool, str | None]:
@@ -310,18 +294,14 @@ class StoreWorker:
         want = self.chunk_bytes + self.trailer
         rc = self.client.get_into([self.keys.key(c.link, self.rank)], [[base]], [[want]])[0]
         if rc != want:
-            return False, _cause(rc, want)
-        if self.verify and not self._trailer_ok(base + self.chunk_bytes, [base], [self.chunk_bytes]):
+            return False, read_cause(rc, want)
+        if self.verify and not trailer_ok(base + self.chunk_bytes, [base], [self.chunk_bytes]):
             return False, "checksum"
         for r, off in zip(self.geo.regions, self._region_off):
             for j, bid in enumerate(c.block_ids):
                 src = base + off + (c.first + j) * r.page_bytes
                 ctypes.memmove(r.base + bid * r.block_stride, src, r.page_bytes)
         return True, None
-
-    def _trailer_ok(self, trailer_addr: int, addrs: list[int], sizes: list[int]) -> bool:
-        digest, magic = _TRAILER.unpack(ctypes.string_at(trailer_addr, _TRAILER.size))
-        return magic == _MAGIC and digest == _digest(addrs, sizes)
 
     # -- saves -----------------------------------------------------------------------
 
@@ -374,7 +354,7 @@ class StoreWorker:
                 p, sz = self._ptrs(c.block_ids)
                 if self.verify:
                     addr = self._save_trailers.data_ptr() + slot * _TRAILER.size
-                    ctypes.memmove(addr, _TRAILER.pack(_digest(p, sz), _MAGIC), _TRAILER.size)
+                    ctypes.memmove(addr, pack_trailer(p, sz), _TRAILER.size)
                     p.append(addr)
                     sz.append(_TRAILER.size)
                 ptrs.append(p)
@@ -385,10 +365,10 @@ class StoreWorker:
                 if rc == 0:
                     written.append(k)
                     self._full_until = 0.0
-                elif rc == _NO_SPACE:
+                elif is_no_space(rc):
                     retry.append((k, c))
                 else:
-                    self._count(f"failures:save_{error_for(rc, 'put').cause}")
+                    self._count(f"failures:save_{cause_of(rc)}")
             todo = retry + later
             if retry and time.monotonic() + delay > deadline:
                 self._full_until = time.monotonic() + self.cfg.save_retry_s

@@ -1,4 +1,4 @@
-"""``TieredConnector``: one connector over the store tier and the P2P tier (facade).
+"""``TieredConnector``: one connector over any configured tiers (facade).
 
 Load it with::
 
@@ -6,9 +6,10 @@ Load it with::
      "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
      "kv_connector_extra_config": {"store": {"master": "HOST:PORT"}, "p2p": {}}}
 
-It builds the two tiers as children (each a full connector) and plans every request
-over them (:mod:`multi.scheduler`), joining their worker-side results
-(:mod:`multi.worker`). A request may force a source with
+(tiers and keys in :mod:`multi.config`). It builds each configured tier as a child
+connector (a ``kvcore.tier.Tier``), plans every request over them
+(:mod:`multi.scheduler`) and joins their worker-side results (:mod:`multi.worker`);
+this class only dispatches by role. A request may force a source with
 ``kv_transfer_params.kv_source``; the plan comes back in ``kv_transfer_params.kv_plan``.
 """
 
@@ -26,9 +27,9 @@ from kvcore.vllm_glue import (
     block_size_of,
     register_connector_name,
 )
-from multi.config import load_config
+from multi.config import TierSpec, TieredConfig, load_config
 from multi.metrics import TieredPromMetrics, TieredStats
-from multi.protocol import P2P, STORE, TieredMetadata
+from multi.protocol import TieredMetadata
 from multi.scheduler import TieredScheduler
 from multi.worker import TieredWorker
 
@@ -36,14 +37,17 @@ logger = get_logger("multi.connector")
 register_connector_name("TieredConnector", "multi.connector", "TieredConnector")
 
 
-def _child(vllm_config, name: str, module: str, role: str, extra: dict):
+def _tier_config(vllm_config, spec: TierSpec, cfg: TieredConfig):
+    """A copy of ``vllm_config`` whose KV transfer config is the tier's own."""
     ktc = vllm_config.kv_transfer_config
-    cfg = copy.copy(vllm_config)
-    cfg.kv_transfer_config = KVTransferConfig(
-        kv_connector=name, kv_connector_module_path=module, kv_role=role, engine_id=ktc.engine_id,
-        kv_connector_extra_config=extra, kv_load_failure_policy=ktc.kv_load_failure_policy,
+    module, cls_name = spec.connector_path()
+    role = spec.connector_class().composite_role(ktc.kv_role, cfg.write_back)
+    out = copy.copy(vllm_config)
+    out.kv_transfer_config = KVTransferConfig(
+        kv_connector=cls_name, kv_connector_module_path=module, kv_role=role, engine_id=ktc.engine_id,
+        kv_connector_extra_config=spec.config, kv_load_failure_policy=ktc.kv_load_failure_policy,
     )
-    return cfg
+    return out
 
 
 def bytes_per_token(kv_cache_config) -> float:
@@ -54,38 +58,23 @@ def bytes_per_token(kv_cache_config) -> float:
 class TieredConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        ktc = vllm_config.kv_transfer_config
-        self.cfg = load_config(ktc.kv_connector_extra_config)
-        store = p2p = None
-        if self.cfg.store is not None:
-            from mcstore.connector import StoreConnector
-
-            store = StoreConnector(_child(vllm_config, "StoreConnector", "mcstore", self.cfg.store_role(ktc.kv_role),
-                                          self.cfg.store), role, kv_cache_config)
-        if self.cfg.p2p is not None:
-            from p2p.connector import P2PConnector
-
-            p2p = P2PConnector(_child(vllm_config, "P2PConnector", "p2p", ktc.kv_role, self.cfg.p2p),
-                               role, kv_cache_config)
-        self._store, self._p2p = store, p2p
+        self.cfg = load_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        # Cheapest first: the order plans fill a prompt in.
+        tiers = {spec.name: spec.connector_class()(_tier_config(vllm_config, spec, self.cfg), role, kv_cache_config)
+                 for spec in self.cfg.tier_specs()}
         self._sched: TieredScheduler | None = None
         self._worker: TieredWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = TieredScheduler(
-                store.scheduler if store is not None else None,
-                p2p.scheduler if p2p is not None else None,
-                self.cfg.policy, block_size_of(kv_cache_config), bytes_per_token(kv_cache_config),
-                self.cfg.default_source,
-            )
+            self._sched = TieredScheduler(tiers, self.cfg.policy, block_size_of(kv_cache_config),
+                                          bytes_per_token(kv_cache_config), self.cfg.default_source)
         else:
-            self._worker = TieredWorker(store, p2p)
+            self._worker = TieredWorker(tiers)
 
     # -- scheduler side ------------------------------------------------------------
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        if self._store is not None:
-            self._store.bind_kv_cache_manager(kv_cache_manager)
+        self._sched.bind_kv_cache_manager(kv_cache_manager)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -100,15 +89,10 @@ class TieredConnector(KVConnectorBase_V1):
         self._sched.update_connector_output(connector_output)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        children = {}
-        if self._store is not None:
-            children[STORE] = self._store.request_finished(request, block_ids)
-        if self._p2p is not None:
-            children[P2P] = self._p2p.request_finished(request, block_ids)
-        return self._sched.request_finished(request, block_ids, children)
+        return self._sched.request_finished(request, block_ids)
 
     def has_pending_push_work(self) -> bool:
-        return self._p2p is not None and self._p2p.has_pending_push_work()
+        return self._sched is not None and self._sched.has_pending_push_work()
 
     # -- worker side ---------------------------------------------------------------
 
@@ -121,29 +105,22 @@ class TieredConnector(KVConnectorBase_V1):
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
-        for c in self._worker.children.values():
-            c.clear_connector_metadata()
+        self._worker.clear()
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
-        if self._store is not None and isinstance(kv_connector_metadata, TieredMetadata):
-            self._store.handle_preemptions(kv_connector_metadata.store)
+        self._worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
-        for c in self._worker.children.values():
-            c.start_load_kv(forward_context, **kwargs)
+        self._worker.start_load_kv(forward_context, **kwargs)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        for c in self._worker.children.values():
-            c.wait_for_layer_load(layer_name)
+        self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
-        for c in self._worker.children.values():
-            c.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+        self._worker.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
 
     def wait_for_save(self) -> None:
-        self._worker.forward_done()
-        for c in self._worker.children.values():
-            c.wait_for_save()
+        self._worker.wait_for_save()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         return self._worker.transfer_results(finished_req_ids)
@@ -158,17 +135,7 @@ class TieredConnector(KVConnectorBase_V1):
     # -- both ------------------------------------------------------------------------
 
     def get_kv_connector_stats(self) -> TieredStats | None:
-        if self._worker is not None:
-            return self._worker.take_stats()
-        stats = self._sched.take_stats() or TieredStats()
-        # Scheduler-side counters of both children (store lookups; P2P invalid params and
-        # aborted holds), not only the store's.
-        for name, child in ((STORE, self._store), (P2P, self._p2p)):
-            if child is not None:
-                s = child.get_kv_connector_stats()
-                if s is not None and not s.is_empty():
-                    stats.data[name] = s.data
-        return None if stats.is_empty() else stats
+        return (self._worker or self._sched).take_stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict | None = None) -> TieredStats:
@@ -176,13 +143,17 @@ class TieredConnector(KVConnectorBase_V1):
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        from mcstore.metrics import StorePromMetrics
-        from p2p.metrics import P2PPromMetrics
-
-        return TieredPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues,
-                                 children={STORE: StorePromMetrics, P2P: P2PPromMetrics})
+        cfg = load_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        # One Prometheus object per tier class (two would register the same metric names).
+        by_class: dict[type, Any] = {}
+        tiers = {}
+        for spec in cfg.tier_specs():
+            tier_cls = spec.connector_class()
+            if tier_cls not in by_class:
+                by_class[tier_cls] = tier_cls.build_prom_metrics(_tier_config(vllm_config, spec, cfg), metric_types,
+                                                                 labelnames, per_engine_labelvalues)
+            tiers[spec.name] = by_class[tier_cls]
+        return TieredPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, tiers=tiers)
 
     def shutdown(self) -> None:
-        for c in (self._store, self._p2p):
-            if c is not None:
-                c.shutdown()
+        (self._worker or self._sched).shutdown()

@@ -1,36 +1,59 @@
-"""The chooser: estimated time of each feasible plan for one request, and the pick.
+"""The chooser: estimated time of each feasible plan for one request, the pick, and
+the learning from measured samples (the only place that knows the features).
 
-A plan splits the prompt ``[0, N)`` into ranges: ``[0, L)`` already local,
-``[L, S)`` from the store, ``[S, E)`` pulled from the prefill instance, the rest
-recomputed (always at least the last token, which vLLM computes to sample).
-The store and P2P loads of one plan run concurrently; recomputation follows them.
+Inputs: the prompt length ``N``, the local hit ``L`` (vLLM's prefix cache) and, for
+each configured tier ``t_1 .. t_k`` in their order of cheapness (the configured
+order), its reach ``R_i`` (``lookup``: it can supply ``[0, R_i)``), capped at
+``N - 1``: vLLM always computes the last token to sample.
 
-Estimated seconds:
+A plan picks a subset of the tiers, in that order. Each picked tier loads from
+where the previous one stopped to its own reach, ``[e_{j-1}, R_j)`` with
+``e_0 = L``; a tier whose reach does not pass ``e_{j-1}`` cannot be picked there.
+The rest, ``[e_last, N)``, is recomputed. Its name is the picked tiers joined
+with ``+`` (``store+p2p``), or ``recompute``. With a store and a P2P tier these are
+the four plans recompute, store ``[L,S)``, p2p ``[L,E)``, store+p2p ``[L,S)+[S,E)``.
 
-- store load of ``b`` bytes: ``store_fit([1, b])``;
-- P2P pull of ``b`` bytes: the prefill instance's remaining compute (it prefills
-  the uncached part of the prompt, started when the request arrived) plus
-  ``p2p_fit([1, b])``;
-- recomputing ``n`` tokens after ``c`` cached ones: ``prefill_fit([1, n, n*(c+n/2)])``
-  (linear work plus attention over the context), times ``local_compute_weight``:
+Estimated seconds, with ``b_j`` the bytes of tier ``j``'s range (tokens times
+``bytes_per_token``):
+
+- a load from tier ``j``: ``load_j([1, b_j])``, a linear fit started from the
+  tier's ``LoadPrior`` (``latency_s + b / bandwidth``);
+- plus, for a tier whose KV a prefill instance computes (``remote_prefill``,
+  the P2P handoff), that instance's remaining compute: it prefills what the
+  tiers before it could not give it, ``max(0, compute(R_before, N) - elapsed)``
+  with ``R_before`` the largest reach of the tiers before it (0 for the first) and
+  ``elapsed`` the time since the request arrived;
+- recomputing ``n`` tokens after ``c`` cached ones: ``compute(c, c+n) =
+  prefill([1, n, n*(c+n/2)])`` (fixed step cost, linear work, attention over the
+  context), times ``local_compute_weight`` for this instance's own recomputation:
   a decode instance that prefills delays the decode batch it serves, which is why
   P/D exists; 1.0 makes the choice purely by this request's time to first token.
+
+The loads of one plan run concurrently; recomputation follows them:
+``seconds = max_j(load time of j) + local_compute_weight * compute(e_last, N)``.
+
+Learning: workers measure :class:`ForwardSample` (one forward pass: new tokens and
+context per scheduled request) and :class:`LoadSample` (one finished load: bytes
+and seconds of one tier); they travel on the stats record through
+:func:`encode_samples` / :func:`decode_samples`, and :meth:`CostModel.learn`
+updates the fits with them.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable, Sequence
+
 import msgspec
 
 from kvcore.plan import Segment, Source, normalize
+from kvcore.tier import LoadPrior
 
 
 class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    # A load parks the request for at least one extra engine step; that is most of
-    # its fixed cost on loopback.
-    store_latency_s: float = 0.02
-    store_bandwidth_gbps: float = 1.0  # GB/s
-    p2p_latency_s: float = 0.03
-    p2p_bandwidth_gbps: float = 1.0
+    # Load-time priors by tier name; a tier not listed starts from its own
+    # ``Tier.load_prior`` (what the scheduler passes in ``TierReach``).
+    tiers: dict[str, LoadPrior] = msgspec.field(default_factory=dict)
     prefill_step_s: float = 0.01  # fixed cost of a forward pass
     prefill_token_s: float = 3e-4  # per new token
     prefill_attn_s: float = 2e-8  # per new token per context token
@@ -38,107 +61,178 @@ class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     calibrate: bool = True
 
 
-class Inputs(msgspec.Struct):
+class TierReach(msgspec.Struct, frozen=True):
+    """What one configured tier can give one request (``Inputs.tiers``, cheapest first)."""
+
+    tier: str
+    tokens: int  # lookup: the tier can supply [0, tokens)
+    remote_prefill: bool = False  # Tier.remote_prefill
+    prior: LoadPrior = LoadPrior()  # Tier.load_prior, unless PolicyConfig.tiers overrides it
+
+
+class Inputs(msgspec.Struct, kw_only=True):
     prompt_tokens: int  # N
     local_tokens: int  # L (vLLM's prefix cache)
-    store_tokens: int  # S: the store can supply [0, S), S <= N - 1
-    p2p: bool  # a prefill instance holds (or is computing) this prompt
+    tiers: list[TierReach]  # configured tiers, cheapest first
     bytes_per_token: float
-    prefill_elapsed_s: float = 0.0  # time since the request arrived (the prefill instance's head start)
+    prefill_elapsed_s: float = 0.0  # time since the request arrived (a prefill instance's head start)
 
 
 class Plan(msgspec.Struct):
     name: str
     segments: list[Segment]
     seconds: float
-    parts: dict[str, float]
+    parts: dict[str, float]  # "<tier>_s" (0 when unused) and "recompute_s"
 
-    def tokens(self, source: Source) -> int:
+    def tokens(self, source: str) -> int:
         return sum(s.tokens for s in self.segments if s.source == source)
 
-    def end_of(self, source: Source) -> int:
+    def end_of(self, source: str) -> int:
         ends = [s.end for s in self.segments if s.source == source]
         return max(ends) if ends else 0
 
 
-class Model:
+class ForwardSample(msgspec.Struct, tag="forward", array_like=True):
+    """One timed forward pass: request ``i`` computed ``new_tokens[i]`` after ``context[i]``."""
+
+    new_tokens: list[int]
+    context: list[int]
+    seconds: float
+
+
+class LoadSample(msgspec.Struct, tag="load", array_like=True):
+    """One successful load: ``bytes`` from tier ``tier`` in ``seconds`` (a ``kvcore.tier.LoadReport``)."""
+
+    tier: str
+    bytes: int
+    seconds: float
+
+
+Sample = ForwardSample | LoadSample
+
+
+def encode_samples(samples: Iterable[Sample]) -> list:
+    """Samples as plain lists (what a stats record may carry between processes)."""
+    return msgspec.to_builtins(list(samples))
+
+
+def decode_samples(raw: list) -> list[Sample]:
+    """Inverse of :func:`encode_samples`; raises ``msgspec.ValidationError`` on foreign data."""
+    return msgspec.convert(raw, list[Sample])
+
+
+def forward_features(new_tokens: Sequence[int], context: Sequence[int]) -> list[float]:
+    """``[1, sum n, sum n*(c + n/2)]`` of a forward pass computing ``n`` tokens after ``c`` per request."""
+    return [1.0, float(sum(new_tokens)), float(sum(n * (c + n / 2) for n, c in zip(new_tokens, context)))]
+
+
+def load_features(nbytes: float) -> list[float]:
+    return [1.0, float(nbytes)]
+
+
+class CostModel:
     """Plan estimates from calibrated fits (see :mod:`multi.calibration`)."""
 
     def __init__(self, cfg: PolicyConfig):
         from multi.calibration import OnlineFit
 
-        gb = 1e9
         self.cfg = cfg
-        self.store = OnlineFit([cfg.store_latency_s, 1 / (cfg.store_bandwidth_gbps * gb)],
-                               lower=[0.0, 1 / (1000 * gb)], upper=[5.0, 1 / (1e-3 * gb)], scale=[1.0, 1e9])
-        self.p2p = OnlineFit([cfg.p2p_latency_s, 1 / (cfg.p2p_bandwidth_gbps * gb)],
-                             lower=[0.0, 1 / (1000 * gb)], upper=[30.0, 1 / (1e-3 * gb)], scale=[1.0, 1e9])
+        self._fit = OnlineFit
+        self.loads: dict[str, OnlineFit] = {}  # tier name -> load-time fit, made at first use
         self.prefill = OnlineFit([cfg.prefill_step_s, cfg.prefill_token_s, cfg.prefill_attn_s],
                                  lower=[0.0, 1e-7, 0.0], upper=[5.0, 1.0, 1e-3], scale=[1.0, 1e3, 1e6])
 
-    def store_s(self, nbytes: float) -> float:
-        return self.store.predict([1.0, nbytes]) if nbytes > 0 else 0.0
+    def load_fit(self, tier: str, prior: LoadPrior | None = None):
+        fit = self.loads.get(tier)
+        if fit is None:
+            gb = 1e9
+            p = self.cfg.tiers.get(tier) or prior or LoadPrior()
+            fit = self.loads[tier] = self._fit([p.latency_s, 1 / (p.bandwidth_gbps * gb)],
+                                               lower=[0.0, 1 / (1000 * gb)], upper=[30.0, 1 / (1e-3 * gb)],
+                                               scale=[1.0, 1e9])
+        return fit
 
-    def p2p_s(self, nbytes: float) -> float:
-        return self.p2p.predict([1.0, nbytes]) if nbytes > 0 else 0.0
+    def load_s(self, reach: TierReach, nbytes: float) -> float:
+        return self.load_fit(reach.tier, reach.prior).predict(load_features(nbytes)) if nbytes > 0 else 0.0
 
     def compute_s(self, start: int, end: int) -> float:
         n = end - start
-        return self.prefill.predict([1.0, n, n * (start + n / 2)]) if n > 0 else 0.0
+        return self.prefill.predict(forward_features([n], [start])) if n > 0 else 0.0
 
     def plans(self, x: Inputs) -> list[Plan]:
-        N, L = x.prompt_tokens, x.local_tokens
-        w = self.cfg.local_compute_weight
-        S = x.store_tokens if x.store_tokens > L else L
-        # The prefill instance sends every block of the prompt; the engine recomputes the last token.
-        E = N - 1 if x.p2p else L
+        reach = [min(t.tokens, x.prompt_tokens - 1) for t in x.tiers]
         out: list[Plan] = []
-
-        def plan(name: str, store_end: int, p2p_end: int) -> Plan:
-            segs = [Segment(0, L, Source.LOCAL), Segment(L, store_end, Source.STORE)]
-            p_start = max(store_end, L)
-            segs.append(Segment(p_start, p2p_end, Source.P2P))
-            tail = max(p2p_end, store_end, L)
-            segs.append(Segment(tail, N, Source.RECOMPUTE))
-            t_store = self.store_s((store_end - L) * x.bytes_per_token)
-            t_p2p = 0.0
-            if p2p_end > p_start:
-                # The prefill instance computes what the store could not give it.
-                wait = max(0.0, self.compute_s(x.store_tokens, N) - x.prefill_elapsed_s)
-                t_p2p = wait + self.p2p_s((p2p_end - p_start) * x.bytes_per_token)
-            t_compute = w * self.compute_s(tail, N)
-            parts = {"store_s": t_store, "p2p_s": t_p2p, "recompute_s": t_compute}
-            return Plan(name, normalize(segs), max(t_store, t_p2p) + t_compute, parts)
-
-        out.append(plan("recompute", L, L))
-        if S > L:
-            out.append(plan("store", S, S))
-        if E > L:
-            out.append(plan("p2p", L, E))
-            if S > L and E > S:
-                out.append(plan("store+p2p", S, E))
+        # Subsets in order of size, each in tier order: recompute first, then one tier, ...
+        for k in range(len(x.tiers) + 1):
+            for picked in itertools.combinations(range(len(x.tiers)), k):
+                plan = self._plan(x, reach, picked)
+                if plan is not None:
+                    out.append(plan)
         return out
 
+    def _plan(self, x: Inputs, reach: list[int], picked: tuple[int, ...]) -> Plan | None:
+        N, L = x.prompt_tokens, x.local_tokens
+        segs = [Segment(0, L, Source.LOCAL)]
+        parts = {f"{t.tier}_s": 0.0 for t in x.tiers}
+        end, t_load = L, 0.0
+        for i in picked:
+            t = x.tiers[i]
+            if reach[i] <= end:
+                return None  # nothing left for this tier after the ones before it
+            segs.append(Segment(end, reach[i], t.tier))
+            seconds = self.load_s(t, (reach[i] - end) * x.bytes_per_token)
+            if t.remote_prefill:
+                # The prefill instance computes what the tiers before this one could not give it.
+                before = max((min(u.tokens, N - 1) for u in x.tiers[:i]), default=0)
+                seconds += max(0.0, self.compute_s(before, N) - x.prefill_elapsed_s)
+            parts[f"{t.tier}_s"] = seconds
+            t_load = max(t_load, seconds)
+            end = reach[i]
+        segs.append(Segment(end, N, Source.RECOMPUTE))
+        parts["recompute_s"] = self.cfg.local_compute_weight * self.compute_s(end, N)
+        name = "+".join(x.tiers[i].tier for i in picked) or Source.RECOMPUTE
+        return Plan(name, normalize(segs), t_load + parts["recompute_s"], parts)
+
     def choose(self, x: Inputs, force: str = "auto") -> tuple[Plan, list[Plan], str]:
-        """(chosen plan, all estimates, reason)."""
+        """(chosen plan, all estimates, reason). ``force`` is ``auto``, ``recompute`` or a tier
+        name: the plan that uses only that tier, else recomputation."""
         plans = self.plans(x)
-        by_name = {p.name: p for p in plans}
         if force == "auto":
-            best = min(plans, key=lambda p: p.seconds)
-            return best, plans, "fastest estimate"
-        wanted = {"store": ["store"], "p2p": ["p2p"], "recompute": ["recompute"]}[force]
-        for name in wanted:
-            if name in by_name:
-                return by_name[name], plans, f"forced {force}"
-        return by_name["recompute"], plans, f"forced {force}, but that source has nothing for this request"
+            return min(plans, key=lambda p: p.seconds), plans, "fastest estimate"
+        by_name = {p.name: p for p in plans}
+        if force in by_name:
+            return by_name[force], plans, f"forced {force}"
+        return by_name[Source.RECOMPUTE], plans, f"forced {force}, but that source has nothing for this request"
+
+    # -- learning ------------------------------------------------------------------------
+
+    def learn(self, sample: Sample) -> tuple[str, float, float]:
+        """Feed one measured sample to its fit (when ``calibrate``); returns ``(kind, estimate
+        before the update, measured seconds)``, kind = ``forward`` or the tier name."""
+        if isinstance(sample, ForwardSample):
+            kind, fit, x = "forward", self.prefill, forward_features(sample.new_tokens, sample.context)
+        else:
+            kind, fit, x = sample.tier, self.load_fit(sample.tier), load_features(sample.bytes)
+        est = fit.predict(x)
+        if self.cfg.calibrate:
+            fit.update(x, sample.seconds)
+        return kind, est, sample.seconds
 
 
-FORCE_VALUES = ("auto", "store", "p2p", "recompute")
+def force_values(tiers: Iterable[str]) -> tuple[str, ...]:
+    """What ``kv_source`` / ``default_source`` may be with these tiers configured."""
+    return ("auto", Source.RECOMPUTE, *tiers)
 
 
-def requested_source(params: dict | None, default: str) -> tuple[str, str | None]:
-    """The ``kv_source`` a request asks for, and a warning when the value is unusable."""
+def requested_source(params: dict | None, default: str, tiers: Iterable[str] | None = None) -> tuple[str, str | None]:
+    """The ``kv_source`` a request asks for, and a warning when the value is unusable
+    (not ``auto``, ``recompute`` or one of ``tiers``; with ``tiers`` None, any tier name)."""
     value = (params or {}).get("kv_source", default)
-    if value in FORCE_VALUES:
+    if tiers is not None:
+        allowed = force_values(tiers)
+        if value in allowed:
+            return value, None
+        return default, f"kv_source must be one of {allowed}, got {value!r}; using {default!r}"
+    if isinstance(value, str) and value:
         return value, None
-    return default, f"kv_source must be one of {FORCE_VALUES}, got {value!r}; using {default!r}"
+    return default, f"kv_source must be 'auto', 'recompute' or a tier name, got {value!r}; using {default!r}"

@@ -1,4 +1,4 @@
-"""Scheduler -> worker metadata of the composite, and the worker's timing samples."""
+"""Scheduler -> worker metadata of the composite (one per engine step)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,15 @@ from typing import Any
 
 from kvcore.vllm_glue import KVConnectorMetadata
 
-STORE, P2P = "store", "p2p"
-
 
 @dataclass
 class TieredMetadata(KVConnectorMetadata):
-    store: Any  # the store child's metadata (None when the child is absent)
-    p2p: Any  # the P2P child's metadata
-    # req_id -> children whose load must finish before the request may run
-    loads: dict[str, list[str]] = field(default_factory=dict)
-    # req_id -> children that hold the request's blocks after it finished
+    # tier name -> that tier's own metadata for this step (what its build_connector_meta gave)
+    tiers: dict[str, Any] = field(default_factory=dict)
+    # req_id -> {tier name: block ids that tier's planned load fills}; the request may run
+    # once every listed tier ended its load
+    loads: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    # req_id -> tiers that hold the request's blocks after it finished
     sends: dict[str, list[str]] = field(default_factory=dict)
     # This step's forward: (new tokens, context before them) per scheduled request,
     # so the worker can time the forward for the prefill-speed fit.

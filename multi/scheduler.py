@@ -1,12 +1,13 @@
-"""Composite, scheduler side: plan each request over the store and P2P tiers.
+"""Composite, scheduler side: plan each request over the configured tiers.
 
 For a request with ``N`` prompt tokens and ``L`` of them in vLLM's prefix cache,
-it asks the store tier how far it can supply (``lookup``, one batched existence
-query), asks the P2P tier whether a prefill instance holds the prompt, lets
-:mod:`multi.policy` estimate every feasible plan, and drives each tier with its
-range: ``store.plan_load(request, L, S, blocks)`` and ``p2p.load(request,
-S // block_size, blocks[S // block_size:])``. A request whose plan does not pull
-from the prefill instance still releases the blocks held there.
+it asks every tier how far it can supply the prompt (``lookup``), lets
+:mod:`multi.policy` estimate every feasible plan over the tiers (cheapest first)
+and pick one, and drives each tier the plan uses with its token range:
+``tier.plan_load(request, start, end, block_ids)``. A tier that had something for
+the request but is not used gets ``tier.release(request)`` (a prefill instance
+must not hold blocks for nobody). It uses the tiers only through
+``kvcore.tier`` (the contract methods and the vLLM hooks it forwards).
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from kvcore.log import get_logger
-from kvcore.plan import Source
+from kvcore.tier import Tier, blocks_of
 from kvcore.vllm_glue import first_group_block_ids
 from multi.metrics import TieredStats
-from multi.policy import Inputs, Model, Plan, PolicyConfig, requested_source
-from multi.protocol import P2P, STORE, TieredMetadata
+from multi.policy import CostModel, Inputs, Plan, PolicyConfig, TierReach, decode_samples, requested_source
+from multi.protocol import TieredMetadata
 
 logger = get_logger("multi.scheduler")
 
@@ -31,26 +34,32 @@ class _Decision:
     estimates: dict[str, float]
     reason: str
     local: int
-    store_end: int
-    p2p_end: int
-    loads: list[str] = field(default_factory=list)
+    reach: dict[str, int]  # tier -> its lookup when the plan was made
+    ranges: dict[str, tuple[int, int]]  # tier -> [start, end) it loads, in tier order
+    loads: list[str] = field(default_factory=list)  # tiers whose load was planned
     counted: bool = False
+
+    @property
+    def end(self) -> int:
+        return max((e for _, e in self.ranges.values()), default=0)
 
 
 class TieredScheduler:
-    def __init__(self, store, p2p, policy: PolicyConfig, block_size: int, bytes_per_token: float,
+    def __init__(self, tiers: dict[str, Tier], policy: PolicyConfig, block_size: int, bytes_per_token: float,
                  default_source: str = "auto"):
-        self.store = store  # mcstore.scheduler.StoreScheduler or None
-        self.p2p = p2p  # p2p.scheduler.P2PScheduler or None
-        self.model = Model(policy)
-        self.calibrate = policy.calibrate
+        self.tiers = tiers  # name -> tier connector (scheduler role), cheapest first
+        self.model = CostModel(policy)
         self.block_size = block_size
         self.bytes_per_token = bytes_per_token
         self.default_source = default_source
         self.stats = TieredStats()
         self._decisions: dict[str, _Decision] = {}
-        self._loads: dict[str, list[str]] = {}
+        self._loads: dict[str, dict[str, list[int]]] = {}
         self._sends: dict[str, list[str]] = {}
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        for tier in self.tiers.values():
+            tier.bind_kv_cache_manager(kv_cache_manager)
 
     # -- planning --------------------------------------------------------------------
 
@@ -64,26 +73,26 @@ class TieredScheduler:
             return 0, False
         if d is None or d.local != num_computed_tokens:
             d = self._decisions[rid] = self._decide(request, num_computed_tokens)
-        ext = max(d.store_end, d.p2p_end) - num_computed_tokens
+        ext = d.end - num_computed_tokens
         return (ext, True) if ext > 0 else (0, False)
 
     def _decide(self, request, local: int) -> _Decision:
         n = request.num_prompt_tokens
-        store_hit = self.store.lookup(request) if self.store is not None else 0
-        p2p = bool(self.p2p is not None and self.p2p.lookup(request) > 0)
-        force, warning = requested_source(request.kv_transfer_params, self.default_source)
+        reach = {name: tier.lookup(request) for name, tier in self.tiers.items()}
+        force, warning = requested_source(request.kv_transfer_params, self.default_source, self.tiers)
         if warning:
             logger.warning("request %s: %s", request.request_id, warning)
-        x = Inputs(prompt_tokens=n, local_tokens=local, store_tokens=store_hit, p2p=p2p,
-                   bytes_per_token=self.bytes_per_token,
+        x = Inputs(prompt_tokens=n, local_tokens=local, bytes_per_token=self.bytes_per_token,
+                   tiers=[TierReach(name, reach[name], tier.remote_prefill, tier.load_prior)
+                          for name, tier in self.tiers.items()],
                    prefill_elapsed_s=max(0.0, time.time() - getattr(request, "arrival_time", time.time())))
         plan, plans, reason = self.model.choose(x, force)
         if force != "auto":
             self.stats.own_inc(f"forced:{force}")
-        d = _Decision(plan, {p.name: round(p.seconds, 6) for p in plans}, reason, local,
-                      store_end=plan.end_of(Source.STORE), p2p_end=plan.end_of(Source.P2P))
-        logger.debug("request %s: N=%d L=%d S=%d p2p=%s -> %s (%s) estimates %s", request.request_id, n, local,
-                     store_hit, p2p, plan.name, reason, d.estimates)
+        ranges = {s.source: (s.start, s.end) for s in plan.segments if s.source in self.tiers}
+        d = _Decision(plan, {p.name: round(p.seconds, 6) for p in plans}, reason, local, reach, ranges)
+        logger.debug("request %s: N=%d L=%d reach=%s -> %s (%s) estimates %s", request.request_id, n, local,
+                     reach, plan.name, reason, d.estimates)
         return d
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -95,83 +104,90 @@ class TieredScheduler:
             d.counted = True
             self.stats.own_inc(f"decisions:{d.plan.name}")
             for seg in d.plan.segments:
-                self.stats.own_inc(f"planned_tokens:{seg.source.value}", seg.tokens)
-        if num_external_tokens <= 0:
-            if d.p2p_end == 0 and self.p2p is not None and self.p2p.lookup(request) > 0:
-                self.p2p.release(request)  # the prefill instance must not hold blocks for nobody
-            return
-        ids = first_group_block_ids(blocks)
-        bs = self.block_size
-        if d.store_end > d.local:
-            self.store.plan_load(request, d.local, d.store_end, ids)
-            d.loads.append(STORE)
-        if d.p2p_end > 0:
-            first = max(d.store_end, d.local) // bs
-            total = -(-request.num_prompt_tokens // bs)
-            self.p2p.load(request, first, ids[first:total])
-            d.loads.append(P2P)
-        elif self.p2p is not None and self.p2p.lookup(request) > 0:
-            self.p2p.release(request)
-        self._loads[rid] = list(d.loads)
+                self.stats.own_inc(f"planned_tokens:{seg.source}", seg.tokens)
+        loads: dict[str, list[int]] = {}
+        if num_external_tokens > 0:
+            ids = first_group_block_ids(blocks)
+            for name, (start, end) in d.ranges.items():
+                self.tiers[name].plan_load(request, start, end, ids)
+                loads[name] = blocks_of(start, end, self.block_size, ids)
+                d.loads.append(name)
+            self._loads[rid] = loads
+        for name, tier in self.tiers.items():
+            if name not in loads and d.reach[name] > 0:
+                tier.release(request)
 
     def build_connector_meta(self, scheduler_output) -> TieredMetadata:
-        store_meta = self.store.build_connector_meta(scheduler_output) if self.store is not None else None
-        p2p_meta = self.p2p.build_connector_meta() if self.p2p is not None else None
+        metas = {name: tier.build_connector_meta(scheduler_output) for name, tier in self.tiers.items()}
         # Context length before this step's tokens, for the forward-time fit.
         ctx = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         ctx.update(zip(cached.req_ids, cached.num_computed_tokens))
         step = [(n, ctx.get(rid, 0)) for rid, n in scheduler_output.num_scheduled_tokens.items()]
-        meta = TieredMetadata(store_meta, p2p_meta, loads=self._loads, sends=self._sends, step_tokens=step)
+        meta = TieredMetadata(metas, loads=self._loads, sends=self._sends, step_tokens=step)
         self._loads, self._sends = {}, {}
         return meta
 
     # -- results -----------------------------------------------------------------------
 
     def update_connector_output(self, out) -> None:
-        if self.p2p is not None:
-            self.p2p.finished_sending(out.finished_sending)
         stats = out.kv_connector_stats
+        tier_data = stats.data.get("tiers", {}) if stats is not None and not stats.is_empty() else {}
+        try:
+            # Each tier sees the joined transfer results and only its own stats.
+            for name, tier in self.tiers.items():
+                data = tier_data.get(name)
+                out.kv_connector_stats = type(tier).build_kv_connector_stats(data=data) if data else None
+                tier.update_connector_output(out)
+        finally:
+            out.kv_connector_stats = stats
         if stats is not None and not stats.is_empty():
             self._learn(stats.data.get("samples", []))
 
-    def _learn(self, samples: list) -> None:
-        for kind, x, seconds in samples:
-            if kind == "forward":
-                est = self.model.prefill.predict(x)
-                if self.calibrate:
-                    self.model.prefill.update(x, seconds)
-            elif kind in (STORE, P2P):
-                fit = self.model.store if kind == STORE else self.model.p2p
-                est = fit.predict([1.0, x])
-                if self.calibrate:
-                    fit.update([1.0, x], seconds)
-            else:
-                continue
+    def _learn(self, raw: list) -> None:
+        try:
+            samples = decode_samples(raw)
+        except msgspec.ValidationError as e:
+            logger.warning("calibration samples not understood (%s); ignored", e)
+            return
+        for sample in samples:
+            kind, est, seconds = self.model.learn(sample)
             if seconds > 0:
                 self.stats.own_inc(f"estimate_error:{kind}", abs(est - seconds) / seconds)
                 self.stats.own_inc(f"estimate_samples:{kind}")
 
-    def request_finished(self, request, block_ids: list[int], children: dict[str, tuple[bool, dict | None]]
-                         ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         d = self._decisions.pop(rid, None)
-        holders = [name for name, (hold, _) in children.items() if hold]
+        holders, params = [], {}
+        for name, tier in self.tiers.items():
+            hold, p = tier.request_finished(request, block_ids)
+            if hold:
+                holders.append(name)
+            params.update(p or {})
         if holders:
             self._sends[rid] = holders
-        params: dict[str, Any] = {}
-        for _, p in children.values():
-            params.update(p or {})
         if d is not None:
-            params["kv_plan"] = [
-                {"start": s.start, "end": s.end, "source": s.source.value} for s in d.plan.segments
-            ]
+            params["kv_plan"] = [{"start": s.start, "end": s.end, "source": s.source} for s in d.plan.segments]
             params["kv_plan_estimates"] = {"chosen": d.plan.name, "reason": d.reason, "seconds": d.estimates,
                                            "parts": {k: round(v, 6) for k, v in d.plan.parts.items()}}
         return bool(holders), params or None
 
+    def has_pending_push_work(self) -> bool:
+        return any(tier.has_pending_push_work() for tier in self.tiers.values())
+
     def take_stats(self) -> TieredStats | None:
+        """Our counters since the last call, with each tier's scheduler-side stats."""
+        for name, tier in self.tiers.items():
+            s = tier.get_kv_connector_stats()
+            if s is not None and not s.is_empty():
+                self.stats.data["tiers"][name] = s.data
         if self.stats.is_empty():
             return None
         out, self.stats = self.stats, TieredStats()
         return out
+
+    def shutdown(self) -> None:
+        for tier in self.tiers.values():
+            tier.shutdown()
+

@@ -1,11 +1,17 @@
-"""Composite, worker side: fan the hooks out to both tiers and join their results.
+"""Composite, worker side: fan the hooks out to every tier and join their results.
 
-A request planned over both tiers is reported finished-receiving once both
-finished. When the P2P part fails but the store part arrived, the P2P blocks are
-reported as invalid (vLLM then recomputes from the end of the store range) instead
-of failing the whole request. A request whose blocks both tiers hold after it
-finished (store saves, P2P handoff) is reported finished-sending once both let go.
-Forward passes are timed here for the prefill-speed calibration.
+A request planned over several tiers is reported finished-receiving once every
+one of them ended its load. When some tiers' loads fail, the blocks those tiers
+were to fill are reported invalid (vLLM then recomputes from the first invalid
+block) and the request finished, keeping what the others delivered; a failed
+tier whose blocks are unknown fails the whole request (``failed_recving``). A
+request whose blocks several tiers hold after it finished (store saves, P2P
+handoff) is reported finished-sending once all of them let go.
+
+Calibration samples are measured here: every forward pass is timed
+(:class:`multi.policy.ForwardSample`), and every successful ``LoadReport`` of a
+tier becomes a :class:`multi.policy.LoadSample`; both ride on the stats record,
+encoded by :func:`multi.policy.encode_samples`.
 """
 
 from __future__ import annotations
@@ -13,54 +19,85 @@ from __future__ import annotations
 import time
 
 from kvcore.log import get_logger
+from kvcore.tier import Tier
 from kvcore.vllm_glue import KVConnectorTransferResults
 from multi.metrics import TieredStats
-from multi.protocol import P2P, STORE, TieredMetadata
+from multi.policy import ForwardSample, LoadSample, encode_samples
+from multi.protocol import TieredMetadata
 
 logger = get_logger("multi.worker")
 
 
 class TieredWorker:
-    def __init__(self, store, p2p):
-        self.children = {name: c for name, c in ((STORE, store), (P2P, p2p)) if c is not None}
+    def __init__(self, tiers: dict[str, Tier]):
+        self.tiers = tiers  # name -> tier connector (worker role)
         self.stats = TieredStats()
-        self._loading: dict[str, set[str]] = {}  # req -> children still loading it
-        self._failed: dict[str, set[str]] = {}  # req -> children whose load failed
+        self._loading: dict[str, set[str]] = {}  # req -> tiers still loading it
+        self._failed: dict[str, set[str]] = {}  # req -> tiers whose load failed
         self._load_start: dict[str, dict[str, float]] = {}
-        self._p2p_blocks: dict[str, list[int]] = {}
-        self._holders: dict[str, set[str]] = {}  # req -> children holding its blocks
-        self._released: dict[str, set[str]] = {}  # req -> children that let go
+        self._load_blocks: dict[str, dict[str, list[int]]] = {}  # req -> tier -> blocks it fills
+        self._holders: dict[str, set[str]] = {}  # req -> tiers holding its blocks
+        self._released: dict[str, set[str]] = {}  # req -> tiers that let go
         self._invalid: set[int] = set()
         self._forward_start = 0.0
         self._step_tokens: list[tuple[int, int]] = []
 
+    # -- hooks forwarded to every tier -------------------------------------------------
+
     def register_kv_caches(self, kv_caches) -> None:
-        for c in self.children.values():
-            c.register_kv_caches(kv_caches)
+        for tier in self.tiers.values():
+            tier.register_kv_caches(kv_caches)
 
     def bind(self, meta: TieredMetadata) -> None:
         now = time.monotonic()
-        if STORE in self.children:
-            self.children[STORE].bind_connector_metadata(meta.store)
-        if P2P in self.children:
-            self.children[P2P].bind_connector_metadata(meta.p2p)
-            for spec in getattr(meta.p2p, "recvs", ()):
-                if spec.block_ids:
-                    self._p2p_blocks[spec.req_id] = list(spec.block_ids)
-        for rid, kids in meta.loads.items():
-            self._loading[rid] = set(kids)
-            self._load_start[rid] = {k: now for k in kids}
-        for rid, kids in meta.sends.items():
-            self._holders[rid] = set(kids)
+        for name, tier in self.tiers.items():
+            tier.bind_connector_metadata(meta.tiers.get(name))
+        for rid, per_tier in meta.loads.items():
+            self._loading[rid] = set(per_tier)
+            self._load_start[rid] = {k: now for k in per_tier}
+            self._load_blocks[rid] = per_tier
+        for rid, names in meta.sends.items():
+            self._holders[rid] = set(names)
         self._step_tokens = meta.step_tokens
         self._forward_start = now
 
-    def forward_done(self) -> None:
+    def clear(self) -> None:
+        for tier in self.tiers.values():
+            tier.clear_connector_metadata()
+
+    def handle_preemptions(self, meta) -> None:
+        if isinstance(meta, TieredMetadata):
+            for name, tier in self.tiers.items():
+                tier.handle_preemptions(meta.tiers.get(name))
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        for tier in self.tiers.values():
+            tier.start_load_kv(forward_context, **kwargs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        for tier in self.tiers.values():
+            tier.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        for tier in self.tiers.values():
+            tier.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:
+        self._forward_done()
+        for tier in self.tiers.values():
+            tier.wait_for_save()
+
+    def shutdown(self) -> None:
+        for tier in self.tiers.values():
+            tier.shutdown()
+
+    # -- joined results ----------------------------------------------------------------
+
+    def _forward_done(self) -> None:
         if self._step_tokens and self._forward_start:
-            n = sum(t for t, _ in self._step_tokens)
-            attn = sum(t * (c + t / 2) for t, c in self._step_tokens)
             seconds = time.monotonic() - self._forward_start
-            self.stats.data["samples"].append(("forward", [1.0, float(n), float(attn)], seconds))
+            self.stats.data["samples"].extend(encode_samples([ForwardSample(
+                [n for n, _ in self._step_tokens], [c for _, c in self._step_tokens], seconds)]))
             self.stats.own_observe("forward", seconds)
         self._step_tokens = []
         self._forward_start = 0.0
@@ -68,18 +105,19 @@ class TieredWorker:
     def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults(finished_sending=set(), finished_recving=set(), failed_recving=set())
         now = time.monotonic()
-        for name, child in self.children.items():
-            res = child.get_transfer_results(finished_req_ids)
-            for rid in res.failed_recving or ():
-                self._child_done(name, rid, now, out, failed=True)
+        for name, tier in self.tiers.items():
+            res = tier.get_transfer_results(finished_req_ids)
+            failed = res.failed_recving or set()
+            for rid in failed:
+                self._tier_done(name, rid, now, out, failed=True)
             for rid in res.finished_recving or ():
-                if rid not in (res.failed_recving or ()):
-                    self._child_done(name, rid, now, out, failed=False)
+                if rid not in failed:
+                    self._tier_done(name, rid, now, out, failed=False)
             for rid in res.finished_sending or ():
                 self._released.setdefault(rid, set()).add(name)
-            self._invalid |= child.get_block_ids_with_load_errors()
+            self._invalid |= tier.get_block_ids_with_load_errors()
         # The holders of a request are announced in the metadata of the step after
-        # request_finished, before any child can let go of it.
+        # request_finished, before any tier can let go of it.
         for rid, released in list(self._released.items()):
             holders = self._holders.get(rid)
             if holders is not None and holders <= released:
@@ -87,7 +125,7 @@ class TieredWorker:
                 del self._holders[rid], self._released[rid]
         return out
 
-    def _child_done(self, name: str, rid: str, now: float, out: KVConnectorTransferResults, failed: bool) -> None:
+    def _tier_done(self, name: str, rid: str, now: float, out: KVConnectorTransferResults, failed: bool) -> None:
         pending = self._loading.get(rid)
         if pending is None:
             # A load we did not plan (a tier used on its own): pass it through.
@@ -104,43 +142,29 @@ class TieredWorker:
             return
         del self._loading[rid]
         self._load_start.pop(rid, None)
-        failed_kids = self._failed.pop(rid, set())
-        p2p_blocks = self._p2p_blocks.pop(rid, [])
-        if not failed_kids:
-            out.finished_recving.add(rid)
-        elif failed_kids == {P2P} and p2p_blocks:
-            # Keep what the store delivered: vLLM recomputes from the first invalid block.
-            self._invalid.update(p2p_blocks)
-            out.finished_recving.add(rid)
-        else:
+        failed_tiers = self._failed.pop(rid, set())
+        blocks = self._load_blocks.pop(rid, {})
+        if failed_tiers and not all(blocks.get(t) for t in failed_tiers):
             out.failed_recving.add(rid)
+            return
+        for t in failed_tiers:
+            # Keep what the other tiers delivered: vLLM recomputes from the first invalid block.
+            self._invalid.update(blocks[t])
+        out.finished_recving.add(rid)
 
     def block_ids_with_load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()
         return out
 
     def take_stats(self) -> TieredStats | None:
-        for name, child in self.children.items():
-            s = child.get_kv_connector_stats()
+        """Our counters and samples since the last call, with each tier's worker-side stats."""
+        for name, tier in self.tiers.items():
+            s = tier.get_kv_connector_stats()
             if s is not None and not s.is_empty():
-                self.stats.data[name] = s.data
-                self._samples_from(name, s.data)
+                self.stats.data["tiers"][name] = s.data
+            loads = [LoadSample(name, r.bytes, r.seconds) for r in tier.take_load_reports() if r.ok and r.bytes > 0]
+            self.stats.data["samples"].extend(encode_samples(loads))
         if self.stats.is_empty():
             return None
         out, self.stats = self.stats, TieredStats()
         return out
-
-    def _samples_from(self, name: str, data: dict) -> None:
-        """(bytes, seconds) of this step's completed loads, from the child's own counters."""
-        ops = data.get("ops", {})
-        counters = data.get("counters", {})
-        if name == STORE:
-            secs, nbytes = ops.get("load", []), counters.get("loaded_bytes", 0)
-        else:
-            secs, nbytes = ops.get("transfer", []), counters.get("bytes:pulled", 0)
-        if len(secs) == 1 and nbytes > 0:
-            self.stats.data["samples"].append((name, float(nbytes), secs[0]))
-
-    def shutdown(self) -> None:
-        for c in self.children.values():
-            c.shutdown()

@@ -73,7 +73,7 @@ def normalize_url(addr: str) -> str:
     return addr if "://" in addr else f"http://{addr}"
 
 
-def from_extra(extra: dict | None) -> P2PConfig:
+def load_config(extra: dict | None) -> P2PConfig:
     try:
         return load(P2PConfig, dict(extra or {}), "kv_connector_extra_config (P2PConnector)")
     except (TypeError, ValueError) as e:

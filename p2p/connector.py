@@ -4,7 +4,8 @@ Load with ``{"kv_connector": "P2PConnector", "kv_connector_module_path": "p2p",
 "kv_role": "kv_producer" | "kv_consumer" | "kv_both", "kv_connector_extra_config":
 {...}}`` (keys in :mod:`p2p.config`), alone or as a child of vLLM's MultiConnector.
 Dispatches by role to :class:`p2p.scheduler.P2PScheduler` (EngineCore process) and
-:class:`p2p.worker.P2PWorker` (Worker process).
+:class:`p2p.worker.P2PWorker` (Worker process). It is also the P2P tier of a
+composite (``kvcore.tier.Tier``: lookup, plan_load, release, load reports).
 """
 
 from __future__ import annotations
@@ -12,24 +13,29 @@ from __future__ import annotations
 from typing import Any
 
 from kvcore.log import get_logger
+from kvcore.tier import LoadPrior, LoadReport, Tier
 from kvcore.vllm_glue import (
     KVConnectorBase_V1,
     KVConnectorRole,
     KVConnectorTransferResults,
     register_connector_name,
 )
-from p2p.config import from_extra
+from p2p.config import load_config
 from p2p.metrics import P2PPromMetrics, P2PStats
 from p2p.scheduler import P2PMetadata, P2PScheduler
 
 logger = get_logger("p2p.connector")
 
 
-class P2PConnector(KVConnectorBase_V1):
+class P2PConnector(KVConnectorBase_V1, Tier):
+    name = "p2p"
+    remote_prefill = True  # the prefill instance computes the KV after the request arrives
+    load_prior = LoadPrior(latency_s=0.03, bandwidth_gbps=1.0)
+
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = vllm_config.kv_transfer_config
-        self.cfg = from_extra(ktc.kv_connector_extra_config)
+        self.cfg = load_config(ktc.kv_connector_extra_config)
         self.engine_id = ktc.engine_id
         role_name = ktc.kv_role
         self.scheduler: P2PScheduler | None = None
@@ -40,6 +46,19 @@ class P2PConnector(KVConnectorBase_V1):
             from p2p.worker import P2PWorker
 
             self.worker = P2PWorker(vllm_config, self.cfg, self.engine_id, kv_cache_config, role_name)
+
+    # ---------------- tier contract (kvcore.tier) ----------------
+    def lookup(self, request) -> int:
+        return self.scheduler.lookup(request)
+
+    def plan_load(self, request, start_token: int, end_token: int, block_ids: list[int]) -> None:
+        self.scheduler.plan_load(request, start_token, end_token, block_ids)
+
+    def release(self, request) -> None:
+        self.scheduler.release(request, "the composite's plan does not pull from the prefill instance")
+
+    def take_load_reports(self) -> list[LoadReport]:
+        return self.worker.reports.take() if self.worker is not None else []
 
     # ---------------- scheduler side ----------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -35,7 +35,7 @@ from kvcore.log import get_logger
 from kvcore.metrics import TierStats
 from p2p import bootstrap
 from p2p.protocol import DoneAck, EngineEntry, PullDone, PullReply, PullRequest, Status, decode_to_decode, encode
-from p2p.transfer import Engine
+from p2p.transfer import TransferEngineHandle
 
 logger = get_logger("p2p.puller")
 
@@ -58,7 +58,8 @@ class PullResult:
     block_ids: list[int]
     cause: str = ""
     detail: str = ""
-    timings: dict | None = None
+    timings: dict | None = None  # seconds per phase (query, metadata, transfer, ack, handoff)
+    nbytes: int = 0  # bytes written into block_ids (a successful pull)
 
 
 class PullFailed(Exception):
@@ -68,7 +69,8 @@ class PullFailed(Exception):
 
 
 class Puller:
-    def __init__(self, geometry: KVGeometry, engine: Engine, stats: TierStats, stats_lock: threading.Lock, *,
+    def __init__(self, geometry: KVGeometry, engine: TransferEngineHandle, stats: TierStats,
+                 stats_lock: threading.Lock, *,
                  tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, num_workers: int = 4,
                  bootstrap_timeout_s: float = 5.0, peer_silence_timeout_s: float = 10.0,
                  corrupt: bool = False):
@@ -213,7 +215,7 @@ class Puller:
             self._inc("descriptors:pulled", len(lens))
             self._inc("pulls:ok")
             # Report the blocks as loaded first; the acknowledgement only frees P.
-            res = PullResult(job.req_id, True, job.block_ids, timings=timings)
+            res = PullResult(job.req_id, True, job.block_ids, timings=timings, nbytes=nbytes)
             self._finish_ok_early(res)
             self._done(sock, job, True, "")
             ready = False

@@ -1,15 +1,17 @@
 """Scheduler-process side of the P2P tier (in ``VLLM::EngineCore``).
 
-Small API, usable by the connector facade and by a composite that splits a
-request's prompt between sources:
+The tier's half of the scheduler-side contract (``kvcore.tier``), used by the
+connector facade and by a composite that splits a request's prompt between sources:
 
 * :meth:`P2PScheduler.lookup` ``(request) -> int``: prompt tokens the prefill
   instance can supply (the whole prompt when the request carries valid
   ``do_remote_prefill`` params, else 0). No side effects.
-* :meth:`P2PScheduler.load` ``(request, first_block, block_ids)``: pull the request's
-  blocks ``[first_block, first_block + len(block_ids))`` from the prefill instance into
-  the local ``block_ids`` (asynchronously; the result arrives in the worker's
-  ``finished_recving`` / ``failed_recving`` for this request id).
+* :meth:`P2PScheduler.plan_load` ``(request, start_token, end_token, block_ids)``: pull
+  the blocks holding tokens ``[start_token, end_token)`` (``block_ids`` indexed by block
+  position in the request; the block holding ``start_token`` is pulled whole) from the
+  prefill instance (asynchronously; the result arrives in the worker's
+  ``finished_recving`` / ``failed_recving`` for this request id, and as a
+  ``LoadReport``). One transfer per request.
 * :meth:`P2PScheduler.release` ``(request)``: tell the prefill instance to free its
   blocks without pulling.
 
@@ -28,6 +30,7 @@ from typing import Any
 import msgspec
 
 from kvcore.log import get_logger
+from kvcore.tier import blocks_of
 from kvcore.vllm_glue import KVConnectorMetadata, first_group_block_ids, request_finished_normally
 from p2p.config import P2PConfig, normalize_url
 from p2p.metrics import P2PStats
@@ -91,11 +94,13 @@ class P2PScheduler:
             return 0
         return len(request.prompt_token_ids or ())
 
-    def load(self, request, first_block: int, block_ids: list[int]) -> None:
+    def plan_load(self, request, start_token: int, end_token: int, block_ids: list[int]) -> None:
         p = request.kv_transfer_params
         self._handled(p["transfer_id"])
+        first = start_token // self.block_size
+        blocks = blocks_of(start_token, end_token, self.block_size, block_ids)
         self._meta.recvs.append(RecvSpec(request.request_id, p["transfer_id"], normalize_url(p["remote_bootstrap_addr"]),
-                                         p["remote_engine_id"], first_block, list(block_ids)))
+                                         p["remote_engine_id"], first, blocks))
         p["do_remote_prefill"] = False  # one transfer per request
 
     def release(self, request, reason: str = "") -> None:
@@ -135,7 +140,7 @@ class P2PScheduler:
         total = -(-n // self.block_size)
         first = total - -(-num_external_tokens // self.block_size)
         # Blocks below `first` came from the local prefix cache; pull only the rest.
-        self.load(request, first, ids[first:total])
+        self.plan_load(request, first * self.block_size, n, ids)
 
     # -- prefill side --
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -11,11 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvcore import platform
-from kvcore.errors import ConfigError, TransferFailed, check
+from kvcore.errors import ConfigError, check, error_for
 from kvcore.geometry import MemRange
 
 
-class Engine:
+class TransferEngineHandle:
+    """One Mooncake ``TransferEngine`` of this process: its address (``host:rpc_port``) and
+    the KV memory it registered; peers read (or write) that memory through it."""
+
     def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = ""):
         try:
             from mooncake.engine import TransferEngine
@@ -43,15 +46,15 @@ class Engine:
         if not lens:
             return
         rc = self.te.batch_transfer_sync_read(peer, local, remote, lens)
-        if rc != 0:
-            raise TransferFailed("batch_transfer_sync_read", rc, f"from {peer}, {len(lens)} descriptors")
+        if rc != 0:  # 0 or a negative code (the engine's own -1 for a refused or failed batch)
+            raise error_for(rc, "batch_transfer_sync_read", f"from {peer}, {len(lens)} descriptors")
 
     def write(self, peer: str, local: list[int], remote: list[int], lens: list[int]) -> None:
         if not lens:
             return
         rc = self.te.batch_transfer_sync_write(peer, local, remote, lens)
         if rc != 0:
-            raise TransferFailed("batch_transfer_sync_write", rc, f"to {peer}, {len(lens)} descriptors")
+            raise error_for(rc, "batch_transfer_sync_write", f"to {peer}, {len(lens)} descriptors")
 
     def close(self) -> None:
         for addr in self._registered:

@@ -12,7 +12,9 @@ Per step, :meth:`P2PWorker.start_load_kv` hands new holds / aborted transfers to
 side channel and new pulls to the puller (never blocking the forward pass);
 :meth:`transfer_results` reports finished sends (holds dropped), finished receives and
 failed receives (reported in ``failed_recving`` *and* ``finished_recving``, so
-``kv_load_failure_policy`` applies at once).
+``kv_load_failure_policy`` applies at once), and turns each ended pull into a
+``kvcore.tier.LoadReport`` (seconds: the Transfer Engine read, not the wait for the
+prefill instance).
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ import time
 from kvcore import platform
 from kvcore.geometry import KVGeometry
 from kvcore.log import get_logger
+from kvcore.tier import LoadReport, LoadReports
 from kvcore.vllm_glue import KVConnectorTransferResults, parallel_ranks
 from p2p import bootstrap
 from p2p.config import P2PConfig
 from p2p.metrics import P2PStats
 from p2p.protocol import RegisterPayload
-from p2p.transfer import Engine
+from p2p.transfer import TransferEngineHandle
 
 logger = get_logger("p2p.worker")
 
@@ -43,8 +46,9 @@ class P2PWorker:
         self.dp_rank, self.tp_rank, self.tp_size, self.pp_rank = parallel_ranks(vllm_config)
         self.stats = P2PStats()
         self.stats_lock = threading.Lock()
+        self.reports = LoadReports()
         self.geometry: KVGeometry | None = None
-        self.engine: Engine | None = None
+        self.engine: TransferEngineHandle | None = None
         self.server: bootstrap.BootstrapServer | None = None
         self.side = None
         self.puller = None
@@ -54,7 +58,7 @@ class P2PWorker:
         platform.current().prepare_worker()
         num_blocks = getattr(self.kv_cache_config, "num_blocks", None)
         self.geometry = KVGeometry.from_kv_caches(kv_caches, num_blocks)
-        self.engine = Engine(self.cfg.te_hostname, self.cfg.protocol, self.cfg.device_name)
+        self.engine = TransferEngineHandle(self.cfg.te_hostname, self.cfg.protocol, self.cfg.device_name)
         self.engine.register(self.geometry.buffers)
         logger.info("P2P worker %s tp=%d: TE %s (%s), %d regions, %d blocks x %d bytes", self.engine_id,
                     self.tp_rank, self.engine.addr, self.cfg.protocol, len(self.geometry.regions),
@@ -115,6 +119,8 @@ class P2PWorker:
                 if not r.block_ids:
                     continue  # a release: no request waits for it
                 res.finished_recving.add(r.req_id)
+                seconds = (r.timings or {}).get("transfer", 0.0)
+                self.reports.add(LoadReport("p2p", r.req_id, r.nbytes, seconds, r.ok))
                 if not r.ok:
                     res.failed_recving.add(r.req_id)
         return res

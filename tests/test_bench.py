@@ -1,4 +1,4 @@
-"""The benchmark harness itself (``mctier bench --quick``), so that it cannot rot.
+"""The benchmark harness itself (``python -m bench.suite --quick``), so that it cannot rot.
 
 Runs the reduced matrix for real: a Mooncake master, the store tier's writer and
 reader engines, LMCache's server and engines from their own virtualenv, a 1P1D pair,
@@ -34,7 +34,7 @@ def _gone(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    proc = subprocess.run([sys.executable, "-m", "multi.cli", "bench", "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "bench.suite", "--quick", "--out", str(out)],
                           cwd=str(ROOT), capture_output=True, text=True, timeout=2100)
     (out / "stdout.txt").write_text(proc.stdout + proc.stderr)
     return proc, out

@@ -11,7 +11,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.config import load, parse_size
-from kvcore.errors import ConfigError, LeaseExpired, MooncakeError, NoSpace, ObjectNotFound, check, first_error
+from kvcore.errors import (
+    CODES,
+    ConfigError,
+    LeaseExpired,
+    MooncakeError,
+    NoSpace,
+    ObjectNotFound,
+    check,
+    error_for,
+    first_error,
+    is_leased,
+    is_missing,
+    is_no_space,
+    is_not_found,
+    is_rpc_down,
+)
 from kvcore.geometry import KVGeometry, block_runs
 
 pytestmark = pytest.mark.unit
@@ -168,3 +183,22 @@ def test_status_codes_become_typed_errors():
     assert first_error([0, 12], "batch_get") is None
     unknown = first_error([-12345], "op")
     assert type(unknown) is MooncakeError and unknown.code == -12345
+
+
+def test_status_code_table_and_predicates():
+    import kvcore.errors as errors
+
+    assert len({row.code for row in CODES}) == len(CODES)
+    for row in CODES:  # one class per row, importable by its name, raised for its code
+        cls = getattr(errors, row.cls)
+        e = error_for(row.code, "op")
+        assert type(e) is cls and issubclass(cls, MooncakeError)
+        assert (e.code, e.name, e.cause) == (row.code, row.name, row.cause)
+        assert (is_missing(row.code), is_rpc_down(row.code)) == (row.missing, row.rpc_down) == (is_missing(e),
+                                                                                                is_rpc_down(e))
+    assert [row.code for row in CODES if row.missing] == [-703, -704, -707]
+    assert [row.code for row in CODES if row.rpc_down] == [-1, -900, -901]
+    for ok in (0, 1, 4096):
+        assert not (is_missing(ok) or is_rpc_down(ok) or is_no_space(ok) or is_not_found(ok) or is_leased(ok))
+    assert is_no_space(-200) and is_not_found(-704) and is_leased(-706) and not is_not_found(-707)
+    assert not (is_missing(-12345) or is_rpc_down(-12345)) and error_for(-12345, "op").cause == "error"

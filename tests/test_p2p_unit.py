@@ -13,7 +13,7 @@ import requests
 from kvcore.errors import ConfigError
 from kvcore.geometry import Region
 from p2p import bootstrap
-from p2p.config import from_extra
+from p2p.config import load_config
 from p2p.protocol import (
     DoneAck,
     PullDone,
@@ -26,6 +26,7 @@ from p2p.protocol import (
     encode,
     parse_query,
 )
+from tests.support import wait_for
 
 # ---------------------------------------------------------------- protocol
 
@@ -54,17 +55,17 @@ def test_protocol_roundtrip_and_tags():
 def test_config_strict_and_defaults(monkeypatch):
     monkeypatch.setenv("VLLM_MOONCAKE_BOOTSTRAP_PORT", "9111")
     monkeypatch.setenv("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", "77")
-    c = from_extra({"mooncake_protocol": "rdma", "device_name": "mlx5_0"})
+    c = load_config({"mooncake_protocol": "rdma", "device_name": "mlx5_0"})
     assert (c.protocol, c.device_name, c.bootstrap_port, c.abort_timeout_s) == ("rdma", "mlx5_0", 9111, 77.0)
     assert c.bootstrap_host == "127.0.0.1" and c.bootstrap_url == "http://127.0.0.1:9111"
     monkeypatch.delenv("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT")
-    assert from_extra({}).abort_timeout_s == 480.0
+    assert load_config({}).abort_timeout_s == 480.0
     with pytest.raises(ConfigError, match="transfer_timeot_s"):
-        from_extra({"transfer_timeot_s": 3})
+        load_config({"transfer_timeot_s": 3})
     with pytest.raises(ConfigError, match="transfer_timeout_s"):
-        from_extra({"transfer_timeout_s": -1})
+        load_config({"transfer_timeout_s": -1})
     with pytest.raises(ConfigError):
-        from_extra({"num_workers": "many"})
+        load_config({"num_workers": "many"})
 
 
 # ---------------------------------------------------------------- bootstrap
@@ -125,13 +126,13 @@ class Side:
         import torch
 
         from kvcore.geometry import KVGeometry
-        from p2p.transfer import Engine
+        from p2p.transfer import TransferEngineHandle
 
         g = torch.Generator().manual_seed(seed)
         self.buf = torch.randn(layers, num_blocks, 2, 32, 128, generator=g).to(torch.bfloat16)
         self.kv = {f"model.layers.{i}.self_attn.attn": self.buf[i] for i in range(layers)}
         self.geo = KVGeometry.from_kv_caches(self.kv, num_blocks)
-        self.engine = Engine("127.0.0.1", "tcp", "")
+        self.engine = TransferEngineHandle("127.0.0.1", "tcp", "")
         self.engine.register(self.geo.buffers)
 
     def pages(self, blocks):
@@ -162,13 +163,7 @@ def _job(boot, tid, start, blocks, timeout=10.0, engine="eng-P", url=None):
 
 
 def _wait(fn, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = fn()
-        if v:
-            return v
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
+    return wait_for(fn, timeout, 0.02, what="a result of the pair")
 
 
 @pytest.mark.integration

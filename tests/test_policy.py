@@ -9,7 +9,8 @@ import pytest
 from kvcore.plan import Source
 from multi.calibration import OnlineFit
 from multi.config import load_config
-from multi.policy import Inputs, Model, PolicyConfig, requested_source
+from mcstore.config import composite_role
+from multi.policy import CostModel, Inputs, PolicyConfig, TierReach, requested_source
 from kvcore.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -18,8 +19,8 @@ BPT = 8192.0  # bytes of KV per token (the small model)
 
 
 def inputs(n, local=0, store=0, p2p=False, elapsed=0.0):
-    return Inputs(prompt_tokens=n, local_tokens=local, store_tokens=store, p2p=p2p, bytes_per_token=BPT,
-                  prefill_elapsed_s=elapsed)
+    return Inputs(prompt_tokens=n, local_tokens=local, bytes_per_token=BPT, prefill_elapsed_s=elapsed,
+                  tiers=[TierReach("store", store), TierReach("p2p", n if p2p else 0, remote_prefill=True)])
 
 
 def covers(plan, n):
@@ -30,7 +31,7 @@ def covers(plan, n):
 
 
 def test_short_prompt_recomputes_long_prompt_loads():
-    m = Model(PolicyConfig())
+    m = CostModel(PolicyConfig())
     short, _, _ = m.choose(inputs(40, store=32, p2p=True))
     assert short.name == "recompute"
     long, plans, _ = m.choose(inputs(4096, store=4064, p2p=True))
@@ -40,24 +41,24 @@ def test_short_prompt_recomputes_long_prompt_loads():
 
 
 def test_store_prefix_then_p2p_for_the_rest():
-    m = Model(PolicyConfig())
+    m = CostModel(PolicyConfig())
     plan, plans, _ = m.choose(inputs(4096, store=2048, p2p=True))
     assert plan.name == "store+p2p", [(p.name, p.seconds) for p in plans]
-    assert [(s.start, s.end, s.source.value) for s in plan.segments] == [
+    assert [(s.start, s.end, s.source) for s in plan.segments] == [
         (0, 2048, "store"), (2048, 4095, "p2p"), (4095, 4096, "recompute")]
 
 
 def test_local_prefix_is_never_reloaded():
-    m = Model(PolicyConfig())
+    m = CostModel(PolicyConfig())
     plan, plans, _ = m.choose(inputs(4096, local=1024, store=2048, p2p=True))
     for p in plans:
         covers(p, 4096)
         assert p.segments[0].source == Source.LOCAL and p.segments[0].end == 1024
-    assert plan.tokens(Source.STORE) == 1024
+    assert plan.tokens("store") == 1024
 
 
 def test_forced_sources_are_obeyed_or_fall_back():
-    m = Model(PolicyConfig())
+    m = CostModel(PolicyConfig())
     x = inputs(4096, store=2048, p2p=True)
     assert m.choose(x, "recompute")[0].name == "recompute"
     assert m.choose(x, "store")[0].name == "store"
@@ -70,7 +71,7 @@ def test_forced_sources_are_obeyed_or_fall_back():
 
 
 def test_no_sources_means_recompute():
-    plan, plans, _ = Model(PolicyConfig()).choose(inputs(4096))
+    plan, plans, _ = CostModel(PolicyConfig()).choose(inputs(4096))
     assert [p.name for p in plans] == ["recompute"] and plan.tokens(Source.RECOMPUTE) == 4096
 
 
@@ -108,5 +109,5 @@ def test_config_errors():
     with pytest.raises(ConfigError, match="default_source"):
         load_config({"p2p": {}, "default_source": "disk"})
     cfg = load_config({"p2p": {}, "policy": {"local_compute_weight": 1.0}})
-    assert cfg.policy.local_compute_weight == 1.0 and cfg.store_role("kv_consumer") == "kv_consumer"
-    assert load_config({"store": {}, "write_back": True}).store_role("kv_consumer") == "kv_both"
+    assert cfg.policy.local_compute_weight == 1.0 and composite_role("kv_consumer", cfg.write_back) == "kv_consumer"
+    assert composite_role("kv_consumer", load_config({"store": {}, "write_back": True}).write_back) == "kv_both"

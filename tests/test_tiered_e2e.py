@@ -12,6 +12,7 @@ import requests
 
 from kvcore.procs import Proc, free_port
 from tests.harness import LOGS, Engine, cached_tokens, model_dir, prompt_ids, reference_tokens, start_engines
+from tests.support import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -80,15 +81,6 @@ def dep(store_cluster):
 def plan_of(resp) -> list[tuple[int, int, str]]:
     params = resp.get("kv_transfer_params") or {}
     return [(r["start"], r["end"], r["source"]) for r in params.get("kv_plan", [])]
-
-
-def wait_for(pred, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def test_store_prefix_and_p2p_tail_in_one_request(dep):

@@ -20,12 +20,15 @@ import pytest
 import requests
 
 from kvcore.procs import Proc, free_port
-from mcstore.inspect import Inspector
+from mcstore.tools.inspect import Inspector
 from mcstore.server import CLIENT_ENV, StoreCluster
-from mcstore.toolkeys import Renderer, derive_meta
-from mcstore.warmup import OfflineRunner, Prefix, ServerRunner, split_text, warmup
-from tests.harness import ENGINE_ENV, LOGS, ROOT, Engine, cached_tokens, model_dir, prompt_ids
+from mcstore.tools.engine import Renderer, derive_meta
+from mcstore.tools.warmup import OfflineRunner, Prefix, ServerRunner, split_text, warmup
+from kvcore.platform import engine_dtype
+from multi.deploy import engine_env
+from tests.harness import LOGS, ROOT, Engine, cached_tokens, model_dir, prompt_ids
 from tests.store_util import raw_client, store_kv
+from tests.support import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -41,8 +44,8 @@ def paragraph(seed: int, words: int = 160) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "multi.cli", *args], capture_output=True, text=True,
+def cli(*args: str, timeout: float = 180, input: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "multi.cli", *args], capture_output=True, text=True, input=input,
                           timeout=timeout, cwd=str(ROOT), env={**__import__("os").environ, **CLIENT_ENV})
 
 
@@ -63,11 +66,12 @@ def env(baseline):
         server = Proc("tools-inspect", [
             sys.executable, "-m", "multi.cli", "inspect", "serve", "--master", cluster.master_addr,
             "--admin", admin, "--model", model, "--kv-config", json.dumps(kv), "--block-size", "32",
+            "--dtype", engine_dtype(),
             "--port", str(http_port), "--token", TOKEN, "--engine", engine.url,
-        ], LOGS / f"tools-inspect-{http_port}.log", env={**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0"},
+        ], LOGS / f"tools-inspect-{http_port}.log", env=engine_env(0),
             cwd=str(ROOT))
         procs.append(server)
-        meta = derive_meta(model, kv, block_size=32)  # while the engine boots
+        meta = derive_meta(model, kv, block_size=32, dtype=engine_dtype())  # while the engine boots
         baseline.tokens(prompt_ids(80, 0), 1)  # start the baseline engine meanwhile
         engine.wait_ready()
         server.wait_port(http_port, 240)
@@ -93,16 +97,6 @@ def expected_links(env) -> set[str]:
     return {link.rsplit("/", 1)[1] for toks in env.stored for link in ks.links(toks)}
 
 
-def wait_for(pred, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_split_text_rules():
     assert split_text("a\nb\n\nc\n") == ["a\nb", "c"]
     assert split_text("a\nb\nc\n") == ["a", "b", "c"]
@@ -111,7 +105,7 @@ def test_split_text_rules():
 
 def test_store_config_in_every_connector_shape(tmp_path):
     from kvcore.errors import ConfigError
-    from mcstore.toolkeys import read_kv_config, store_extra
+    from mcstore.tools.engine import read_kv_config, store_extra
 
     extra = {"master": "127.0.0.1:1", "chunk_tokens": 64}
     plain = store_kv("127.0.0.1:1")
@@ -133,7 +127,7 @@ def test_tool_fingerprint_equals_engine(env):
     prompt = prompt_ids(3 * CHUNK + 20, 501)
     env.engine.complete(prompt, max_tokens=1)
     env.stored.append(prompt)
-    wait_for(lambda: len(engine_keys(env)) >= 3, what="the engine's saves")
+    wait_for(lambda: len(engine_keys(env)) >= 3, 20.0, what="the engine's saves")
     assert {k.split("/")[1] for k in engine_keys(env)} == {env.meta.fingerprint[:16]}
     lk = env.insp.lookup(prompt)
     assert lk.hit_tokens == 3 * CHUNK and lk.loadable_tokens == 3 * CHUNK
@@ -145,6 +139,35 @@ def test_tool_fingerprint_equals_engine(env):
     # A different prompt, and the same prompt under a cache_salt, are misses.
     assert env.insp.lookup(prompt_ids(3 * CHUNK, 502)).hit_tokens == 0
     assert env.insp.lookup(prompt, cache_salt="other-tenant").hit_tokens == 0
+
+
+def test_engine_publishes_its_key_space_and_warmup_needs_only_its_url(env, tmp_path):
+    """The engine's connector published its key space at start (before any warmup), so
+    `inspect summary` names its model and `mctier warmup --server URL FILE` needs nothing
+    else (the master given here is the test's, not the default one)."""
+    published = env.insp.read_meta(env.meta.fingerprint[:16])
+    assert published is not None, "the engine did not publish its metadata at start"
+    assert (published.fingerprint, published.chunk_tokens, published.model) == (
+        env.meta.fingerprint, CHUNK, env.model)
+    rows = {f.fingerprint: f for f in env.insp.summary().fingerprints}
+    assert rows[env.meta.fingerprint[:16]].model == env.model
+    paras = [paragraph(40), paragraph(41)]
+    f = tmp_path / "prefixes.txt"
+    f.write_text("\n\n".join(paras) + "\n")
+    r = cli("warmup", str(f), "--server", env.engine.url, "--master", env.cluster.master_addr, "--json",
+            "--no-progress")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(r.stdout)
+    assert rep["fingerprint"] == env.meta.fingerprint[:16] and rep["failed"] == 0
+    toks = [env.renderer.text(p) for p in paras]
+    assert [p["hit_tokens"] for p in rep["prefixes"]] == [len(t) // CHUNK * CHUNK for t in toks]
+    env.stored.extend(toks)
+    # The admin API found from the master (the store server published it), no --admin.
+    out = cli("inspect", "lookup", "--master", env.cluster.master_addr, "--fingerprint", env.meta.fingerprint[:16],
+              "--tokens", "-", "--json", timeout=120, input=json.dumps(toks[0]))
+    assert out.returncode == 0, out.stderr[-2000:]
+    lk = json.loads(out.stdout)
+    assert lk["hit_tokens"] == len(toks[0]) // CHUNK * CHUNK and {c["tier"] for c in lk["chunks"]} == {"memory"}
 
 
 def test_warmup_server_cli_stores_verifies_and_is_idempotent(env, baseline, tmp_path):
@@ -201,10 +224,10 @@ def test_warmup_offline_jsonl(env, baseline, tmp_path):
     messages = [{"role": "system", "content": paragraph(30)}, {"role": "user", "content": "hello"}]
     f = tmp_path / "prefixes.jsonl"
     f.write_text(json.dumps({"messages": messages}) + "\n" + json.dumps({"prompt": paragraph(31)}) + "\n")
-    from mcstore.warmup import read_prefixes
+    from mcstore.tools.warmup import read_prefixes
 
     prefixes = read_prefixes(str(f), env.renderer)
-    runner = OfflineRunner(env.model, env.kv, block_size=32, dtype="auto", kv_cache_dtype="auto", tp=1,
+    runner = OfflineRunner(env.model, env.kv, block_size=32, dtype=engine_dtype(), kv_cache_dtype="auto", tp=1,
                            max_model_len=None, log=str(LOGS / "tools-offline-warmup.log"),
                            env={**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0"})
     rep = warmup(prefixes, env.meta, env.cluster.master_addr, runner, progress=False)
@@ -284,7 +307,7 @@ def test_inspection_faces(env, face):
     assert mine["chunks"] == mine["objects"] == len(want)
     assert mine["bytes"] == len(want) * env.obj_bytes == mine["memory"]["bytes"]
     assert mine["disk"]["objects"] == 0
-    assert mine["chunk_tokens"] == CHUNK and mine["model"] == env.model  # from warmup's metadata object
+    assert mine["chunk_tokens"] == CHUNK and mine["model"] == env.model  # from the published metadata object
     assert (rows[fp[:16]]["objects"], rows[fp[:16]]["bytes"]) == (3, 3 * 4096)
     assert summ["other_keys"] >= 1 and summ["keys"] == len(env.insp.admin.all_keys())
     assert summ["segments"] and summ["segments"][0]["capacity_bytes"] == 16 << 20

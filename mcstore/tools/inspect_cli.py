@@ -9,35 +9,12 @@ import sys
 import msgspec
 
 from kvcore.errors import ConfigError
-from mcstore.inspect import (
-    Inspector,
-    KeyList,
-    Lookup,
-    NotFound,
-    RemoveResult,
-    Stats,
-    Summary,
-    Unavailable,
-)
-from mcstore.toolkeys import Renderer, add_engine_args, meta_from_args, read_kv_config, store_config
-
+from mcstore.tools.engine import add_engine_args
+from mcstore.tools.inspect import Inspector, NotFound, Unavailable
+from mcstore.tools.results import KeyList, Lookup, RemoveResult, Stats, Summary
+from mcstore.tools.text import fmt_bytes, table
 
 # -- rendering --------------------------------------------------------------------------------------------
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def table(headers: list[str], rows: list[list]) -> str:
-    cells = [[str(c) for c in r] for r in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    line = lambda r: "  ".join(c.rjust(w) if c[:1].isdigit() else c.ljust(w) for c, w in zip(r, widths))  # noqa: E731
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, cells)])
 
 
 _ALWAYS = ("master_key_count", "master_allocated_bytes", "master_total_capacity_bytes", "master_soft_pin_key_count",
@@ -46,23 +23,24 @@ _ALWAYS = ("master_key_count", "master_allocated_bytes", "master_total_capacity_
 
 def render(obj) -> str:
     if isinstance(obj, Summary):
-        rows = [[f.fingerprint, f.model or "?", f.chunk_tokens or "?", f.chunks, f.objects, _fmt_bytes(f.bytes),
-                 f"{f.memory.objects} / {_fmt_bytes(f.memory.bytes)}", f"{f.disk.objects} / {_fmt_bytes(f.disk.bytes)}"]
+        rows = [[f.fingerprint, f.model or "?", f.chunk_tokens or "?", f.chunks, f.objects, fmt_bytes(f.bytes),
+                 f"{f.memory.objects} / {fmt_bytes(f.memory.bytes)}", f"{f.disk.objects} / {fmt_bytes(f.disk.bytes)}"]
                 for f in obj.fingerprints]
         out = [table(["fingerprint", "model", "chunk", "chunks", "objects", "bytes", "memory", "disk"], rows)]
-        out.append(f"\n{obj.keys} keys, {_fmt_bytes(obj.bytes)}; not ours: {obj.other_keys} keys, "
-                   f"{_fmt_bytes(obj.other_bytes)}")
+        out.append(f"\n{obj.keys} keys, {fmt_bytes(obj.bytes)}; not ours: {obj.other_keys} keys, "
+                   f"{fmt_bytes(obj.other_bytes)}")
         out.append(table(["segment", "used", "capacity"],
-                         [[s.name, _fmt_bytes(s.used_bytes), _fmt_bytes(s.capacity_bytes)] for s in obj.segments]))
+                         [[s.name, fmt_bytes(s.used_bytes), fmt_bytes(s.capacity_bytes)] for s in obj.segments]))
         return "\n".join(out)
     if isinstance(obj, Lookup):
-        rows = [[c.index, f"[{c.start}, {c.end})", "yes" if c.present else "no", c.tier, _fmt_bytes(c.bytes)]
+        rows = [[c.index, f"[{c.start}, {c.end})", "yes" if c.present else "no", c.tier, fmt_bytes(c.bytes)]
                 for c in obj.chunks]
         head = (f"fingerprint {obj.fingerprint}: {obj.hit_tokens}/{obj.prompt_tokens} prompt tokens stored "
                 f"({obj.loadable_tokens} loadable), {obj.chunk_tokens}-token chunks")
-        return head + "\n" + table(["chunk", "tokens", "present", "tier", "bytes"], rows)
+        tail = f"\n({obj.note})" if obj.note else ""
+        return head + "\n" + table(["chunk", "tokens", "present", "tier", "bytes"], rows) + tail
     if isinstance(obj, KeyList):
-        rows = [[k.key, _fmt_bytes(k.bytes), "+".join(k.tiers) or "-", k.replicas] for k in obj.keys]
+        rows = [[k.key, fmt_bytes(k.bytes), "+".join(k.tiers) or "-", k.replicas] for k in obj.keys]
         tail = f"\n{obj.total} keys under {obj.prefix!r}" + (f", first {len(obj.keys)} shown" if obj.truncated else "")
         return table(["key", "bytes", "tiers", "replicas"], rows) + tail
     if isinstance(obj, RemoveResult):
@@ -107,25 +85,16 @@ def _read_messages(path: str) -> list[dict]:
     return data
 
 
-def inspector_from_args(a) -> Inspector:
-    meta = meta_from_args(a)
-    if not a.master:
-        a.master = (store_config(read_kv_config(a.kv_config)).master if getattr(a, "kv_config", None)
-                    else "127.0.0.1:50051")
-    renderer = Renderer(a.model) if getattr(a, "model", None) and a.cmd_inspect in ("lookup", "serve") else None
-    return Inspector(a.master, a.admin, meta, renderer, getattr(a, "engine", None), a.key_prefix)
-
-
 def _run(a, rest) -> int:
-    if a.cmd_inspect == "serve":
-        from mcstore.inspect_http import serve
-
-        return serve(a)
     try:
-        insp = inspector_from_args(a)
+        insp = Inspector.from_args(a)
     except (ConfigError, ValueError) as e:
-        print(f"mctier inspect: {e}", file=sys.stderr)
+        print(f"mctier inspect {a.cmd_inspect}: {e}", file=sys.stderr)
         return 2
+    if a.cmd_inspect == "serve":
+        from mcstore.tools.inspect_http import serve
+
+        return serve(insp, a.host, a.port, a.token or os.environ.get("MCTIER_INSPECT_TOKEN") or None)
     try:
         if a.cmd_inspect == "summary":
             out = insp.summary()
@@ -164,7 +133,8 @@ def add_parser(sub) -> None:
                        help="mooncake_master RPC address HOST:PORT (env MCTIER_MASTER; default: from "
                             "--kv-config, else 127.0.0.1:50051)")
         q.add_argument("--admin", default=os.environ.get("MCTIER_MASTER_ADMIN"),
-                       help="master HTTP admin/metrics URL (default http://MASTER_HOST:9003; env MCTIER_MASTER_ADMIN)")
+                       help="master HTTP admin/metrics URL (env MCTIER_MASTER_ADMIN; default: the address the "
+                            "store server published, else http://MASTER_HOST:9003)")
         q.add_argument("--key-prefix", default="mct")
         q.add_argument("--json", action="store_true", help="one JSON object on stdout")
         if engine_settings:
@@ -179,7 +149,7 @@ def add_parser(sub) -> None:
     src.add_argument("--tokens", help="file (or -) with token ids: JSON list or whitespace-separated")
     src.add_argument("--messages", help="JSON file with chat messages (rendered with the chat template)")
     lk.add_argument("--no-generation-prompt", action="store_true", help="render messages without the assistant header")
-    lk.add_argument("--fingerprint", help="look up under this fingerprint (its metadata was published by warmup)")
+    lk.add_argument("--fingerprint", help="look up under this fingerprint (published by its engine at start; see `inspect summary`)")
     lk.add_argument("--cache-salt")
     ks = ops.add_parser("keys", help="list keys with size and tiers")
     common(ks)

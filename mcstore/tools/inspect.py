@@ -1,27 +1,26 @@
-"""What the store holds: one implementation behind three faces.
+"""What the store holds: one implementation (:class:`Inspector`) behind three faces.
 
-* Python: :class:`Inspector` methods return msgspec structs.
+* Python: :class:`Inspector` methods return the structs of :mod:`mcstore.tools.results`.
 * CLI: ``mctier inspect summary | lookup | keys | remove | stats [--json]``
-  (:mod:`mcstore.inspect_cli`).
-* HTTP: ``mctier inspect serve`` (:mod:`mcstore.inspect_http`).
+  (:mod:`mcstore.tools.inspect_cli`).
+* HTTP: ``mctier inspect serve`` (:mod:`mcstore.tools.inspect_http`), which serves an Inspector.
 
-Sources of truth, all real:
+Sources of truth, all real, all through :class:`mcstore.client.StoreClient` (and its breaker):
 
-* the master's HTTP admin API on its metrics port (``--admin``, default
-  ``http://MASTER_HOST:9003``): ``/get_all_keys`` (complete objects only),
-  ``/batch_query_keys`` (replica descriptors per key: size, memory replicas,
-  disk replicas) and ``/metrics``. A query grants the key a read lease
-  (``default_kv_lease_ttl``), as any read does;
-* a pure Mooncake client (no segment) for the metadata objects that warmup
-  publishes under ``{prefix}/{fp16}/meta`` and for removal;
-* an engine's ``/metrics`` (``--engine URL``) for the connector counters
-  (``vllm:mctier_*``).
+* the master's HTTP admin API (:class:`mcstore.client.MasterAdmin`): ``--admin``, else the
+  address the store server published in the store, else ``http://MASTER_HOST:9003``.
+  ``/get_all_keys`` (complete objects only), ``/batch_query_keys`` (replica descriptors per
+  key: size, memory replicas, disk replicas) and ``/metrics``. A query grants the key a read
+  lease (``default_kv_lease_ttl``), as any read does;
+* the master's RPC port for the metadata objects engines publish under
+  ``{prefix}/{fp16}/meta``, for presence when the admin API does not answer (a lookup then
+  still answers the hit depth, with tier ``unknown``) and for removal;
+* an engine's ``/metrics`` (``--engine URL``) for the connector counters (``vllm:mctier_*``).
 
-A prompt's lookup needs the engine's key space: derived from the engine's
-settings (:mod:`mcstore.toolkeys`) or, with ``--fingerprint FP16``, read from the
-metadata object warmup published for that fingerprint. ``hit_tokens`` is the
-store's hit depth: leading tokens covered by chunks whose every TP part is
-present; an engine loads at most ``prompt_tokens - 1`` of them
+A prompt's lookup needs the engine's key space: derived from the engine's settings
+(:mod:`mcstore.tools.engine`) or, with a fingerprint, read from the metadata object the
+engine published. ``hit_tokens`` is the store's hit depth: leading tokens covered by chunks
+whose every TP part is present; an engine loads at most ``prompt_tokens - 1`` of them
 (``loadable_tokens``).
 """
 
@@ -32,169 +31,31 @@ import threading
 import time
 from collections.abc import Sequence
 
-import msgspec
 import requests
 
-from kvcore.errors import ConfigError
-from mcstore.keys import KeySpace
-from mcstore.toolkeys import META_SUFFIX, EngineMeta, Renderer
+from kvcore.errors import ConfigError, is_leased, is_not_found, is_rpc_down
+from kvcore.procs import port_open
+from mcstore.admin import MasterAdmin, Unavailable
+from mcstore.client import StoreClient
+from mcstore.keys import META_SUFFIX, EngineMeta, KeySpace
+from mcstore.tools.engine import Renderer, meta_from_args, read_kv_config, store_config
+from mcstore.tools.results import (
+    ChunkInfo,
+    FingerprintSummary,
+    KeyInfo,
+    KeyList,
+    Lookup,
+    NotFound,
+    RemoveResult,
+    Replicas,
+    SegmentInfo,
+    Stats,
+    Summary,
+)
+
+__all__ = ["Inspector", "NotFound", "Unavailable", "parse_key"]
 
 _HEX16 = re.compile(r"^[0-9a-f]{16}([0-9a-f]{48})?$")
-_QUERY_BATCH = 64
-
-
-class Unavailable(RuntimeError):
-    """The master (or an engine) did not answer."""
-
-
-class NotFound(LookupError):
-    pass
-
-
-# -- results ---------------------------------------------------------------------------
-
-
-class TierUsage(msgspec.Struct):
-    objects: int = 0
-    bytes: int = 0
-
-
-class FingerprintSummary(msgspec.Struct, kw_only=True):
-    fingerprint: str
-    model: str | None = None
-    chunk_tokens: int | None = None
-    objects: int = 0
-    chunks: int = 0
-    bytes: int = 0
-    memory: TierUsage = msgspec.field(default_factory=TierUsage)
-    disk: TierUsage = msgspec.field(default_factory=TierUsage)
-
-
-class Segment(msgspec.Struct):
-    name: str
-    capacity_bytes: int
-    used_bytes: int
-
-
-class Summary(msgspec.Struct, kw_only=True):
-    keys: int
-    bytes: int
-    fingerprints: list[FingerprintSummary]
-    other_keys: int
-    other_bytes: int
-    segments: list[Segment]
-
-
-class ChunkInfo(msgspec.Struct, kw_only=True):
-    index: int
-    start: int
-    end: int
-    present: bool
-    tier: str  # memory | disk | memory+disk | mixed | missing
-    bytes: int
-    keys: list[str]
-
-
-class Lookup(msgspec.Struct, kw_only=True):
-    fingerprint: str
-    chunk_tokens: int
-    prompt_tokens: int
-    hit_tokens: int
-    loadable_tokens: int
-    chunks: list[ChunkInfo]
-
-
-class KeyInfo(msgspec.Struct):
-    key: str
-    bytes: int
-    tiers: list[str]
-    replicas: int
-
-
-class KeyList(msgspec.Struct, kw_only=True):
-    prefix: str
-    total: int
-    truncated: bool
-    keys: list[KeyInfo]
-
-
-class RemoveResult(msgspec.Struct, kw_only=True):
-    fingerprint: str
-    matched: int
-    removed: int
-    busy: int  # still leased (being read) at the deadline; retry or --force
-    failed: dict[str, int]
-
-
-class Stats(msgspec.Struct, kw_only=True):
-    master: dict[str, float]
-    engine_url: str | None = None
-    engine: dict[str, float] | None = None
-
-
-# -- the master's admin API ----------------------------------------------------------------
-
-
-class Replicas(msgspec.Struct):
-    ok: bool
-    bytes: int
-    tiers: list[str]
-    copies: int = 0  # replicas over all tiers
-
-
-class MasterAdmin:
-    """The master's HTTP admin endpoints (its ``--metrics_port``)."""
-
-    def __init__(self, url: str, timeout: float = 5.0):
-        self.url = url.rstrip("/")
-        self.timeout = timeout
-
-    def _get(self, path: str, **params) -> requests.Response:
-        try:
-            r = requests.get(self.url + path, params=params or None, timeout=self.timeout)
-        except requests.RequestException as e:
-            raise Unavailable(f"master admin API {self.url} not reachable: {e}") from None
-        if r.status_code >= 500:
-            raise Unavailable(f"master admin API {self.url}{path}: HTTP {r.status_code} {r.text[:200]}")
-        return r
-
-    def all_keys(self) -> list[str]:
-        return self._get("/get_all_keys").text.split()
-
-    def query(self, keys: Sequence[str]) -> dict[str, Replicas]:
-        out: dict[str, Replicas] = {}
-        for i in range(0, len(keys), _QUERY_BATCH):
-            batch = keys[i:i + _QUERY_BATCH]
-            if any("," in k for k in batch):
-                raise ValueError("keys with ',' cannot be queried through the admin API")
-            r = self._get("/batch_query_keys", keys=",".join(batch))
-            data = (r.json().get("data") or {}) if r.ok else {}
-            for k in batch:
-                out[k] = _replicas(data.get(k))
-        return out
-
-    def segments(self) -> list[Segment]:
-        r = self._get("/get_segments_detail")
-        return [Segment(s.get("segment_name", "?"), int(s.get("allocator_capacity_bytes") or s.get("size_bytes") or 0),
-                        int(s.get("allocator_used_bytes") or 0)) for s in (r.json().get("segments") or [])]
-
-    def metrics_text(self) -> str:
-        return self._get("/metrics").text
-
-
-def _replicas(entry: dict | None) -> Replicas:
-    if not entry or not entry.get("ok"):
-        return Replicas(False, 0, [])
-    tiers, size, copies = [], 0, 0
-    for field, tier in (("values", "memory"), ("disk_values", "disk"), ("local_disk_values", "disk"),
-                        ("nof_values", "disk")):
-        reps = entry.get(field) or []
-        if reps and tier not in tiers:
-            tiers.append(tier)
-        copies += len(reps)
-        for rep in reps:
-            size = size or int(rep.get("size_") or rep.get("size") or 0)
-    return Replicas(bool(tiers), size, tiers, copies)
 
 
 def parse_key(key: str) -> tuple[str, str, str] | None:
@@ -222,9 +83,6 @@ def _prom_samples(text: str, keep) -> dict[str, float]:
     return out
 
 
-# -- the inspector -----------------------------------------------------------------------------
-
-
 class Inspector:
     """Read-mostly view of a store; ``meta`` is the default engine key space for lookups."""
 
@@ -234,44 +92,62 @@ class Inspector:
         if not sep or not port.isdigit():
             raise ConfigError(f"--master must be HOST:PORT, got {master!r}")
         self.master = master
-        self.admin = MasterAdmin(admin or f"http://{host}:9003")
+        self.admin_url = admin.rstrip("/") if admin else None
         self.meta = meta
         self.renderer = renderer
         self.engine_url = engine_url.rstrip("/") if engine_url else None
         self.key_prefix = meta.key_prefix if meta is not None else key_prefix
-        self._client = None
-        self._client_lock = threading.Lock()
+        self._client: StoreClient | None = None
+        self._admin: MasterAdmin | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_args(cls, a) -> Inspector:
+        """From ``mctier inspect`` flags: ``--master`` (else ``--kv-config``'s, else
+        127.0.0.1:50051), ``--admin``, ``--key-prefix``, ``--engine``, the engine settings."""
+        meta = meta_from_args(a)
+        master = a.master or (store_config(read_kv_config(a.kv_config)).master if getattr(a, "kv_config", None)
+                              else "127.0.0.1:50051")
+        model = getattr(a, "model", None)
+        renderer = Renderer(model) if model and getattr(a, "cmd_inspect", None) in ("lookup", "serve") else None
+        return cls(master, a.admin, meta, renderer, getattr(a, "engine", None), a.key_prefix)
 
     @property
-    def client(self):
-        with self._client_lock:
-            return self._make_client()
+    def client(self) -> StoreClient:
+        with self._lock:
+            if self._client is None:
+                self._client = StoreClient.for_tool(self.master, "inspect")
+            return self._client
 
-    def _make_client(self):
-        if self._client is None:
-            from mcstore.client import StoreClient
-            from mcstore.config import StoreConfig
-
-            self._client = StoreClient(StoreConfig(master=self.master, local_buffer_size="4MB"), "inspect",
-                                       segment=False)
-        return self._client
+    @property
+    def admin(self) -> MasterAdmin:
+        """The master's admin API: the given URL, else the published one (asks the master)."""
+        if self._admin is None:
+            admin = MasterAdmin(self.admin_url) if self.admin_url else self.client.admin()
+            with self._lock:
+                self._admin = self._admin or admin
+        return self._admin
 
     def close(self) -> None:
-        with self._client_lock:
+        with self._lock:
             if self._client is not None:
                 self._client.close()
                 self._client = None
 
+    def health(self) -> dict:
+        host, _, port = self.master.rpartition(":")
+        try:
+            admin = self.admin
+            admin_ok = admin.healthy()
+        except (ConfigError, Unavailable):
+            admin, admin_ok = None, False
+        return {"master": port_open(int(port), host, 2.0), "admin": admin_ok,
+                "admin_url": admin.url if admin else self.admin_url}
+
     # -- metadata objects ---------------------------------------------------------------------
 
     def read_meta(self, fp16: str) -> EngineMeta | None:
-        raw = self.client.store.get(f"{self.key_prefix}/{fp16}/{META_SUFFIX}")
-        if not raw:
-            return None
-        try:
-            return msgspec.json.decode(raw, type=EngineMeta)
-        except msgspec.DecodeError:
-            return None
+        return self.client.read(f"{self.key_prefix}/{fp16}/{META_SUFFIX}", EngineMeta)
 
     def key_space(self, fingerprint: str | None = None) -> KeySpace:
         if fingerprint is None:
@@ -285,15 +161,18 @@ class Inspector:
             return self.meta.key_space()
         meta = self.read_meta(fp[:16])
         if meta is None or not meta.fingerprint.startswith(fp):
-            raise NotFound(f"no metadata for fingerprint {fp[:16]} (published by `mctier warmup`); "
-                           f"pass the engine settings (--model/--kv-config) instead")
+            raise NotFound(f"no metadata for fingerprint {fp[:16]} (engines publish it when they start; "
+                           f"`mctier inspect summary` lists them); pass the engine settings (--model/--kv-config)")
         return meta.key_space()
+
+    def _replicas(self, keys: Sequence[str]) -> dict[str, Replicas]:
+        return {k: Replicas.from_admin(v) for k, v in self.admin.query(list(keys)).items()}
 
     # -- operations ---------------------------------------------------------------------------------
 
     def summary(self) -> Summary:
         keys = self.admin.all_keys()
-        reps = self.admin.query(keys)
+        reps = self._replicas(keys)
         fps: dict[str, FingerprintSummary] = {}
         links: dict[str, set[str]] = {}
         other_keys = other_bytes = total = 0
@@ -323,8 +202,11 @@ class Inspector:
             fs.model, fs.chunk_tokens = fs.model or self.meta.model, fs.chunk_tokens or self.meta.chunk_tokens
         for fp, fs in fps.items():
             fs.chunks = len(links.get(fp, ()))
+        segments = [SegmentInfo(s.get("segment_name", "?"),
+                                int(s.get("allocator_capacity_bytes") or s.get("size_bytes") or 0),
+                                int(s.get("allocator_used_bytes") or 0)) for s in self.admin.segments()]
         return Summary(keys=len(keys), bytes=total, fingerprints=sorted(fps.values(), key=lambda f: -f.bytes),
-                       other_keys=other_keys, other_bytes=other_bytes, segments=self.admin.segments())
+                       other_keys=other_keys, other_bytes=other_bytes, segments=segments)
 
     def tokens_of(self, *, prompt: str | None = None, tokens: Sequence[int] | None = None,
                   messages: list[dict] | None = None, add_generation_prompt: bool = True) -> list[int]:
@@ -341,14 +223,26 @@ class Inspector:
             return self.renderer.text(prompt)
         return self.renderer.messages(messages, add_generation_prompt)
 
+    def _presence(self, keys: list[str]) -> tuple[dict[str, Replicas], str | None]:
+        """Replicas per key from the admin API; from the store alone (tier unknown) without it."""
+        try:
+            return self._replicas(keys), None
+        except Unavailable as e:
+            rcs = self.client.exists(keys)
+            if any(is_rpc_down(rc) for rc in rcs):
+                raise Unavailable(f"master {self.master} does not answer (and {e})") from None
+            note = f"tiers and sizes unknown: {e}"
+            return {k: Replicas(rc == 1, 0, ["unknown"] if rc == 1 else [], int(rc == 1))
+                    for k, rc in zip(keys, rcs)}, note
+
     def lookup(self, tokens: Sequence[int], *, fingerprint: str | None = None, cache_salt: str | None = None,
                lora: str | None = None) -> Lookup:
         ks = self.key_space(fingerprint)
         links = ks.links(tokens, cache_salt=cache_salt, lora=lora)
         rank_keys = ks.all_rank_keys(links)
-        reps = self.admin.query(rank_keys)
+        reps, note = self._presence(rank_keys)
         chunks, hit, leading = [], 0, True
-        for i, link in enumerate(links):
+        for i in range(len(links)):
             keys = rank_keys[i * ks.tp_size:(i + 1) * ks.tp_size]
             rs = [reps[k] for k in keys]
             present = all(r.ok for r in rs)
@@ -360,7 +254,7 @@ class Inspector:
             chunks.append(ChunkInfo(index=i, start=i * ks.chunk_tokens, end=(i + 1) * ks.chunk_tokens,
                                     present=present, tier=tier, bytes=sum(r.bytes for r in rs), keys=keys))
         return Lookup(fingerprint=ks.fp[:16], chunk_tokens=ks.chunk_tokens, prompt_tokens=len(tokens),
-                      hit_tokens=hit, loadable_tokens=max(0, min(hit, len(tokens) - 1)), chunks=chunks)
+                      hit_tokens=hit, loadable_tokens=max(0, min(hit, len(tokens) - 1)), chunks=chunks, note=note)
 
     def keys(self, prefix: str | None = None, limit: int = 1000) -> KeyList:
         if limit < 0:
@@ -368,7 +262,7 @@ class Inspector:
         prefix = f"{self.key_prefix}/" if prefix is None else prefix
         matched = sorted(k for k in self.admin.all_keys() if k.startswith(prefix))
         shown = matched[:limit]
-        reps = self.admin.query(shown)
+        reps = self._replicas(shown)
         return KeyList(prefix=prefix, total=len(matched), truncated=len(matched) > len(shown),
                        keys=[KeyInfo(k, reps[k].bytes, reps[k].tiers, reps[k].copies) for k in shown])
 
@@ -383,12 +277,11 @@ class Inspector:
         matched, removed, failed = len(todo), 0, {}
         deadline = time.monotonic() + timeout
         while todo:
-            rcs = list(self.client.store.batch_remove(todo, force))
             busy = []
-            for k, rc in zip(todo, rcs):
-                if rc == 0 or rc == -704:  # -704: already gone (evicted or removed meanwhile)
+            for k, rc in zip(todo, self.client.remove(todo, force)):
+                if rc == 0 or is_not_found(rc):  # not found: already gone (evicted or removed meanwhile)
                     removed += rc == 0
-                elif rc == -706:
+                elif is_leased(rc):
                     busy.append(k)
                 else:
                     failed[str(rc)] = failed.get(str(rc), 0) + 1

@@ -1,4 +1,5 @@
-"""``mctier warmup``: store the KV of prefixes that will recur, so the first real request hits.
+"""Warmup: store the KV of prefixes that will recur, so the first real request hits
+(``mctier warmup``, :mod:`mcstore.tools.warmup_cli`).
 
 Input (``FILE``, ``-`` for stdin):
 
@@ -10,12 +11,13 @@ Input (``FILE``, ``-`` for stdin):
   template, no generation prompt unless ``"add_generation_prompt": true``) or
   ``{"tokens": [...]}``; each may carry ``"cache_salt"``.
 
-Two ways to compute the KV: ``--server URL`` sends each prefix (as token ids) to a
-live engine whose store connector saves it (``max_tokens=1``); without it, an
-offline vLLM engine in a child process does the same against the store named in
-``--kv-config``. Either way the engine's connector writes the chunks (and dedups
-them). The tool derives the engine's key space from ``--model``/``--kv-config``
-and the engine flags (:mod:`mcstore.toolkeys`) so that it can
+Two ways to compute the KV (:mod:`mcstore.tools.warmup_runners`): ``--server URL``
+sends each prefix (as token ids) to a live engine whose store connector saves it
+(``max_tokens=1``); without it, an offline vLLM engine in a child process does the same
+against the store named in ``--kv-config``. Either way the engine's connector writes the
+chunks (and dedups them). The tool knows the engine's key space (published by the live
+engine, or derived from ``--model``/``--kv-config`` and the engine flags:
+:mod:`mcstore.tools.engine`) so that it can
 
 * skip prefixes whose chunks are all present (re-running is cheap),
 * wait until the engine's asynchronous saves landed and verify the hit depth,
@@ -23,7 +25,7 @@ and the engine flags (:mod:`mcstore.toolkeys`) so that it can
 
 Pinning (``--pin soft|hard``, ``--pin-ttl``, ``--replicas``): the store tier
 saves with the engine-wide replicate config, so the tool re-writes each chunk of
-the prefix with the requested one through its own client: read the bytes, remove
+the prefix with the requested one through its own store client: read the bytes, remove
 the object once no reader holds a lease on it (never forced: a reader in flight
 keeps it), put it back with the pin. During that short window an engine lookup
 misses the chunk and recomputes. Mooncake's ``upsert`` keeps the old pin state,
@@ -34,7 +36,6 @@ Exit status: 0 when every prefix is fully stored (and pinned if asked), 1 otherw
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -42,15 +43,18 @@ from pathlib import Path
 
 import msgspec
 
-from kvcore.errors import ConfigError
+from kvcore.errors import is_leased, is_no_space, is_not_found
 from kvcore.log import get_logger
-from mcstore.keys import KeySpace
-from mcstore.toolkeys import EngineMeta, Renderer, add_engine_args, meta_key, read_kv_config, store_config
-from mcstore.warmup_runners import OfflineRunner, Prefix, ServerRunner
+from mcstore.client import StoreClient, replicate_config
+from mcstore.keys import EngineMeta, KeySpace, meta_key
+from mcstore.tools.engine import Renderer
+from mcstore.tools.warmup_runners import OfflineRunner, Prefix, ServerRunner
 
-logger = get_logger("mcstore.warmup")
+__all__ = ["OfflineRunner", "Prefix", "PrefixResult", "ServerRunner", "WarmupReport", "read_prefixes", "repin",
+           "split_text", "warmup"]
 
-_NO_SPACE, _LEASED, _NOT_FOUND = -200, -706, -704
+logger = get_logger("mcstore.tools.warmup")
+
 _REPIN_BATCH_BYTES = 64 << 20
 
 
@@ -140,27 +144,12 @@ def _present(client, ks: KeySpace, links: list[str]) -> list[bool]:
     return [all(rc == 1 for rc in rcs[i * tp:(i + 1) * tp]) for i in range(len(links))]
 
 
-def replicate_config(pin: str | None, pin_ttl_ms: int | None, replicas: int):
-    from mooncake.store import ReplicateConfig, SoftPinAction
-
-    rc = ReplicateConfig()
-    rc.replica_num = replicas
-    if pin == "hard":
-        rc.with_hard_pin = True
-    elif pin == "soft":
-        rc.soft_pin_action = SoftPinAction.ENABLE
-        if pin_ttl_ms is not None:
-            rc.soft_pin_ttl_ms = pin_ttl_ms
-    return rc
-
-
-def repin(client, keys: list[str], rc, lease_wait_s: float) -> dict[str, str | None]:
+def repin(client: StoreClient, keys: list[str], rc, lease_wait_s: float) -> dict[str, str | None]:
     """Re-write ``keys`` with replicate config ``rc``; per key None or why it failed."""
     import numpy as np
 
-    store = client.store
     out: dict[str, str | None] = {}
-    sizes = {k: store.get_size(k) for k in keys}
+    sizes = dict(zip(keys, client.sizes(keys)))
     for k, s in sizes.items():
         if s <= 0:
             out[k] = f"get_size {s}"
@@ -172,13 +161,13 @@ def repin(client, keys: list[str], rc, lease_wait_s: float) -> dict[str, str | N
             total += sizes[batch[-1]]
         buf = np.empty(total, dtype=np.uint8)
         base = buf.ctypes.data
-        store.register_buffer(base, total)
+        client.register(base, total)
         try:
             ptrs, off = [], 0
             for k in batch:
                 ptrs.append(base + off)
                 off += sizes[k]
-            got = list(store.batch_get_into(batch, ptrs, [sizes[k] for k in batch]))
+            got = client.get_many(batch, ptrs, [sizes[k] for k in batch])
             held = []
             for k, p, g in zip(batch, ptrs, got):
                 if g == sizes[k]:
@@ -189,12 +178,11 @@ def repin(client, keys: list[str], rc, lease_wait_s: float) -> dict[str, str | N
             removable = {k for k, _ in held}
             pending, deadline = sorted(removable), time.monotonic() + lease_wait_s
             while pending:
-                rcs = list(store.batch_remove(pending, False))
                 leased = []
-                for k, r in zip(pending, rcs):
-                    if r == _LEASED:
+                for k, r in zip(pending, client.remove(pending, force=False)):
+                    if is_leased(r):
                         leased.append(k)
-                    elif r not in (0, _NOT_FOUND):
+                    elif r != 0 and not is_not_found(r):
                         out[k] = f"remove {r}"
                         removable.discard(k)
                 pending = leased
@@ -208,13 +196,13 @@ def repin(client, keys: list[str], rc, lease_wait_s: float) -> dict[str, str | N
             to_put = [(k, p) for k, p in held if k in removable]
             deadline = time.monotonic() + 5.0
             while to_put:
-                rcs = list(store.batch_put_from([k for k, _ in to_put], [p for _, p in to_put],
-                                                [sizes[k] for k, _ in to_put], rc))
+                rcs = client.put_many([k for k, _ in to_put], [p for _, p in to_put], [sizes[k] for k, _ in to_put],
+                                      replicate=rc)
                 retry = []
                 for (k, p), r in zip(to_put, rcs):
                     if r == 0:
                         out[k] = None
-                    elif r == _NO_SPACE and time.monotonic() < deadline:
+                    elif is_no_space(r) and time.monotonic() < deadline:  # eviction catches up
                         retry.append((k, p))
                     else:
                         out[k] = f"put {r} (chunk lost; warm up again)"
@@ -222,23 +210,23 @@ def repin(client, keys: list[str], rc, lease_wait_s: float) -> dict[str, str | N
                 if to_put:
                     time.sleep(0.05)
         finally:
-            store.unregister_buffer(base)
+            client.unregister(base)
     return out
 
 
 def warmup(prefixes: list[Prefix], meta: EngineMeta, master: str, runner, *, pin: str | None = None,
            pin_ttl_ms: int | None = None, replicas: int = 1, verify_timeout: float = 30.0,
-           lease_wait_s: float = 12.0, progress: bool = True) -> WarmupReport:
+           lease_wait_s: float = 12.0, progress: bool = True, client: StoreClient | None = None) -> WarmupReport:
+    """Warm ``prefixes`` through ``runner`` into the store at ``master`` (through ``client``
+    if given, else a client of its own) under ``meta``'s key space, which it also publishes."""
     from tqdm import tqdm
-
-    from mcstore.client import StoreClient
-    from mcstore.config import StoreConfig
 
     t0 = time.monotonic()
     ks = meta.key_space()
-    client = StoreClient(StoreConfig(master=master, local_buffer_size="4MB"), "warmup", segment=False)
+    own = client is None
+    client = client if client is not None else StoreClient.for_tool(master, "warmup")
     try:
-        client.store.upsert(meta_key(ks), msgspec.json.encode(meta))
+        client.upsert(meta_key(ks), msgspec.json.encode(meta), replicate_config(hard_pin=True))
         links = [ks.links(p.tokens, cache_salt=p.cache_salt) for p in prefixes]
         results = []
         for i, (p, ls) in enumerate(zip(prefixes, links)):
@@ -268,7 +256,8 @@ def warmup(prefixes: list[Prefix], meta: EngineMeta, master: str, runner, *, pin
             runner.finish()
             bar.close()
         if pin or replicas > 1:
-            rc = replicate_config(pin, pin_ttl_ms, replicas)
+            rc = replicate_config(replicas=replicas, hard_pin=pin == "hard", soft_pin=pin == "soft",
+                                  soft_pin_ttl_ms=pin_ttl_ms)
             keys = []
             for i, r in enumerate(results):
                 if r.status != "failed":
@@ -292,88 +281,15 @@ def warmup(prefixes: list[Prefix], meta: EngineMeta, master: str, runner, *, pin
                 r.error = (f"only {r.hit_tokens} of {r.chunks * ks.chunk_tokens} tokens stored after "
                            f"{verify_timeout:.0f}s: the engine saved elsewhere or not at all (check that it "
                            f"uses master {master}, that --model/--block-size/--dtype match its settings "
-                           f"(tool fingerprint {ks.fp[:16]}, see `mctier inspect summary`), and its "
+                           f"(fingerprint {ks.fp[:16]}, see `mctier inspect summary`), and its "
                            f"save failures in /metrics)")
             elif (pin or replicas > 1) and bad:
                 r.status, r.error = "failed", f"re-pin: {bad[0]}"
             else:
                 r.status = "ok" if i in todo else "present"
     finally:
-        client.close()
+        if own:
+            client.close()
     return WarmupReport(fingerprint=ks.fp[:16], chunk_tokens=ks.chunk_tokens, mode=runner.mode,
                         seconds=round(time.monotonic() - t0, 2),
                         failed=sum(r.status == "failed" for r in results), prefixes=results)
-
-
-# -- CLI --------------------------------------------------------------------------------------
-
-
-def render(rep: WarmupReport) -> str:
-    from mcstore.inspect_cli import table
-
-    rows = [[r.index, r.label, r.tokens, r.chunks, r.present_before, r.stored, r.pinned, r.hit_tokens,
-             r.status if not r.error else f"{r.status}: {r.error}"] for r in rep.prefixes]
-    head = ["#", "prefix", "tokens", "chunks", "present before", "stored", "pinned", "hit tokens", "status"]
-    return (table(head, rows) + f"\n{len(rep.prefixes)} prefixes, {rep.failed} failed, fingerprint "
-            f"{rep.fingerprint}, {rep.chunk_tokens}-token chunks, {rep.mode} mode, {rep.seconds:.1f}s")
-
-
-def _cmd(a, rest) -> int:
-    from mcstore.toolkeys import derive_meta
-
-    if a.pin_ttl is not None and a.pin != "soft":
-        print("mctier warmup: --pin-ttl needs --pin soft", file=sys.stderr)
-        return 2
-    if a.replicas < 1 or a.concurrency < 1:
-        print("mctier warmup: --replicas and --concurrency must be >= 1", file=sys.stderr)
-        return 2
-    try:
-        kv = read_kv_config(a.kv_config)
-        master = a.master or store_config(kv).master
-        renderer = Renderer(a.model)
-        prefixes = read_prefixes(a.file, renderer, a.format)
-        if not prefixes:
-            raise ValueError(f"{a.file}: no prefixes")
-        meta = derive_meta(a.model, kv, block_size=a.block_size, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,
-                           tensor_parallel_size=a.tensor_parallel_size)
-        if a.server:
-            runner = ServerRunner(a.server, a.concurrency)
-        else:
-            runner = OfflineRunner(a.model, kv, block_size=a.block_size, dtype=a.dtype,
-                                   kv_cache_dtype=a.kv_cache_dtype, tp=a.tensor_parallel_size,
-                                   max_model_len=a.max_model_len, log=a.engine_log)
-        rep = warmup(prefixes, meta, master, runner, pin=a.pin, pin_ttl_ms=a.pin_ttl, replicas=a.replicas,
-                     verify_timeout=a.verify_timeout, lease_wait_s=a.lease_wait, progress=not a.no_progress)
-    except (ConfigError, ValueError, OSError) as e:
-        print(f"mctier warmup: {e}", file=sys.stderr)
-        return 2
-    print(msgspec.json.encode(rep).decode() if a.json else render(rep))
-    return 1 if rep.failed else 0
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("warmup", help="pre-compute and store the KV of recurring prefixes (optionally pinned)")
-    p.add_argument("file", help="prefixes: text (paragraphs or lines) or JSONL; - for stdin")
-    p.add_argument("--format", choices=["auto", "text", "jsonl"], default="auto")
-    p.add_argument("--server", help="live engine base URL; without it an offline engine runs in a child process")
-    add_engine_args(p, required=True)
-    p.add_argument("--master", help="master HOST:PORT (default: from --kv-config)")
-    p.add_argument("--max-model-len", type=int, help="offline engine only (default: longest prefix + 16)")
-    p.add_argument("--engine-log", help="offline engine only: append its log here")
-    p.add_argument("--pin", choices=["soft", "hard"], help="pin the prefixes' chunks against eviction")
-    p.add_argument("--pin-ttl", type=int, metavar="MS", help="soft-pin TTL in ms (master default otherwise)")
-    p.add_argument("--replicas", type=int, default=1, help="replicas per chunk (re-written like --pin)")
-    p.add_argument("--concurrency", type=int, default=4, help="requests in flight (server mode)")
-    p.add_argument("--verify-timeout", type=float, default=30.0, help="how long to wait for the saves to land")
-    p.add_argument("--lease-wait", type=float, default=12.0,
-                   help="re-pin: how long to wait for readers' leases (>= the master's default_kv_lease_ttl)")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.set_defaults(func=_cmd, passthrough=False)
-
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python -m mcstore.warmup")
-    add_parser(ap.add_subparsers(dest="cmd", required=True))
-    args = ap.parse_args(["warmup", *sys.argv[1:]])
-    sys.exit(args.func(args, []))

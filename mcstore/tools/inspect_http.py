@@ -3,7 +3,7 @@
 Binds 127.0.0.1 unless told otherwise. Endpoints (schema at ``/openapi.json``,
 browsable at ``/docs``)::
 
-    GET    /health                       liveness plus whether the master answers
+    GET    /health                       liveness plus whether the master (RPC, admin API) answers
     GET    /summary                      objects and bytes per fingerprint and tier
     POST   /lookup                       {"prompt"|"tokens"|"messages", "fingerprint"?, "cache_salt"?}
     GET    /keys?prefix=&limit=          keys with size and tiers
@@ -16,15 +16,15 @@ they are refused. Malformed input answers 4xx (400/422), an unreachable master
 503, an unknown fingerprint 404.
 """
 
+# No ``from __future__ import annotations``: FastAPI resolves the handlers' annotations at run
+# time, and the request model is local to create_app.
 import hmac
-import os
-import sys
 from typing import Any
 
 import msgspec
 
 from kvcore.errors import ConfigError
-from mcstore.inspect import Inspector, NotFound, Unavailable
+from mcstore.tools.inspect import Inspector, NotFound, Unavailable
 
 
 def create_app(insp: Inspector, token: str | None):
@@ -73,12 +73,7 @@ def create_app(insp: Inspector, token: str | None):
     # Sync handlers: FastAPI runs them in its thread pool, so slow master calls never block the loop.
     @app.get("/health")
     def health():
-        try:
-            insp.admin._get("/health")
-            master = True
-        except Unavailable:
-            master = False
-        return {"status": "ok", "master": master, "master_addr": insp.master,
+        return {"status": "ok", **insp.health(), "master_addr": insp.master,
                 "key_space": insp.meta.fingerprint[:16] if insp.meta else None}
 
     @app.get("/summary")
@@ -108,23 +103,16 @@ def create_app(insp: Inspector, token: str | None):
     return app
 
 
-def serve(a) -> int:
+def serve(insp: Inspector, host: str = "127.0.0.1", port: int = 9400, token: str | None = None) -> int:
+    """Serve ``insp`` until interrupted (then close it)."""
     import uvicorn
 
-    from mcstore.inspect_cli import inspector_from_args
-
-    try:
-        insp = inspector_from_args(a)
-    except (ConfigError, ValueError) as e:
-        print(f"mctier inspect serve: {e}", file=sys.stderr)
-        return 2
-    token = a.token or os.environ.get("MCTIER_INSPECT_TOKEN") or None
     app = create_app(insp, token)
-    print(f"mctier inspect serving http://{a.host}:{a.port} (master {insp.master}, admin {insp.admin.url}, "
-          f"key space {insp.meta.fingerprint[:16] if insp.meta else 'none'}, "
+    print(f"mctier inspect serving http://{host}:{port} (master {insp.master}, admin "
+          f"{insp.admin_url or 'published/default'}, key space {insp.meta.fingerprint[:16] if insp.meta else 'none'}, "
           f"destructive calls {'need the token' if token else 'disabled'})", flush=True)
     try:
-        uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
+        uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:
         insp.close()
     return 0

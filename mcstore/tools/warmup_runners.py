@@ -1,5 +1,5 @@
 """The engines that compute warmup's KV: a live OpenAI server, or vLLM's offline engine in a
-child process (``python -m mcstore.warmup_runners --offline-child``). Both report per prefix
+child process (``python -m mcstore.tools.warmup_runners --offline-child``). Both report per prefix
 ``None`` or an error; the store connector inside the engine does the saving."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import msgspec
 import requests
 
 from kvcore.errors import ConfigError
-from mcstore.toolkeys import store_extra
+from mcstore.tools.engine import store_extra
 
 _DONE = "MCTIER-WARMUP-DONE"
 
@@ -98,7 +98,7 @@ class OfflineRunner:
             spec["max_model_len"] = max(len(p.tokens) for p in prefixes) + 16
         err = open(self.log, "ab") if self.log else subprocess.DEVNULL
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mcstore.warmup_runners", "--offline-child"], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "mcstore.tools.warmup_runners", "--offline-child"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
             env={**os.environ, **(self.env or {})})
         self.proc.stdin.write(json.dumps(spec) + "\n")

@@ -1,0 +1,161 @@
+"""The tier contract: everything the composite (``multi``) uses of a KV tier.
+
+A tier is a complete vLLM KV connector (a ``KVConnectorBase_V1`` that also works
+on its own, or as a child of vLLM's ``MultiConnector``) that also derives from
+:class:`Tier`. The composite builds each configured tier as a child connector and
+uses of it only what this module names: the methods and class attributes of
+:class:`Tier`, and the vLLM hooks in :data:`FORWARDED_HOOKS`, which it forwards
+unchanged (each child gets its own metadata back; see ``multi.protocol``).
+
+Units. Token positions index the prompt. ``block_ids`` is always the request's
+whole block list (first KV cache group), indexed by block position within the
+request; tokens ``[start, end)`` live in ``block_ids[start // bs : ceil(end / bs)]``
+(:func:`blocks_of`, ``bs`` = vLLM's block size).
+
+Scheduler side (``EngineCore`` process):
+
+``lookup(request) -> int``
+    ``n`` such that the tier can supply prompt tokens ``[0, n)`` now. 0 when it has
+    nothing, is unreachable, or is not asked (wrong role). At most one metadata
+    round trip; the answer may be cached per request.
+``plan_load(request, start_token, end_token, block_ids) -> None``
+    Load tokens ``[start_token, end_token)`` (``end_token <= lookup(request)``) into
+    ``blocks_of(start_token, end_token, bs, block_ids)``; a block only partly inside
+    the range is filled whole. Asynchronous: the worker side ends it in
+    ``get_transfer_results`` (``finished_recving``; on failure either the request in
+    ``failed_recving`` too, or the blocks it could not fill in
+    ``get_block_ids_with_load_errors``) and in one :class:`LoadReport`.
+    At most one load per request.
+``release(request) -> None``
+    The request will not load from this tier (or no more than planned): free what
+    is held for it elsewhere (P2P: the prefill instance's blocks). No-op for a tier
+    that holds nothing on a request's behalf.
+
+Worker side (``Worker`` process):
+
+``take_load_reports() -> list[LoadReport]``
+    One report per load that ended since the last call (success or not), in end
+    order. Reports are kept even when nobody asks (a tier used alone), up to
+    :data:`MAX_UNREAD_REPORTS`; older ones are dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import ClassVar
+
+import msgspec
+
+# vLLM connector hooks the composite forwards to every tier. On the scheduler side
+# it never calls a tier's get_num_new_matched_tokens or update_state_after_alloc:
+# lookup / plan_load / release replace them. update_connector_output gets the
+# composite's joined results with kv_connector_stats set to the tier's own stats
+# (rebuilt by its build_kv_connector_stats); request_finished results are joined
+# (the request's blocks are held until every tier that asked let go).
+FORWARDED_HOOKS = (
+    # scheduler side
+    "bind_kv_cache_manager", "build_connector_meta", "update_connector_output", "request_finished",
+    "has_pending_push_work", "get_kv_connector_stats",
+    # worker side
+    "register_kv_caches", "bind_connector_metadata", "clear_connector_metadata", "handle_preemptions",
+    "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_transfer_results",
+    "get_block_ids_with_load_errors",
+    # both, and the class-level telemetry hooks
+    "shutdown", "build_kv_connector_stats", "build_prom_metrics",
+)
+
+MAX_UNREAD_REPORTS = 1024
+
+
+class LoadPrior(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """Where the composite's load-time fit for a tier starts before calibration:
+    ``seconds(bytes) = latency_s + bytes / (bandwidth_gbps * 1e9)``."""
+
+    latency_s: float = 0.03
+    bandwidth_gbps: float = 1.0
+
+
+class LoadReport(msgspec.Struct, frozen=True):
+    """One load of one request by one tier worker (one TP rank), when it ended.
+
+    ``bytes`` were written into KV blocks; ``seconds`` is the time spent moving
+    them, from the start of the tier's work on the load to the bytes in place,
+    without any wait for a remote prefill to finish (the composite models that
+    wait separately). ``ok`` is False when any part of the load failed; such a
+    report is not a timing sample."""
+
+    tier: str
+    req_id: str
+    bytes: int
+    seconds: float
+    ok: bool
+
+
+class LoadReports:
+    """Thread-safe buffer of :class:`LoadReport` (tier workers end loads on their own threads)."""
+
+    def __init__(self, maxlen: int = MAX_UNREAD_REPORTS):
+        self._lock = threading.Lock()
+        self._q: deque[LoadReport] = deque(maxlen=maxlen)
+
+    def add(self, report: LoadReport) -> None:
+        with self._lock:
+            self._q.append(report)
+
+    def take(self) -> list[LoadReport]:
+        with self._lock:
+            out = list(self._q)
+            self._q.clear()
+        return out
+
+
+class Tier:
+    """Mixin of a tier's connector class: the part of the contract beyond vLLM's hooks.
+
+    Class attributes:
+
+    ``name``
+        The tier's name in plans (``kv_plan`` sources, ``kv_source`` values) and
+        in the composite's metric labels.
+    ``remote_prefill``
+        True when the tier's KV is computed by another instance that started
+        prefilling this prompt when the request arrived (the P2P handoff): a load
+        from it first waits for that prefill.
+    ``load_prior``
+        Start of the composite's load-time fit for this tier.
+    """
+
+    name: ClassVar[str]
+    remote_prefill: ClassVar[bool] = False
+    load_prior: ClassVar[LoadPrior] = LoadPrior()
+
+    @classmethod
+    def composite_role(cls, kv_role: str, write_back: bool) -> str:
+        """The ``kv_role`` this tier gets inside a composite whose own role is
+        ``kv_role``; ``write_back`` asks decode instances to save too. Default:
+        the composite's role."""
+        return kv_role
+
+    # -- scheduler side ---------------------------------------------------------------
+
+    def lookup(self, request) -> int:
+        raise NotImplementedError
+
+    def plan_load(self, request, start_token: int, end_token: int, block_ids: list[int]) -> None:
+        raise NotImplementedError
+
+    def release(self, request) -> None:
+        raise NotImplementedError
+
+    # -- worker side ------------------------------------------------------------------
+
+    def take_load_reports(self) -> list[LoadReport]:
+        raise NotImplementedError
+
+
+def blocks_of(start_token: int, end_token: int, block_size: int, block_ids: list[int]) -> list[int]:
+    """The blocks that hold tokens ``[start_token, end_token)``: ``block_ids[start // bs : ceil(end / bs)]``."""
+    if end_token <= start_token:
+        return []
+    return list(block_ids[start_token // block_size:-(-end_token // block_size)])

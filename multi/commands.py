@@ -1,0 +1,106 @@
+"""The ``mctier`` subcommands that are thin wrappers: ``serve`` (vLLM's server), ``proxy``
+(:mod:`p2p.proxy`), ``master`` (:mod:`mcstore.server`) and ``model`` (:mod:`multi.models`).
+
+Each is registered like every other subcommand, by an ``add_parser(sub)``-style function
+(listed in :data:`multi.cli.COMMANDS`). ``raw=True`` hands the whole tail of the command
+line to the command's own parser (``--help`` included); ``passthrough=True`` passes the
+arguments the subparser does not know on as ``rest``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+
+def _serve(args: argparse.Namespace, rest: list[str]) -> int:
+    from kvcore.vllm_glue import vllm_main
+
+    return vllm_main(["serve", *rest])
+
+
+def add_serve(sub) -> None:
+    s = sub.add_parser("serve", help="vLLM's OpenAI server: `mctier serve ARGS` == `vllm serve ARGS`", add_help=False)
+    s.set_defaults(func=_serve, raw=True)
+
+
+def _proxy(args: argparse.Namespace, rest: list[str]) -> int:
+    from p2p.proxy import main as proxy_main
+
+    return proxy_main(rest)
+
+
+def add_proxy(sub) -> None:
+    px = sub.add_parser("proxy", help="OpenAI-compatible P/D proxy (vLLM Mooncake proxy contract)", add_help=False)
+    px.set_defaults(func=_proxy, raw=True)
+
+
+def _master(args: argparse.Namespace, rest: list[str]) -> int:
+    from kvcore.config import parse_size
+    from mcstore.server import StoreCluster
+
+    cluster = StoreCluster(
+        log_dir=args.log_dir,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        http_port=args.http_port,
+        segment_size=parse_size(args.segment_size),
+        ssd_dir=args.ssd,
+        store_server=not args.no_store_server,
+        extra_flags=rest,
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    cluster.start()
+    try:
+        a = cluster.addrs()
+        print(f"mooncake master  rpc      {a.rpc}   (kv_connector_extra_config: {{\"master\": \"{a.rpc}\"}})")
+        print(f"                 metrics  {a.metrics}")
+        if a.http_metadata:
+            print(f"                 metadata {a.http_metadata}")
+        if a.store_server:
+            print(f"store server     {a.store_server}, segment {args.segment_size}" + (f", SSD {args.ssd}" if args.ssd else ""))
+        print(f"logs in {args.log_dir}; Ctrl-C stops everything", flush=True)
+        while not stop.wait(1.0):
+            if not cluster.master.alive():
+                print("mooncake_master exited", file=sys.stderr)
+                return 1
+    finally:
+        cluster.stop()
+    return 0
+
+
+def add_master(sub) -> None:
+    m = sub.add_parser("master", help="a mooncake_master plus a store server owning the pool "
+                                      "(unknown flags go to mooncake_master)")
+    m.add_argument("--port", type=int, default=50051, help="master RPC port")
+    m.add_argument("--metrics-port", type=int, default=9003, help="admin/metrics HTTP port (published for the tools)")
+    m.add_argument("--http-port", type=int, default=0, help="embedded HTTP metadata server (off by default)")
+    m.add_argument("--segment-size", default="4GB", help="DRAM the store server contributes")
+    m.add_argument("--ssd", help="directory for SSD offload (enables it)")
+    m.add_argument("--no-store-server", action="store_true", help="master only; engines must contribute segments")
+    m.add_argument("--log-dir", default="./mctier-logs")
+    m.set_defaults(func=_master, passthrough=True)
+
+
+def _model(args: argparse.Namespace, rest: list[str]) -> int:
+    from multi.models import build
+
+    out = build(
+        args.preset, args.dir, layers=args.layers, hidden=args.hidden, heads=args.heads,
+        kv_heads=args.kv_heads, vocab=args.vocab, seed=args.seed,
+    )
+    print(out)
+    return 0
+
+
+def add_model(sub) -> None:
+    md = sub.add_parser("model", help="build a deterministic random-weight Llama (no hub)")
+    md.add_argument("preset", choices=["tiny", "small"])
+    md.add_argument("dir")
+    for flag in ("layers", "hidden", "heads", "kv-heads", "vocab", "seed"):
+        md.add_argument(f"--{flag}", type=int)
+    md.set_defaults(func=_model)

@@ -1,0 +1,223 @@
+"""The composite drives its tiers only through ``kvcore.tier``: fake tiers (three of
+them, one a remote-prefill tier) stand in for real ones, without vLLM engines."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvcore.tier import LoadPrior, LoadReport, LoadReports, Tier, blocks_of
+from kvcore.vllm_glue import KVConnectorTransferResults
+from multi.config import load_config
+from multi.policy import (
+    CostModel,
+    ForwardSample,
+    LoadSample,
+    PolicyConfig,
+    decode_samples,
+    encode_samples,
+    requested_source,
+)
+from multi.scheduler import TieredScheduler
+from multi.worker import TieredWorker
+
+pytestmark = pytest.mark.unit
+
+BS = 32
+
+
+class FakeTier(Tier):
+    """Every hook the composite may forward, recording what it was asked."""
+
+    # Slow enough that splitting a prompt between tiers pays.
+    load_prior = LoadPrior(latency_s=0.01, bandwidth_gbps=0.1)
+
+    def __init__(self, name: str, reach: int, remote: bool = False):
+        self.name, self.reach, self.remote_prefill = name, reach, remote
+        self.planned, self.released, self.calls = [], [], []
+        self.results = KVConnectorTransferResults()
+        self.errors: set[int] = set()
+        self.reports = LoadReports()
+
+    def lookup(self, request):
+        return self.reach
+
+    def plan_load(self, request, start_token, end_token, block_ids):
+        self.planned.append((request.request_id, start_token, end_token, blocks_of(start_token, end_token, BS,
+                                                                                  block_ids)))
+
+    def release(self, request):
+        self.released.append(request.request_id)
+
+    def take_load_reports(self):
+        return self.reports.take()
+
+    # vLLM hooks (kvcore.tier.FORWARDED_HOOKS)
+    def build_connector_meta(self, scheduler_output):
+        return f"meta:{self.name}"
+
+    def request_finished(self, request, block_ids):
+        return self.name == "store", {f"{self.name}_param": 1}
+
+    def update_connector_output(self, out):
+        self.calls.append(("update", out.kv_connector_stats))
+
+    def has_pending_push_work(self):
+        return False
+
+    def get_kv_connector_stats(self):
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return None
+
+    def bind_connector_metadata(self, meta):
+        self.calls.append(("bind", meta))
+
+    def get_transfer_results(self, finished_req_ids):
+        out, self.results = self.results, KVConnectorTransferResults()
+        return out
+
+    def get_block_ids_with_load_errors(self):
+        out, self.errors = self.errors, set()
+        return out
+
+    def get_finished(self, finished_req_ids):
+        return None, None
+
+    def wait_for_save(self):
+        self.calls.append(("wait_for_save",))
+
+
+def request(rid: str, n: int, **params):
+    return SimpleNamespace(request_id=rid, num_prompt_tokens=n, kv_transfer_params=params or None)
+
+
+def blocks(n: int):
+    ids = list(range(100, 100 + -(-n // BS)))
+    return SimpleNamespace(get_block_ids=lambda: (ids,))
+
+
+def step(rid: str, n: int):
+    return SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=rid, num_computed_tokens=0)],
+                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+                           num_scheduled_tokens={rid: n})
+
+
+def three_tiers(remote: bool = True):
+    return {"store": FakeTier("store", 1536), "disk": FakeTier("disk", 2560), "p2p": FakeTier("p2p", 4096, remote)}
+
+
+def test_plan_over_three_tiers_in_order_of_cheapness():
+    tiers = three_tiers(remote=False)
+    s = TieredScheduler(tiers, PolicyConfig(), BS, 8192.0)
+    req = request("r1", 4096)
+    assert s.get_num_new_matched_tokens(req, 0) == (4095, True)
+    s.update_state_after_alloc(req, blocks(4096), 4095)
+    assert [p[1:3] for t in tiers.values() for p in t.planned] == [(0, 1536), (1536, 2560), (2560, 4095)]
+    assert tiers["disk"].planned[0][3] == list(range(148, 180))
+    meta = s.build_connector_meta(step("r1", 1))
+    assert meta.tiers == {"store": "meta:store", "disk": "meta:disk", "p2p": "meta:p2p"}
+    assert set(meta.loads["r1"]) == {"store", "disk", "p2p"}
+    hold, params = s.request_finished(req, [])
+    assert hold and params["kv_plan_estimates"]["chosen"] == "store+disk+p2p"
+    assert [r["source"] for r in params["kv_plan"]] == ["store", "disk", "p2p", "recompute"]
+    assert params["store_param"] == params["p2p_param"] == 1
+
+
+def test_forced_tier_and_release_of_unused_ones():
+    tiers = three_tiers()
+    s = TieredScheduler(tiers, PolicyConfig(), BS, 8192.0)
+    req = request("r2", 4096, kv_source="disk")
+    assert s.get_num_new_matched_tokens(req, 0) == (2560, True)
+    s.update_state_after_alloc(req, blocks(4096), 2560)
+    assert tiers["disk"].planned and not tiers["store"].planned and not tiers["p2p"].planned
+    assert tiers["store"].released == tiers["p2p"].released == ["r2"]
+    assert requested_source({"kv_source": "nvme"}, "auto", tiers)[1] is not None
+
+
+def test_worker_joins_tiers_and_keeps_what_arrived():
+    tiers = three_tiers()
+    w = TieredWorker(tiers)
+    from multi.protocol import TieredMetadata
+
+    loads = {"r": {"store": [1, 2], "disk": [3], "p2p": [4, 5]}}
+    w.bind(TieredMetadata({n: f"m{n}" for n in tiers}, loads=loads, step_tokens=[(64, 0)]))
+    assert [c for c in tiers["disk"].calls if c[0] == "bind"] == [("bind", "mdisk")]
+    w.wait_for_save()  # times the forward
+    tiers["store"].results.finished_recving = {"r"}
+    assert not w.transfer_results(set()).finished_recving  # disk and p2p still loading
+    tiers["disk"].results.finished_recving = {"r"}
+    tiers["p2p"].results = KVConnectorTransferResults(finished_recving={"r"}, failed_recving={"r"})
+    out = w.transfer_results(set())
+    assert out.finished_recving == {"r"} and not out.failed_recving
+    assert w.block_ids_with_load_errors() == {4, 5}
+    tiers["disk"].reports.add(LoadReport("disk", "r", 1 << 20, 0.002, True))
+    tiers["p2p"].reports.add(LoadReport("p2p", "r", 0, 0.5, False))
+    stats = w.take_stats()
+    samples = decode_samples(stats.data["samples"])
+    assert samples[0] == ForwardSample([64], [0], samples[0].seconds)
+    assert samples[1:] == [LoadSample("disk", 1 << 20, 0.002)]
+    assert stats.data["own"]["counters"]["load_failures:p2p"] == 1
+
+
+def test_samples_round_trip_and_learning():
+    m = CostModel(PolicyConfig())
+    raw = encode_samples([LoadSample("disk", 10**8, 0.5), ForwardSample([100, 20], [0, 500], 0.05)])
+    decoded = decode_samples(raw)
+    kind, est, seconds = m.learn(decoded[0])
+    assert kind == "disk" and seconds == 0.5 and est > 0
+    assert m.learn(decoded[1])[0] == "forward"
+    assert m.load_fit("disk").samples == 1 and m.prefill.samples == 1
+
+
+def test_config_generic_tiers_and_short_form():
+    cfg = load_config({"store": {}, "p2p": {}, "tiers": [{"name": "disk", "connector": "mcstore.connector:X"}]})
+    assert [t.name for t in cfg.tier_specs()] == ["store", "p2p", "disk"]
+    assert load_config({"tiers": [{"name": "store"}], "default_source": "store"}).tier_specs()[0].config == {}
+    for bad in ({"tiers": [{"name": "nvme"}]}, {"tiers": [{"name": "recompute", "connector": "a:B"}]},
+                {"store": {}, "tiers": [{"name": "store"}]}):
+        with pytest.raises(Exception, match="tier"):
+            load_config(bad)
+
+
+@pytest.mark.integration
+def test_store_worker_reports_each_load(store_cluster, monkeypatch):
+    """A real store worker ends every load with one LoadReport: bytes and seconds, or not ok."""
+    import time
+
+    import torch
+
+    from mcstore.config import load_config as store_config
+    from mcstore.keys import KeySpace, fingerprint
+    from mcstore.protocol import ChunkIO, LoadJob, SaveJob, StoreMetadata
+    from mcstore.server import CLIENT_ENV
+    from mcstore.worker import StoreWorker
+
+    for k, v in CLIENT_ENV.items():
+        monkeypatch.setenv(k, v)
+    cfg = store_config({"master": store_cluster.master_addr, "chunk_tokens": 2 * BS}, env={})
+    w = StoreWorker(cfg, KeySpace(fingerprint({"t": "tier-contract"}), 2 * BS), BS, 16, 0, load=True, save=True)
+    buf = torch.zeros(2, 16, 2, BS, 64, dtype=torch.bfloat16)
+    w.register_kv_caches({f"layer{i}": buf[i] for i in range(2)})
+    try:
+        link = f"mct/tier/{time.monotonic_ns()}"
+        w.wait_for_save(StoreMetadata(saves=[SaveJob("s", [ChunkIO(link, 0, [1, 2])])]))
+        deadline = time.monotonic() + 15
+        while (w.get_finished({"s"})[0] or set()) != {"s"}:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        w.start_load_kv(StoreMetadata(loads=[LoadJob("hit", [ChunkIO(link, 0, [5, 6])], timeout_s=10),
+                                             LoadJob("miss", [ChunkIO(link + "-gone", 0, [7, 8])], timeout_s=10)]))
+        reports = []
+        while len(reports) < 2:
+            assert time.monotonic() < deadline + 15
+            reports += w.reports.take()
+            time.sleep(0.02)
+        hit, miss = sorted(reports, key=lambda r: r.req_id)
+        assert hit.tier == "store" and hit.ok and hit.bytes == 2 * w.geo.block_bytes and hit.seconds > 0
+        assert not miss.ok and miss.bytes == 0
+    finally:
+        w.close()
