@@ -1,7 +1,7 @@
 """Load on a whole P/D deployment: many concurrent streaming clients through ``mctier proxy``.
 
 Starts a Mooncake master + store server, a prefill and a decode engine with
-``TieredConnector`` (``multi.demo.Deployment``, ``tiered_config``; one core each) and the
+``TieredConnector`` (``multi.deploy.Deployment``, ``tiered_config``; one core each) and the
 proxy, all on loopback; then ``--clients`` asyncio clients send completions for
 ``--duration`` seconds, a mix of shared-prefix prompts (a few long common prefixes with
 unique tails: store hits) and unique prompts (P2P handoffs). Reports requests completed,
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
-from multi.demo import Deployment, metrics, tiered_config  # noqa: E402
+from multi.deploy import Deployment, metrics, tiered_config  # noqa: E402
 
 VOCAB = 2048
 MiB = 1 << 20

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.client import complete, ids, stream  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
-from multi.demo import Deployment, tiered_config  # noqa: E402
+from multi.deploy import Deployment, tiered_config  # noqa: E402
 
 SOURCES = ("recompute", "store", "p2p", "auto")
 

@@ -17,118 +17,18 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvcore.procs import Proc, free_port
-from mcstore.server import CLIENT_ENV, StoreCluster
+from kvcore.procs import free_port
+from mcstore.server import StoreCluster
+from multi.deploy import Deployment, metrics, tiered_config
 
-ENGINE_ENV = {
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "VLLM_HOST_IP": "127.0.0.1",
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_TARGET_DEVICE": "cpu",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    **CLIENT_ENV,
-}
 PLANS = ("recompute", "store", "p2p", "store+p2p")
-
-
-def tiered_config(role: str, master: str, bootstrap_port: int) -> dict:
-    return {"kv_connector": "TieredConnector", "kv_connector_module_path": "multi", "kv_role": role,
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"store": {"master": master, "chunk_tokens": 256},
-                                          "p2p": {"bootstrap_port": bootstrap_port}}}
-
-
-class Deployment:
-    """Processes of the demo, stopped in reverse order of start."""
-
-    def __init__(self, log_dir: Path):
-        self.log_dir = log_dir
-        self.procs: list[Proc] = []
-        self.started: list[int] = []  # every PID ever started, for leak checks after stop()
-        self.cluster: StoreCluster | None = None
-
-    def track(self, proc: Proc) -> Proc:
-        self.procs.append(proc)
-        self.started.append(proc.popen.pid)
-        return proc
-
-    def engine(self, name: str, model: str, core: int, kv_config: dict | None, *,
-               python: str = sys.executable, env: dict[str, str] | None = None) -> tuple[str, Proc]:
-        """An OpenAI server pinned whole to ``core``; ``python`` may be another virtualenv's
-        interpreter (the benchmarks run peers such as LMCache that way)."""
-        port = free_port()
-        argv = [python, "-m", "multi.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
-                "--enforce-eager", "--block-size", "32", "--max-model-len", "8192", "--seed", "0",
-                "--served-model-name", "demo", "--enable-prompt-tokens-details"]
-        if kv_config is not None:
-            argv += ["--kv-transfer-config", json.dumps(kv_config)]
-        env = {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core), **(env or {})}
-        proc = self.track(Proc(name, argv, self.log_dir / f"{name}.log", env=env, cpus={core}))
-        return f"http://127.0.0.1:{port}", proc
-
-    def pd_pair(self, model: str, p_cfg: dict, d_cfg: dict, bootstrap_port: int) -> tuple[str, str, str]:
-        """A prefill engine on core 0, a decode engine on core 1 and the proxy in front of them:
-        their (prefill, decode, proxy) URLs."""
-        n = len(self.procs)
-        p_url, p_proc = self.engine(f"prefill-{n}", model, 0, p_cfg)
-        d_url, d_proc = self.engine(f"decode-{n}", model, 1, d_cfg)
-        self.wait_http(p_url, p_proc)
-        self.wait_http(d_url, d_proc)
-        return p_url, d_url, self.proxy(p_url, f"http://127.0.0.1:{bootstrap_port}", d_url)
-
-    def proxy(self, prefill: str, bootstrap: str, decode: str) -> str:
-        port = free_port()
-        proc = Proc("proxy", [sys.executable, "-m", "multi.cli", "proxy", "--port", str(port),
-                              "--prefill", f"{prefill}@{bootstrap}", "--decode", decode],
-                    self.log_dir / "proxy.log")
-        self.track(proc)
-        proc.wait_port(port, 30)
-        return f"http://127.0.0.1:{port}"
-
-    @staticmethod
-    def wait_http(url: str, proc: Proc, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not proc.alive():
-                raise RuntimeError(f"{proc.name} exited; log tail:\n{proc.tail()}")
-            try:
-                if requests.get(url + "/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{proc.name} not ready after {timeout}s; see {proc.log_path}")
-
-    def stop(self, procs: list[Proc] | None = None) -> None:
-        """Stop ``procs`` (default: all, and the store cluster) in reverse order of start."""
-        for p in reversed(list(self.procs if procs is None else procs)):
-            p.stop(grace=15)
-            self.procs.remove(p)
-        if procs is not None:
-            return
-        if self.cluster is not None:
-            self.started += [p.popen.pid for p in (self.cluster.master, self.cluster.server) if p is not None]
-            self.cluster.stop()
-            self.cluster = None
-
-
-def metrics(url: str) -> dict[tuple[str, str], float]:
-    """``(sample name, kind label) -> value`` of an engine's mctier series."""
-    out: dict[tuple[str, str], float] = {}
-    for fam in text_string_to_metric_families(requests.get(url + "/metrics", timeout=10).text):
-        for s in fam.samples:
-            if s.name.startswith("vllm:mctier_"):
-                key = (s.name, s.labels.get("kind", ""))
-                out[key] = out.get(key, 0.0) + s.value
-    return out
 
 
 def workload(seed: int = 0) -> tuple[str, list[tuple[str, str]]]:
@@ -164,11 +64,84 @@ def ask(url: str, prompt: str, max_tokens: int = 16) -> tuple[float, int]:
     return (ttft if ttft is not None else time.monotonic() - t0), int(usage.get("prompt_tokens", 0))
 
 
+def _sample(url: str, names: tuple[str, ...]) -> dict[tuple[str, str], float]:
+    """``(sample name, kind label) -> value`` of the named series of an engine (empty when it
+    does not answer within a second: the status line must never hold the demo up)."""
+    out: dict[tuple[str, str], float] = {}
+    try:
+        text = requests.get(url + "/metrics", timeout=1).text
+    except requests.RequestException:
+        return out
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in names:
+                key = (s.name, s.labels.get("kind", ""))
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def new_plan(before: dict, after: dict) -> str | None:
+    """The plan the decode instance chose between two samples of its metrics."""
+    return next((p for p in PLANS if after.get(("vllm:mctier_tiered_decisions_total", p), 0)
+                 > before.get(("vllm:mctier_tiered_decisions_total", p), 0)), None)
+
+
+class Live:
+    """A status line while one request is in flight: elapsed seconds, which engine is working
+    on it, and the plan once the decode instance chose one. Redrawn in place on a terminal,
+    a line every 5 s otherwise (logs, CI)."""
+
+    RUNNING = "vllm:num_requests_running"
+    DECISIONS = "vllm:mctier_tiered_decisions_total"
+
+    def __init__(self, label: str, prefill: str, decode: str, before: dict):
+        self.label, self.prefill, self.decode, self.before = label, prefill, decode, before
+        self.tty = sys.stdout.isatty()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._t0 = time.monotonic()
+
+    def __enter__(self) -> Live:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=3)
+        if self.tty:
+            print("\r\033[K", end="", flush=True)
+
+    def line(self) -> str:
+        p = _sample(self.prefill, (self.RUNNING,)).get((self.RUNNING, ""), 0)
+        d = _sample(self.decode, (self.RUNNING, self.DECISIONS))
+        plan = new_plan(self.before, d)
+        working = [name for name, n in (("prefill", p), ("decode", d.get((self.RUNNING, ""), 0))) if n]
+        return (f"[demo]   {self.label}: {time.monotonic() - self._t0:5.1f} s, "
+                f"{' + '.join(working) or 'proxy'} working, plan {plan or 'not chosen yet'}")
+
+    def _run(self) -> None:
+        last_print = time.monotonic()
+        while not self._stop.wait(0.5):
+            line = self.line()
+            if self.tty:
+                print("\r\033[K" + line, end="", flush=True)
+            elif time.monotonic() - last_print >= 5:
+                print(line, flush=True)
+                last_print = time.monotonic()
+
+
 def run(args: argparse.Namespace) -> int:
-    from multi.models import build
+    from kvcore.platform import cpu_summary
+    from multi.models import build, describe
 
     cache = Path(os.environ.get("MCTIER_CACHE", Path.cwd() / ".cache"))
+    cpu = cpu_summary()
+    print(f"[demo] {cpu['cpu']} ({', '.join(cpu['isa'])}"
+          f"{'; simulating an AVX2-only CPU' if cpu['simulated'] else ''}): engines run {cpu['dtype']}")
+    if not args.model:
+        print("[demo] sizing the 'small' model for this CPU (once; measured, then cached) ...", flush=True)
     model = args.model or str(build("small", cache / "models" / "small"))
+    print(f"[demo] model {describe(model)}")
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="mctier-demo-"))
     dep = Deployment(log_dir)
 
@@ -191,12 +164,12 @@ def run(args: argparse.Namespace) -> int:
         ask(p_url, system, max_tokens=1)  # warmup: the prefill instance saves the prompt's chunks
         print(f"[demo] warmed up the shared system prompt ({time.monotonic() - t:.1f}s)")
         rows = []
-        for kind, prompt in items:
+        for i, (kind, prompt) in enumerate(items, 1):
             before = metrics(d_url)
-            ttft, n = ask(proxy, prompt)
+            with Live(f"request {i}/{len(items)} ({kind})", p_url, d_url, before):
+                ttft, n = ask(proxy, prompt)
             after = metrics(d_url)
-            plan = next((p for p in PLANS if after.get(("vllm:mctier_tiered_decisions_total", p), 0)
-                         > before.get(("vllm:mctier_tiered_decisions_total", p), 0)), "recompute")
+            plan = new_plan(before, after) or "recompute"
             store_tok = (after.get(("vllm:mctier_tiered_planned_tokens_total", "store"), 0)
                          - before.get(("vllm:mctier_tiered_planned_tokens_total", "store"), 0))
             rows.append({"kind": kind, "plan": plan, "ttft": ttft, "prompt_tokens": n, "store_tokens": store_tok})
@@ -208,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
     finally:
         dep.stop()
-        print(f"[demo] stopped all processes ({time.monotonic() - t0:.0f}s total)")
+        print(f"[demo] stopped all processes; the demo took {time.monotonic() - t0:.0f} s in all")
 
 
 def summary(rows: list[dict], d: dict, p: dict) -> None:

@@ -1,25 +1,63 @@
 """Deterministic random-weight Llama models with a locally trained tokenizer (no hub).
 
-``tiny`` keeps tests fast; ``small`` makes recomputing a 2K-token prompt take
-seconds on one core, so loading vs recomputing is a real choice. Weights are
-scaled up from the usual 0.02 init: with the default scale a random model's
-greedy output barely depends on the prompt, and then no test can tell right KV
-from wrong (``check_sensitivity`` guards this).
+Models are defined by what they are for, not by one shape:
+
+- ``tiny`` (2 layers, hidden 256) keeps the test suite quick on every CPU class;
+- ``small`` is the model on which loading versus recomputing is a real decision: a
+  2K-token prefill should take 1 to 3 s in a vLLM engine on one core of the machine
+  at hand. Its shape is picked from ``LADDER`` by measuring: each rung (cheapest
+  first) runs one 2K-token forward pass in the engines' dtype on one core, in the
+  engines' environment (:func:`kvcore.platform.engine_env`, so the AVX2 simulation
+  applies); the estimate is that time times ``ENGINE_OVER_HF`` (a vLLM engine's
+  prefill against this Hugging Face forward, measured on both CPU classes). Rungs are
+  measured until one reaches the band's middle (the geometric mean of ``TARGET_S``),
+  and of the last two the one nearer that middle (in ratio) is taken.
+
+Weights are always saved as bf16, which loads in both dtypes (float32 engines
+upcast exactly), so a bf16 and a float32 engine run the same weights. The chosen
+shape, the dtype it was sized for, the CPU class and the measured speed are written
+to ``mctier-spec.json`` beside the weights; a directory built for the same preset,
+dtype and CPU class is reused as it is.
+
+Weights are scaled up from the usual 0.02 init: with the default scale a random
+model's greedy output barely depends on the prompt, and then no test can tell right
+KV from wrong (``check_sensitivity`` guards this).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
 
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(layers=2, hidden=256, heads=4, kv_heads=2, vocab=2048, seed=0),
+    # The shape of "small" when measuring is skipped (explicit overrides fill it in).
     "small": dict(layers=8, hidden=1024, heads=16, kv_heads=4, vocab=2048, seed=0),
 }
+# Candidate shapes of "small", cheapest first (head size 64 everywhere: a size the CPU
+# attention backend supports). Each rung costs roughly 1.5 to 2.5 times the one before.
+LADDER: list[dict[str, int]] = [
+    dict(layers=2, hidden=512, heads=8, kv_heads=2),
+    dict(layers=4, hidden=512, heads=8, kv_heads=2),
+    dict(layers=4, hidden=768, heads=12, kv_heads=4),
+    dict(layers=6, hidden=1024, heads=16, kv_heads=4),
+    dict(layers=8, hidden=1024, heads=16, kv_heads=4),
+    dict(layers=12, hidden=1024, heads=16, kv_heads=4),
+    dict(layers=16, hidden=1280, heads=20, kv_heads=4),
+]
+TARGET_S = (1.0, 3.0)  # a 2K-token prefill in one engine on one core
+PROBE_TOKENS = 2048
+# vLLM engine prefill / HF forward of the same 2K tokens on one core, by dtype: 1.05 on
+# AMX in bf16 (0.95 s / 0.91 s, 8 layers, hidden 1024), 1.8 with the AVX2 paths
+# simulated in float32 (1.93 s / 1.09 s, 4 layers, hidden 768).
+ENGINE_OVER_HF = {"bfloat16": 1.05, "float32": 1.8, "float16": 1.8}
 CONTEXT = 8192
 INIT_STD = 0.08
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
@@ -87,28 +125,10 @@ def _train_tokenizer(spec: ModelSpec, out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def build(preset: str, out_dir: str | os.PathLike, **overrides: int) -> Path:
-    """Build (or reuse, when the same spec is already there) a model directory."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown model preset {preset!r}; choose from {sorted(PRESETS)}")
-    params = dict(PRESETS[preset])
-    params.update({k: v for k, v in overrides.items() if v is not None})
-    spec = ModelSpec(**params)
-    if spec.hidden % spec.heads or spec.heads % spec.kv_heads:
-        raise ValueError("hidden must be a multiple of heads, heads a multiple of kv_heads")
-    out = Path(out_dir)
-    stamp = out / "mctier-spec.json"
-    want = json.dumps({"preset": preset, **msgspec.to_builtins(spec), "init_std": INIT_STD}, sort_keys=True)
-    if stamp.exists() and stamp.read_text() == want and (out / "model.safetensors").exists():
-        return out
+def _config(spec: ModelSpec):
+    from transformers import LlamaConfig
 
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out.mkdir(parents=True, exist_ok=True)
-    _train_tokenizer(spec, out)
-    torch.manual_seed(spec.seed)
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=spec.vocab,
         hidden_size=spec.hidden,
         intermediate_size=spec.hidden * 2,
@@ -124,7 +144,128 @@ def build(preset: str, out_dir: str | os.PathLike, **overrides: int) -> Path:
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+# Run in a child process with the engines' environment, pinned to one core: one
+# warm-up pass, then two timed 2K-token forwards of each rung, until one is slow enough.
+_PROBE = r"""
+import json, sys, time, torch
+from transformers import LlamaForCausalLM
+from multi.models import ModelSpec, _config
+req = json.load(sys.stdin)
+torch.set_num_threads(1)
+dtype = getattr(torch, req["dtype"])
+x = torch.randint(4, 2000, (1, req["tokens"]))
+for shape in req["rungs"]:
+    spec = ModelSpec(**shape)
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(_config(spec)).to(torch.bfloat16).to(dtype).eval()
+    with torch.inference_mode():
+        model(x[:, :64])
+        s = float("inf")
+        for _ in range(2):  # the faster of two: a neighbour's burst only ever slows one down
+            t = time.perf_counter()
+            model(x)
+            s = min(s, time.perf_counter() - t)
+    print(json.dumps({"shape": shape, "hf_s": s}), flush=True)
+    if s * req["factor"] >= req["stop_s"]:
+        break
+"""
+
+
+def _probe_core() -> int:
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[-1]
+
+
+def measure_ladder(dtype: str, base: dict[str, int]) -> list[dict]:
+    """``[{"shape", "hf_s", "engine_s"}]`` for the rungs measured, cheapest first."""
+    from kvcore.platform import engine_env
+
+    core = _probe_core()
+    env = {**os.environ, **engine_env(core), "OMP_NUM_THREADS": "1"}
+    req = {"dtype": dtype, "tokens": PROBE_TOKENS, "factor": ENGINE_OVER_HF[dtype], "stop_s": math.sqrt(TARGET_S[0] * TARGET_S[1]),
+           "rungs": [{**base, **r} for r in LADDER]}
+    root = str(Path(__file__).resolve().parent.parent)
+    r = subprocess.run([sys.executable, "-c", _PROBE], input=json.dumps(req), capture_output=True, text=True,
+                       env=env, cwd=root, timeout=900, start_new_session=True,
+                       preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+    rows = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode != 0 or not rows:
+        raise RuntimeError(f"measuring the model ladder failed (rc {r.returncode}):\n{r.stderr[-3000:]}")
+    for row in rows:
+        row["engine_s"] = round(row["hf_s"] * ENGINE_OVER_HF[dtype], 3)
+        row["hf_s"] = round(row["hf_s"], 3)
+    return rows
+
+
+def pick_rung(rows: list[dict]) -> dict:
+    """The measured row to build: of the rungs on either side of the band's middle, the one
+    nearer to it in ratio (the largest rung when none reaches it)."""
+    mid = math.sqrt(TARGET_S[0] * TARGET_S[1])
+    return min(rows[-2:], key=lambda r: abs(math.log(max(r["engine_s"], 1e-6) / mid)))
+
+
+def build(preset: str, out_dir: str | os.PathLike, *, dtype: str | None = None, **overrides: int) -> Path:
+    """Build (or reuse, when built for the same preset, dtype and CPU class) a model directory.
+
+    ``small`` is sized by measuring (see the module docstring) unless a shape override
+    is given; ``dtype`` defaults to :func:`kvcore.platform.engine_dtype`."""
+    from kvcore.platform import cpu_summary, engine_dtype
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose from {sorted(PRESETS)}")
+    given = {k: v for k, v in overrides.items() if v is not None}
+    dtype = engine_dtype(explicit=dtype)
+    cpu = cpu_summary()
+    out = Path(out_dir)
+    stamp = out / "mctier-spec.json"
+    measure = preset == "small" and not (given.keys() & {"layers", "hidden", "heads", "kv_heads"})
+    key = {"preset": preset, "init_std": INIT_STD, "overrides": given}
+    if measure:
+        key.update(dtype=dtype, cpu=cpu["cpu"], isa=cpu["isa"], simulated=cpu["simulated"])
+    if stamp.exists() and (out / "model.safetensors").exists():
+        try:
+            old = json.loads(stamp.read_text())
+        except ValueError:
+            old = {}
+        if old.get("key") == key:
+            return out
+
+    params = {**PRESETS[preset], **given}
+    record: dict = {"key": key, "dtype_sized_for": dtype if measure else None}
+    if measure:
+        rows = measure_ladder(dtype, {k: params[k] for k in ("vocab", "seed")})
+        chosen = pick_rung(rows)
+        params.update(chosen["shape"])
+        record.update(measured=rows, estimated_2k_prefill_s=chosen["engine_s"])
+    spec = ModelSpec(**params)
+    if spec.hidden % spec.heads or spec.heads % spec.kv_heads:
+        raise ValueError("hidden must be a multiple of heads, heads a multiple of kv_heads")
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    _train_tokenizer(spec, out)
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(_config(spec)).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
-    stamp.write_text(want)
+    record.update(shape=msgspec.to_builtins(spec), params=sum(p.numel() for p in model.parameters()), cpu=cpu)
+    stamp.write_text(json.dumps(record, indent=1, sort_keys=True))
     return out
+
+
+def describe(model_dir: str | os.PathLike) -> str:
+    """One line on a built model: shape, parameters, the dtype it was sized for and its speed."""
+    try:
+        rec = json.loads((Path(model_dir) / "mctier-spec.json").read_text())
+    except (OSError, ValueError):
+        return f"{model_dir} (no mctier-spec.json)"
+    s = rec.get("shape", {})
+    line = (f"{rec.get('key', {}).get('preset', '?')}: {s.get('layers')} layers, hidden {s.get('hidden')}, "
+            f"{s.get('kv_heads')} KV heads, {rec.get('params', 0) / 1e6:.1f}M params")
+    if rec.get("estimated_2k_prefill_s") is not None:
+        line += (f"; sized for {rec['dtype_sized_for']} on {rec['cpu']['cpu']}: 2K-token prefill "
+                 f"~{rec['estimated_2k_prefill_s']:.1f} s on one core (estimated)")
+    return line

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import requests
 
+from kvcore.platform import engine_dtype
 from kvcore.procs import Proc, free_port
-from multi.demo import ENGINE_ENV
+from multi.deploy import engine_argv, engine_env
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("MCTIER_CACHE", ROOT / ".cache"))
@@ -30,6 +31,7 @@ REQUEST_TIMEOUT = 120.0
 
 
 def model_dir(preset: str = "tiny") -> Path:
+    """The test model (built once; ``small`` is sized for this machine's CPU class)."""
     from multi.models import build
 
     return build(preset, CACHE / "models" / preset)
@@ -42,7 +44,8 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 
 
 class Engine:
-    """A ``mctier serve`` OpenAI server on 127.0.0.1, pinned to ``core``."""
+    """A ``mctier serve`` OpenAI server on 127.0.0.1, pinned to ``core``, in ``dtype`` (default:
+    the CPU class's, :func:`kvcore.platform.engine_dtype`)."""
 
     def __init__(
         self,
@@ -54,22 +57,15 @@ class Engine:
         env: dict[str, str] | None = None,
         max_model_len: int = 4096,
         dev_mode: bool = False,
+        dtype: str | None = None,
     ):
         self.name = name
         self.port = free_port()
         self.model = str(model or model_dir("tiny"))
-        argv = [
-            sys.executable, "-m", "multi.cli", "serve", self.model,
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--enforce-eager", "--block-size", str(BLOCK),
-            "--max-model-len", str(max_model_len), "--max-num-seqs", "16",
-            "--seed", "0", "--served-model-name", "m",
-            "--enable-prompt-tokens-details",
-        ]
-        if kv_config is not None:
-            argv += ["--kv-transfer-config", json.dumps(kv_config)]
-        argv += list(extra_args or [])
-        full_env = {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core), **(env or {})}
+        self.dtype = engine_dtype(explicit=dtype)
+        argv = engine_argv(self.model, self.port, max_model_len=max_model_len, max_num_seqs=16,
+                           kv_config=kv_config, extra=[*(extra_args or []), "--dtype", self.dtype])
+        full_env = {**engine_env(core), **(env or {})}
         if dev_mode:
             full_env["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache, for reference engines
         self.proc = Proc(name, argv, LOGS / f"{name}-{self.port}.log", env=full_env, cwd=str(ROOT), cpus={core})
@@ -135,7 +131,8 @@ def reference_tokens(engine: Engine, prompt: list[int], max_tokens: int = 8, cac
 
     A connector that loads ``[0, S)`` must reproduce exactly what vLLM's own prefix
     cache gives for the same split: computing ``[S, N)`` against cached KV is not
-    bit-identical to one pass over ``[0, N)`` (bf16 kernels, a sensitive random
+    bit-identical to one pass over ``[0, N)`` (kernels that block by the number of tokens
+    in a pass, a sensitive random
     model), so a cold one-pass run is the wrong reference for a prefix hit."""
     if cached_prefix % BLOCK:
         raise ValueError(f"cached_prefix {cached_prefix} is not a multiple of the block size {BLOCK}")
@@ -173,7 +170,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 spec = json.load(sys.stdin)
 llm = LLM(model=spec["model"], enforce_eager=True, block_size=spec["block"], max_model_len=spec["max_model_len"],
-          seed=0, kv_transfer_config=spec.get("kv"))
+          seed=0, dtype=spec["dtype"], kv_transfer_config=spec.get("kv"))
 sp = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
 outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], sp)
 print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
@@ -186,8 +183,8 @@ def offline_generate(prompts: list[list[int]], max_tokens: int = 8, core: int = 
     from kvcore.vllm_glue import _cpu_wheel_version  # noqa: F401  (import check: vLLM present)
 
     spec = {"model": str(model or model_dir("tiny")), "prompts": prompts, "max_tokens": max_tokens,
-            "block": BLOCK, "max_model_len": 4096, "kv": kv}
-    env = {**os.environ, **ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+            "block": BLOCK, "max_model_len": 4096, "kv": kv, "dtype": engine_dtype()}
+    env = {**os.environ, **engine_env(core)}
     r = subprocess.run([sys.executable, "-c", OFFLINE_SCRIPT], input=json.dumps(spec), capture_output=True,
                        text=True, env=env, timeout=timeout, cwd=str(ROOT), start_new_session=True)
     for line in r.stdout.splitlines():
