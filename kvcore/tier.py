@@ -18,10 +18,14 @@ Scheduler side (``EngineCore`` process):
     ``n`` such that the tier can supply prompt tokens ``[0, n)`` now. 0 when it has
     nothing, is unreachable, or is not asked (wrong role). At most one metadata
     round trip; the answer may be cached per request.
-``plan_load(request, start_token, end_token, block_ids) -> None``
+``plan_load(request, start_token, end_token, block_ids, expected_s=None) -> None``
     Load tokens ``[start_token, end_token)`` (``end_token <= lookup(request)``) into
     ``blocks_of(start_token, end_token, bs, block_ids)``; a block only partly inside
-    the range is filled whole. Asynchronous: the worker side ends it in
+    the range is filled whole. ``expected_s`` is the caller's estimate of the load in
+    seconds (for a ``remote_prefill`` tier, the wait for the prefill included): the
+    load's deadline is :func:`load_deadline_s` of the tier's configured deadline and
+    that estimate, so a slow machine (another CPU class, a bigger model) extends it
+    instead of failing every load. Asynchronous: the worker side ends it in
     ``get_transfer_results`` (``finished_recving``; on failure either the request in
     ``failed_recving`` too, or the blocks it could not fill in
     ``get_block_ids_with_load_errors``) and in one :class:`LoadReport`.
@@ -66,6 +70,17 @@ FORWARDED_HOOKS = (
 )
 
 MAX_UNREAD_REPORTS = 1024
+# A load's deadline covers this many times the caller's estimate of it: estimates come
+# from fits calibrated on this instance, and a prefill instance may be busier than it.
+DEADLINE_SLACK = 3.0
+
+
+def load_deadline_s(configured_s: float, expected_s: float | None, cap_s: float | None = None) -> float:
+    """Seconds a load may take: the tier's configured deadline, or ``DEADLINE_SLACK``
+    times the expected time when that is longer, never beyond ``cap_s`` (e.g. how long
+    the other side holds the data) nor below the configured value."""
+    s = max(configured_s, DEADLINE_SLACK * expected_s) if expected_s else configured_s
+    return max(configured_s, min(s, cap_s)) if cap_s is not None else s
 
 
 class LoadPrior(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -142,7 +157,8 @@ class Tier:
     def lookup(self, request) -> int:
         raise NotImplementedError
 
-    def plan_load(self, request, start_token: int, end_token: int, block_ids: list[int]) -> None:
+    def plan_load(self, request, start_token: int, end_token: int, block_ids: list[int],
+                  expected_s: float | None = None) -> None:
         raise NotImplementedError
 
     def release(self, request) -> None:

@@ -82,8 +82,9 @@ class StoreConnector(KVConnectorBase_V1, Tier):
     def lookup(self, request) -> int:
         return self._sched.lookup(request)
 
-    def plan_load(self, request, start_token: int, end_token: int, block_ids: list[int]) -> None:
-        self._sched.plan_load(request, start_token, end_token, block_ids)
+    def plan_load(self, request, start_token: int, end_token: int, block_ids: list[int],
+                  expected_s: float | None = None) -> None:
+        self._sched.plan_load(request, start_token, end_token, block_ids, expected_s)
 
     def release(self, request) -> None:
         return None  # nothing is held elsewhere on a request's behalf

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcore.log import get_logger
+from kvcore.tier import load_deadline_s
 from kvcore.vllm_glue import (
     request_cache_salt,
     request_block_ids,
@@ -112,7 +113,7 @@ class StoreScheduler:
             self.stats.inc("hit_tokens", st.hit)
         return st.hit
 
-    def plan_load(self, request, start: int, end: int, block_ids: list[int]) -> None:
+    def plan_load(self, request, start: int, end: int, block_ids: list[int], expected_s: float | None = None) -> None:
         st = self._state(request)
         bs, cb = self.block_size, self.chunk_blocks
         if start % bs or end <= start:
@@ -127,7 +128,7 @@ class StoreScheduler:
             lo, hi = max(b0, c * cb), min(b1, (c + 1) * cb)
             chunks.append(ChunkIO(st.links[c], c, list(block_ids[lo:hi]), lo - c * cb))
         st.load_tried = True
-        self._loads.append(LoadJob(request.request_id, chunks, self.cfg.load_timeout_s))
+        self._loads.append(LoadJob(request.request_id, chunks, load_deadline_s(self.cfg.load_timeout_s, expected_s)))
 
     # -- vLLM hooks ------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ COMMANDS = (
     warmup_cli.add_parser,
     inspect_cli.add_parser,
     commands.add_model,
+    commands.add_cpu,
 )
 
 

@@ -1,5 +1,6 @@
 """The ``mctier`` subcommands that are thin wrappers: ``serve`` (vLLM's server), ``proxy``
-(:mod:`p2p.proxy`), ``master`` (:mod:`mcstore.server`) and ``model`` (:mod:`multi.models`).
+(:mod:`p2p.proxy`), ``master`` (:mod:`mcstore.server`), ``model`` (:mod:`multi.models`) and
+``cpu`` (:mod:`kvcore.platform`).
 
 Each is registered like every other subcommand, by an ``add_parser(sub)``-style function
 (listed in :data:`multi.cli.COMMANDS`). ``raw=True`` hands the whole tail of the command
@@ -87,13 +88,14 @@ def add_master(sub) -> None:
 
 
 def _model(args: argparse.Namespace, rest: list[str]) -> int:
-    from multi.models import build
+    from multi.models import build, describe
 
     out = build(
-        args.preset, args.dir, layers=args.layers, hidden=args.hidden, heads=args.heads,
+        args.preset, args.dir, dtype=args.dtype, layers=args.layers, hidden=args.hidden, heads=args.heads,
         kv_heads=args.kv_heads, vocab=args.vocab, seed=args.seed,
     )
-    print(out)
+    print(describe(out), file=sys.stderr)
+    print(out)  # last line on stdout: scripts take the directory from it
     return 0
 
 
@@ -101,6 +103,28 @@ def add_model(sub) -> None:
     md = sub.add_parser("model", help="build a deterministic random-weight Llama (no hub)")
     md.add_argument("preset", choices=["tiny", "small"])
     md.add_argument("dir")
+    md.add_argument("--dtype", choices=["bfloat16", "float32", "float16"],
+                    help="the engines' dtype to size 'small' for (default: this CPU class's, see `mctier cpu`)")
     for flag in ("layers", "hidden", "heads", "kv-heads", "vocab", "seed"):
-        md.add_argument(f"--{flag}", type=int)
+        md.add_argument(f"--{flag}", type=int, help="fix this part of the shape (skips sizing by measurement)")
     md.set_defaults(func=_model)
+
+
+def _cpu(args: argparse.Namespace, rest: list[str]) -> int:
+    from kvcore.platform import cpu_summary
+
+    c = cpu_summary()
+    if args.dtype:
+        print(c["dtype"])
+        return 0
+    print(f"cpu       {c['cpu']}")
+    print(f"isa       {', '.join(c['isa']) or 'none of ' + ', '.join(('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16'))}"
+          + ("   (MCTIER_SIMULATE_CPU=avx2: AVX-512 and AMX hidden)" if c["simulated"] else ""))
+    print(f"dtype     {c['dtype']}   (bf16 with avx512_bf16 or amx_bf16, else float32; MCTIER_DTYPE overrides)")
+    return 0
+
+
+def add_cpu(sub) -> None:
+    c = sub.add_parser("cpu", help="this machine's CPU class and the dtype the project's engines get")
+    c.add_argument("--dtype", action="store_true", help="print only the dtype (for scripts)")
+    c.set_defaults(func=_cpu)

@@ -4,7 +4,8 @@ For a request with ``N`` prompt tokens and ``L`` of them in vLLM's prefix cache,
 it asks every tier how far it can supply the prompt (``lookup``), lets
 :mod:`multi.policy` estimate every feasible plan over the tiers (cheapest first)
 and pick one, and drives each tier the plan uses with its token range:
-``tier.plan_load(request, start, end, block_ids)``. A tier that had something for
+``tier.plan_load(request, start, end, block_ids, expected_s)`` (the plan's estimate of
+that load, which sets its deadline: ``kvcore.tier.load_deadline_s``). A tier that had something for
 the request but is not used gets ``tier.release(request)`` (a prefill instance
 must not hold blocks for nobody). It uses the tiers only through
 ``kvcore.tier`` (the contract methods and the vLLM hooks it forwards).
@@ -109,7 +110,8 @@ class TieredScheduler:
         if num_external_tokens > 0:
             ids = first_group_block_ids(blocks)
             for name, (start, end) in d.ranges.items():
-                self.tiers[name].plan_load(request, start, end, ids)
+                # The plan's estimate for this tier sets how long the load may take.
+                self.tiers[name].plan_load(request, start, end, ids, expected_s=d.plan.parts.get(f"{name}_s"))
                 loads[name] = blocks_of(start, end, self.block_size, ids)
                 d.loads.append(name)
             self._loads[rid] = loads

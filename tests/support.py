@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import psutil
 import requests
 
+from kvcore.platform import engine_dtype
 from kvcore.procs import Proc, free_port
 from tests.harness import LOGS, ROOT, Engine, model_dir, prompt_ids, start_engines
 
@@ -154,20 +155,21 @@ def tiered(role: str, master: str, bootstrap_port: int, **p2p) -> dict:
 class Dep:
     """The deployment (processes named ``{name}-P``, ``{name}-D``, ``{name}-proxy``)."""
 
-    def __init__(self, cluster, baseline, name: str = "faults"):
+    def __init__(self, cluster, baseline, name: str = "faults", dtype: str | None = None):
         from mcstore.tools.engine import derive_meta
 
         self.cluster = cluster
         self.model = str(model_dir("tiny"))
+        self.dtype = engine_dtype(explicit=dtype)
         self.boot_port = free_port()
         self.boot = f"http://127.0.0.1:{self.boot_port}"
         self.p_kv = tiered("kv_producer", cluster.master_addr, self.boot_port, abort_timeout_s=ABORT_TIMEOUT)
-        self.P = Engine(f"{name}-P", 0, kv_config=self.p_kv)
+        self.P = Engine(f"{name}-P", 0, kv_config=self.p_kv, dtype=self.dtype)
         self.D = Engine(f"{name}-D", 1, kv_config=tiered("kv_consumer", cluster.master_addr, free_port(),
-                                                         transfer_timeout_s=TRANSFER_TIMEOUT))
+                                                         transfer_timeout_s=TRANSFER_TIMEOUT), dtype=self.dtype)
         self.proxy = None
         try:
-            self.meta = derive_meta(self.model, self.p_kv, block_size=32)  # while the engines boot
+            self.meta = derive_meta(self.model, self.p_kv, block_size=32, dtype=self.dtype)  # while the engines boot
             baseline.tokens(prompt_ids(40, 0), 1)  # the baseline engine boots meanwhile too
             start_engines(self.P, self.D)
             port = free_port()

@@ -202,3 +202,52 @@ def test_status_code_table_and_predicates():
         assert not (is_missing(ok) or is_rpc_down(ok) or is_no_space(ok) or is_not_found(ok) or is_leased(ok))
     assert is_no_space(-200) and is_not_found(-704) and is_leased(-706) and not is_not_found(-707)
     assert not (is_missing(-12345) or is_rpc_down(-12345)) and error_for(-12345, "op").cause == "error"
+
+
+AMX_CPUINFO = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+               "flags\t\t: fpu sse2 avx2 fma avx512f avx512bw avx512_bf16 amx_bf16 amx_tile amx_int8\n")
+AVX512_NO_BF16_CPUINFO = "model name\t: Intel(R) Xeon(R) Gold 6148\nflags\t\t: fpu avx2 avx512f avx512bw\n"
+AVX2_CPUINFO = "processor\t: 0\nmodel name\t: AMD EPYC 7B13 64-Core Processor\nflags\t\t: fpu sse2 avx2 fma f16c\n"
+
+
+def test_dtype_rule_by_cpu_class_and_overrides(monkeypatch):
+    from kvcore.platform import cpu_flags, cpu_model, dtype_args, engine_dtype
+
+    monkeypatch.delenv("MCTIER_DTYPE", raising=False)
+    monkeypatch.delenv("MCTIER_SIMULATE_CPU", raising=False)
+    assert engine_dtype(cpu_flags(AMX_CPUINFO)) == "bfloat16"
+    assert engine_dtype(cpu_flags(AVX512_NO_BF16_CPUINFO)) == "float32"  # AVX-512 alone has no bf16 dot
+    assert engine_dtype(cpu_flags(AVX2_CPUINFO)) == "float32"
+    assert cpu_model(AVX2_CPUINFO) == "AMD EPYC 7B13 64-Core Processor"
+    # An explicit dtype wins over the rule, on either class.
+    assert engine_dtype(cpu_flags(AMX_CPUINFO), explicit="float32") == "float32"
+    assert engine_dtype(cpu_flags(AVX2_CPUINFO), explicit="bfloat16") == "bfloat16"
+    monkeypatch.setenv("MCTIER_DTYPE", "bfloat16")
+    assert engine_dtype(cpu_flags(AVX2_CPUINFO)) == "bfloat16"
+    assert dtype_args([]) == ["--dtype", "bfloat16"]
+    # A --dtype already on an engine's command line is left alone.
+    assert dtype_args(["--dtype", "float16"]) == [] and dtype_args(["--dtype=float32"]) == []
+    monkeypatch.setenv("MCTIER_DTYPE", "fp8")
+    with pytest.raises(ValueError, match="fp8"):
+        engine_dtype(cpu_flags(AMX_CPUINFO))
+
+
+def test_avx2_simulation_hides_avx512_and_amx(monkeypatch):
+    from pathlib import Path
+
+    from kvcore.platform import cpu_flags, engine_dtype, engine_env
+
+    monkeypatch.delenv("MCTIER_DTYPE", raising=False)
+    monkeypatch.setenv("MCTIER_SIMULATE_CPU", "avx2")
+    flags = cpu_flags(AMX_CPUINFO)
+    assert "avx2" in flags and not any(f.startswith(("avx512", "amx")) for f in flags)
+    assert engine_dtype(flags) == "float32"
+    env = engine_env(1)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert env["ATEN_CPU_CAPABILITY"] == "avx2" and env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert (Path(env["PYTHONPATH"].split(":")[0]) / "sitecustomize.py").is_file()
+    monkeypatch.setenv("MCTIER_SIMULATE_CPU", "avx512")
+    with pytest.raises(ValueError, match="avx2"):
+        cpu_flags(AMX_CPUINFO)
+    monkeypatch.delenv("MCTIER_SIMULATE_CPU")
+    assert "ATEN_CPU_CAPABILITY" not in engine_env(0)

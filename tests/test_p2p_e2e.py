@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from kvcore.procs import Proc, free_port
-from tests.harness import BLOCK, LOGS, ROOT, Engine, cached_tokens, prompt_ids
+from tests.harness import BLOCK, LOGS, ROOT, Engine, cached_tokens, kv_bytes_per_token, prompt_ids
 
 pytestmark = pytest.mark.e2e
 
@@ -229,7 +229,7 @@ def test_decode_pulls_only_the_blocks_it_lacks(pd, baseline):
         "remote_bootstrap_addr": pd.boot})
     assert out["choices"][0]["token_ids"] == baseline.tokens(prompt, MAX_TOKENS)
     assert cached_tokens(out) >= _full_block_tokens(len(prompt))
-    block_bytes = 2 * 2 * BLOCK * 2 * 64 * 2  # layers x (kv_heads x block x 2*head_dim x bf16)
+    block_bytes = BLOCK * kv_bytes_per_token(pd.P.model)
     pulled = _wait_metric(lambda: pd.D.metric("vllm:mctier_p2p_bytes_total", kind="pulled") - before,
                           lambda v: v > 0, 10)
     assert pulled == 4 * block_bytes

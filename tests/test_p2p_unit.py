@@ -261,3 +261,27 @@ def test_dead_prefill_worker_detected_by_silence(pair):
     puller.submit(_job(boot, "xfer-dead", 0, [3], timeout=30))
     r = _wait(puller.take_results, timeout=10)[0]
     assert (r.ok, r.cause) == (False, "peer") and time.monotonic() - t0 < 4
+
+
+def test_pull_deadline_follows_the_expected_work():
+    """A decode instance's pull gets the configured deadline, or 3x the caller's estimate when
+    that is longer (a slow prefill on a slow CPU), never past the prefill side's hold."""
+    from types import SimpleNamespace
+
+    from p2p.config import load_config
+    from p2p.scheduler import P2PScheduler
+
+    cfg = load_config({"transfer_timeout_s": 30, "abort_timeout_s": 200})
+    sched = P2PScheduler(SimpleNamespace(cache_config=SimpleNamespace(block_size=32)), cfg, "kv_consumer")
+
+    def pull(rid: str, expected_s):
+        req = SimpleNamespace(request_id=rid, prompt_token_ids=list(range(100)), kv_transfer_params={
+            "do_remote_prefill": True, "transfer_id": f"x-{rid}", "remote_engine_id": "e",
+            "remote_bootstrap_addr": "http://127.0.0.1:1"})
+        sched.plan_load(req, 0, 99, list(range(4)), expected_s)
+        return sched.build_connector_meta().recvs[0].timeout_s
+
+    assert pull("a", None) == 30.0
+    assert pull("b", 4.0) == 30.0
+    assert pull("c", 25.0) == 75.0
+    assert pull("d", 500.0) == 200.0

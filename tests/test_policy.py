@@ -111,3 +111,29 @@ def test_config_errors():
     cfg = load_config({"p2p": {}, "policy": {"local_compute_weight": 1.0}})
     assert cfg.policy.local_compute_weight == 1.0 and composite_role("kv_consumer", cfg.write_back) == "kv_consumer"
     assert composite_role("kv_consumer", load_config({"store": {}, "write_back": True}).write_back) == "kv_both"
+
+
+@pytest.mark.parametrize("factor", [0.1, 10.0, 40.0])
+def test_calibration_from_wrong_defaults_converges(factor):
+    """A machine ``factor`` times slower than the defaults (another CPU class, another dtype):
+    after 40 forward passes (one prefill for four decode steps, timing noise of 15%) the
+    estimates are within 30% on average; with ``calibrate: false`` they stay wrong."""
+    from multi.policy import ForwardSample
+
+    cfg = PolicyConfig()
+    true = [factor * cfg.prefill_step_s, factor * cfg.prefill_token_s, factor * cfg.prefill_attn_s]
+
+    def errors(calibrate: bool) -> float:
+        model = CostModel(PolicyConfig(calibrate=calibrate))
+        rng = random.Random(1)
+        errs = []
+        for i in range(60):
+            n, c = (rng.randint(300, 1200), 0) if i % 5 == 0 else (1, rng.randint(300, 1200))
+            seconds = sum(a * b for a, b in zip(true, [1.0, n, n * (c + n / 2)])) * rng.uniform(0.85, 1.15)
+            kind, est, measured = model.learn(ForwardSample([n], [c], seconds))
+            assert kind == "forward" and measured == seconds
+            errs.append(abs(est - seconds) / seconds)
+        return sum(errs[40:]) / 20
+
+    assert errors(calibrate=True) < 0.3
+    assert errors(calibrate=False) > 0.8

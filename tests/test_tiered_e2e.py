@@ -11,12 +11,16 @@ import pytest
 import requests
 
 from kvcore.procs import Proc, free_port
-from tests.harness import LOGS, Engine, cached_tokens, model_dir, prompt_ids, reference_tokens, start_engines
+from tests.harness import (LOGS, Engine, cached_tokens, kv_bytes_per_token, model_dir, prompt_ids, reference_tokens,
+                           start_engines)
 from tests.support import wait_for
 
 pytestmark = pytest.mark.e2e
 
 CHUNK = 256
+# Bounds that catch a hang, not a speed: the slowest case here is a few 2K-token prefills
+# of the small model (1 to 3 s each on any CPU class, kvcore/platform.py and multi/models.py).
+HANG_S = 180.0
 
 
 def tiered(role: str, master: str, bootstrap_port: int | None, **policy) -> dict:
@@ -98,7 +102,7 @@ def test_store_prefix_and_p2p_tail_in_one_request(dep):
     assert plan_of(resp) == [(0, 4 * CHUNK, "store"), (4 * CHUNK, n - 1, "p2p"), (n - 1, n, "recompute")]
     assert after["store_tokens"] - before["store_tokens"] == 4 * CHUNK
     tail_blocks = -(-n // 32) - 4 * CHUNK // 32
-    bytes_per_block = 8 * 4 * 32 * 64 * 2 * 2  # layers * kv heads * block * head_dim * (K,V) * bf16
+    bytes_per_block = 32 * kv_bytes_per_token(dep.p.model)
     assert after["p2p_bytes"] - before["p2p_bytes"] == tail_blocks * bytes_per_block
     assert resp["choices"][0]["token_ids"] == dep.reference(prompt, 8, cached_prefix=4 * CHUNK)
     assert cached_tokens(resp) >= n - 32
@@ -159,7 +163,7 @@ def test_store_master_down_everything_from_prefill(dep, store_cluster):
     try:
         t0 = time.monotonic()
         r = dep.complete(prompt, 6)
-        assert time.monotonic() - t0 < 60
+        assert time.monotonic() - t0 < HANG_S
         assert [s for _, _, s in plan_of(r)] == ["p2p", "recompute"]
         assert r["choices"][0]["token_ids"] == dep.reference(prompt, 6)
     finally:
@@ -177,15 +181,15 @@ def test_prefill_dead_store_plus_recompute(dep):
         probe = prompt_ids(CHUNK, next(probes))
         before = dep.p.metric("vllm:mctier_store_saved_tokens_total")
         dep.p.complete(probe + [1], 1)
-        if not wait_for(lambda: dep.p.metric("vllm:mctier_store_saved_tokens_total") > before, timeout=5):
+        if not wait_for(lambda: dep.p.metric("vllm:mctier_store_saved_tokens_total") > before, timeout=10):
             return False
         r = dep.d.complete(probe + [2, 3], 1, kv_transfer_params={"kv_source": "store"})
         return "store" in {s for _, _, s in plan_of(r)}
 
-    assert wait_for(store_back, timeout=60)
+    assert wait_for(store_back, timeout=HANG_S)
     saved = dep.p.metric("vllm:mctier_store_saved_tokens_total")
     assert wait_for(lambda: dep.p.complete(prefix + [11, 12], 1) and
-                    dep.p.metric("vllm:mctier_store_saved_tokens_total") >= saved + 4 * CHUNK, timeout=30)
+                    dep.p.metric("vllm:mctier_store_saved_tokens_total") >= saved + 4 * CHUNK, timeout=HANG_S)
     query = requests.get(f"http://127.0.0.1:{dep.bootstrap}/query", timeout=5).json()
     engine_id = next(iter(query.values()))["engine_id"]
     dep.p.proc.kill()
@@ -195,7 +199,7 @@ def test_prefill_dead_store_plus_recompute(dep):
     r = dep.d.complete(prompt, 6, kv_transfer_params={
         "do_remote_prefill": True, "do_remote_decode": False, "transfer_id": "xfer-dead-prefill",
         "remote_bootstrap_addr": f"http://127.0.0.1:{dep.bootstrap}", "remote_engine_id": engine_id})
-    assert time.monotonic() - t0 < 60
+    assert time.monotonic() - t0 < HANG_S
     assert [s for _, _, s in plan_of(r)] == ["store", "p2p", "recompute"], plan_of(r)
     assert dep.moved()["store_tokens"] - before["store_tokens"] == 4 * CHUNK
     assert r["choices"][0]["token_ids"] == dep.reference(prompt, 6, cached_prefix=4 * CHUNK)

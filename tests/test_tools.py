@@ -26,14 +26,14 @@ from mcstore.tools.engine import Renderer, derive_meta
 from mcstore.tools.warmup import OfflineRunner, Prefix, ServerRunner, split_text, warmup
 from kvcore.platform import engine_dtype
 from multi.deploy import engine_env
-from tests.harness import LOGS, ROOT, Engine, cached_tokens, model_dir, prompt_ids
+from tests.harness import LOGS, ROOT, Engine, cached_tokens, kv_bytes_per_token, model_dir, prompt_ids
 from tests.store_util import raw_client, store_kv
 from tests.support import wait_for
 
 pytestmark = pytest.mark.e2e
 
 CHUNK = 64
-CHUNK_BYTES = 2 * 2 * 16384  # 64 tokens = 2 blocks x 2 layers x 16 KiB
+CHUNK_BYTES = CHUNK * kv_bytes_per_token(model_dir("tiny"))  # 64 tokens of KV, every layer
 TOKEN = "s3cret-token"
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu tool system prompt document").split()

