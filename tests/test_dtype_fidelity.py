@@ -16,13 +16,12 @@ from kvcore.platform import engine_dtype
 from tests.conftest import Baseline
 from tests.harness import BLOCK, cached_tokens, kv_bytes_per_token, prompt_ids
 from tests.store_util import raw_client
-from tests.support import Dep, counter, fault_cluster, plan_sources, toks, wait_for
+from tests.support import CHUNK, Dep, counter, fault_cluster, plan_sources, toks, wait_for
 
 pytestmark = pytest.mark.e2e
 
 OTHER = "float32" if engine_dtype() == "bfloat16" else "bfloat16"
-CHUNK = 64  # the deployment's chunk size (tests.support.CHUNK)
-PREFIX = 8 * CHUNK
+PREFIX = 2 * CHUNK
 
 
 @pytest.fixture(scope="module")
@@ -52,22 +51,21 @@ def test_engines_run_the_other_dtype(dep):
 
 
 def _save(dep, p) -> None:
-    saved = counter(dep.P, "vllm:mctier_store_saved_tokens_total")
+    saved = counter(dep.P, "store_saved_tokens")
     dep.P.complete(p, 1)  # straight to the prefill instance: it computes p and saves its chunks
-    assert wait_for(lambda: counter(dep.P, "vllm:mctier_store_saved_tokens_total") >= saved + PREFIX, 60)
+    assert wait_for(lambda: counter(dep.P, "store_saved_tokens") >= saved + PREFIX, 60)
 
 
 def test_store_hit_across_engines(dep, ref):
     p = prompt_ids(PREFIX + 88, 7001)
     q = p[:PREFIX] + prompt_ids(100, 7002)
     _save(dep, p)
-    loaded = counter(dep.D, "vllm:mctier_store_loaded_bytes_total")
+    loaded = counter(dep.D, "store_loaded_bytes")
     r = dep.D.complete(q, 8, kv_transfer_params={"kv_source": "store"})
     assert plan_sources(r) == ["store", "recompute"]
     assert cached_tokens(r) == PREFIX
     # KV bytes follow the dtype: float32 moves twice what bf16 does.
-    assert counter(dep.D, "vllm:mctier_store_loaded_bytes_total") - loaded == PREFIX * kv_bytes_per_token(
-        dep.model, OTHER)
+    assert counter(dep.D, "store_loaded_bytes") - loaded == PREFIX * kv_bytes_per_token(dep.model, OTHER)
     assert toks(r) == ref.tokens(q, 8, cached_prefix=PREFIX, writers=[p])
 
 
@@ -76,11 +74,10 @@ def test_p2p_handoff(dep, ref):
     # reference repeats exactly that split (the prompt twice; the second run has N-1 cached).
     n = 20 * BLOCK + 1
     prompt = prompt_ids(n, 7101)
-    pulled = counter(dep.D, "vllm:mctier_p2p_bytes_total", kind="pulled")
+    pulled = counter(dep.D, "p2p_bytes", kind="pulled")
     r = dep.complete(prompt, 8, kv_source="p2p")
     assert plan_sources(r) == ["p2p", "recompute"]
-    assert counter(dep.D, "vllm:mctier_p2p_bytes_total", kind="pulled") - pulled == (n - 1) * kv_bytes_per_token(
-        dep.model, OTHER)
+    assert counter(dep.D, "p2p_bytes", kind="pulled") - pulled == (n - 1) * kv_bytes_per_token(dep.model, OTHER)
     assert toks(r) == ref.tokens(prompt, 8, cached_prefix=n - 1, writers=[prompt])
 
 

@@ -61,8 +61,8 @@ class Deployment:
         """Prompt tokens the prefill instance did not compute (its prefix cache or the store), so far."""
         return sum(self.p.metric("vllm:mctier_tiered_planned_tokens_total", kind=k) for k in ("local", "store"))
 
-    def reference(self, prompt, max_tokens, cached_prefix=0) -> list[int]:
-        return reference_tokens(self.base, prompt, max_tokens, cached_prefix)
+    def reference(self, prompt, max_tokens, cached_prefix=0, writers=None) -> list[int]:
+        return reference_tokens(self.base, prompt, max_tokens, cached_prefix, writers)
 
     def moved(self) -> dict[str, float]:
         """Decode-side counters: tokens from the store, bytes pulled from the prefill instance."""
@@ -92,7 +92,9 @@ def test_store_prefix_and_p2p_tail_in_one_request(dep):
     # Store the prefix: a prefill-only request on P saves its chunks.
     dep.p.complete(prefix + prompt_ids(40, 502), 1)
     assert wait_for(lambda: dep.p.metric("vllm:mctier_store_saved_tokens_total") >= 4 * CHUNK)
-    prompt = prefix + prompt_ids(1000, 503)
+    # N - 1 a whole number of blocks: the decode instance computes only the last token, and
+    # the reference can repeat exactly that split.
+    prompt = prefix + prompt_ids(993, 503)
     before, p_store = dep.moved(), dep.p_reused_tokens()
     resp = dep.complete(prompt, 8)
     after = dep.moved()
@@ -101,10 +103,13 @@ def test_store_prefix_and_p2p_tail_in_one_request(dep):
     assert dep.p_reused_tokens() - p_store == 4 * CHUNK
     assert plan_of(resp) == [(0, 4 * CHUNK, "store"), (4 * CHUNK, n - 1, "p2p"), (n - 1, n, "recompute")]
     assert after["store_tokens"] - before["store_tokens"] == 4 * CHUNK
-    tail_blocks = -(-n // 32) - 4 * CHUNK // 32
+    tail_blocks = (n - 1) // 32 - 4 * CHUNK // 32  # P2P fills the blocks of [S, N-1)
     bytes_per_block = 32 * kv_bytes_per_token(dep.p.model)
     assert after["p2p_bytes"] - before["p2p_bytes"] == tail_blocks * bytes_per_block
-    assert resp["choices"][0]["token_ids"] == dep.reference(prompt, 8, cached_prefix=4 * CHUNK)
+    # The reference replays what computed this KV: P's save pass over the prefix (the store's
+    # [0, S)), P's prefill of the prompt after its local hit ([S, N-1)), then D's last token.
+    assert resp["choices"][0]["token_ids"] == dep.reference(prompt, 8, cached_prefix=n - 1,
+                                                            writers=[prefix + prompt_ids(40, 502), prompt])
     assert cached_tokens(resp) >= n - 32
 
 
