@@ -35,6 +35,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time

@@ -229,7 +229,7 @@ def test_warmup_offline_jsonl(env, baseline, tmp_path):
     prefixes = read_prefixes(str(f), env.renderer)
     runner = OfflineRunner(env.model, env.kv, block_size=32, dtype=engine_dtype(), kv_cache_dtype="auto", tp=1,
                            max_model_len=None, log=str(LOGS / "tools-offline-warmup.log"),
-                           env={**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0"})
+                           env=engine_env(0))
     rep = warmup(prefixes, env.meta, env.cluster.master_addr, runner, progress=False)
     assert rep.mode == "offline" and rep.failed == 0, msgspec.to_builtins(rep)
     assert all(p.status == "ok" and p.stored == p.chunks >= 2 for p in rep.prefixes)
