@@ -175,7 +175,8 @@ def test_warmup_server_cli_stores_verifies_and_is_idempotent(env, baseline, tmp_
     f = tmp_path / "prefixes.txt"
     # The last paragraph is shorter than one chunk: it cannot be stored, so the run fails (exit 1).
     f.write_text("\n\n".join(paras) + "\n\ntiny\n")
-    r = cli("warmup", str(f), "--server", env.engine.url, "--model", env.model, "--kv-config", json.dumps(env.kv),
+    r = cli("warmup", str(f), "--server", env.engine.url, "--model", env.model, "--dtype", engine_dtype(),
+            "--kv-config", json.dumps(env.kv),
             "--block-size", "32", "--json", "--no-progress")
     assert r.returncode == 1, r.stderr[-3000:]
     rep = json.loads(r.stdout)
