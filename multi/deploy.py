@@ -21,6 +21,7 @@ from kvcore import platform
 from kvcore.procs import Proc, free_port
 from mcstore.server import CLIENT_ENV, StoreCluster
 
+
 def engine_env(core: int | None = None) -> dict[str, str]:
     """Environment of an engine pinned to ``core``: vLLM's settings and the CPU-class
     simulation (:func:`kvcore.platform.engine_env`) plus the Mooncake client's."""

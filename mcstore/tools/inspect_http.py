@@ -47,21 +47,15 @@ def create_app(insp: Inspector, token: str | None):
     def ok(obj) -> Response:
         return Response(msgspec.json.encode(obj), media_type="application/json")
 
-    @app.exception_handler(ValueError)
-    async def _bad(_req: Request, e: ValueError):
-        return JSONResponse({"detail": str(e)}, status_code=400)
+    def status(code: int):
+        async def handler(_req: Request, e: Exception):
+            return JSONResponse({"detail": str(e)}, status_code=code)
+        return handler
 
-    @app.exception_handler(NotFound)
-    async def _nf(_req: Request, e: NotFound):
-        return JSONResponse({"detail": str(e)}, status_code=404)
-
-    @app.exception_handler(Unavailable)
-    async def _down(_req: Request, e: Unavailable):
-        return JSONResponse({"detail": str(e)}, status_code=503)
-
-    @app.exception_handler(ConfigError)
-    async def _cfg(_req: Request, e: ConfigError):
-        return JSONResponse({"detail": str(e)}, status_code=503)
+    # Bad input 400, unknown fingerprint 404, store or tool set-up unusable 503 (ConfigError is
+    # a ValueError: Starlette picks the handler of the most specific class).
+    for exc, code in ((ValueError, 400), (NotFound, 404), (Unavailable, 503), (ConfigError, 503)):
+        app.add_exception_handler(exc, status(code))
 
     def authorized(authorization: str | None = Header(default=None)) -> None:
         if not token:
