@@ -15,13 +15,14 @@ def rows(*seconds):
     return [{"shape": {"layers": i}, "engine_s": s} for i, s in enumerate(seconds)]
 
 
-def test_pick_rung_takes_the_rung_nearest_the_middle_of_the_band():
+def test_pick_rung_takes_the_cheapest_rung_in_the_band():
     lo, hi = TARGET_S
     assert (lo, hi) == (1.0, 3.0)
-    assert pick_rung(rows(0.3, 0.9, 2.0))["engine_s"] == 2.0  # 2.0 is nearer sqrt(3) than 0.9
-    assert pick_rung(rows(0.3, 1.5, 6.0))["engine_s"] == 1.5  # 6 s overshoots far more
+    assert pick_rung(rows(0.3, 0.9, 2.0))["engine_s"] == 2.0  # the first at 1 s or more
+    assert pick_rung(rows(0.3, 1.1, 2.5))["engine_s"] == 1.1  # (measuring stops there in practice)
+    assert pick_rung(rows(0.3, 0.8, 6.0))["engine_s"] == 0.8  # 6 s overshoots: the rung below
     assert pick_rung(rows(0.1, 0.2))["engine_s"] == 0.2  # nothing reaches the band: the largest
-    assert pick_rung(rows(2.2))["engine_s"] == 2.2
+    assert pick_rung(rows(4.0))["engine_s"] == 4.0  # the cheapest rung is already too slow: nothing smaller
 
 
 def test_build_records_the_spec_and_reuses_it(tmp_path):
