@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import requests
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvcore.procs import free_port
 from mcstore.server import StoreCluster
@@ -65,19 +64,12 @@ def ask(url: str, prompt: str, max_tokens: int = 16) -> tuple[float, int]:
 
 
 def _sample(url: str, names: tuple[str, ...]) -> dict[tuple[str, str], float]:
-    """``(sample name, kind label) -> value`` of the named series of an engine (empty when it
-    does not answer within a second: the status line must never hold the demo up)."""
-    out: dict[tuple[str, str], float] = {}
+    """The named series of an engine, or nothing when it does not answer within a second:
+    the status line must never hold the demo up."""
     try:
-        text = requests.get(url + "/metrics", timeout=1).text
+        return metrics(url, names, timeout=1)
     except requests.RequestException:
-        return out
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name in names:
-                key = (s.name, s.labels.get("kind", ""))
-                out[key] = out.get(key, 0.0) + s.value
-    return out
+        return {}
 
 
 def new_plan(before: dict, after: dict) -> str | None:

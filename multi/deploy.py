@@ -121,12 +121,13 @@ class Deployment:
             self.cluster = None
 
 
-def metrics(url: str) -> dict[tuple[str, str], float]:
-    """``(sample name, kind label) -> value`` of an engine's mctier series."""
+def metrics(url: str, names: tuple[str, ...] | None = None, timeout: float = 10) -> dict[tuple[str, str], float]:
+    """``(sample name, kind label) -> value`` of an engine's series named in ``names``
+    (default: every ``vllm:mctier_`` series)."""
     out: dict[tuple[str, str], float] = {}
-    for fam in text_string_to_metric_families(requests.get(url + "/metrics", timeout=10).text):
+    for fam in text_string_to_metric_families(requests.get(url + "/metrics", timeout=timeout).text):
         for s in fam.samples:
-            if s.name.startswith("vllm:mctier_"):
+            if (s.name in names) if names is not None else s.name.startswith("vllm:mctier_"):
                 key = (s.name, s.labels.get("kind", ""))
                 out[key] = out.get(key, 0.0) + s.value
     return out
