@@ -7,7 +7,8 @@ PY := $(VENV)/bin/python
 demo: setup
 	$(VENV)/bin/mctier demo
 
-test: setup
+test:
+	@MCTIER_WITH_ETCD=1 bash scripts/setup.sh
 	$(PY) -m pytest tests
 
 setup:

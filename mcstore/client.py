@@ -23,6 +23,7 @@ from kvcore.log import get_logger
 from kvcore.procs import port_open
 from mcstore.admin import DEFAULT_ADMIN_PORT, MasterAdmin, Unavailable
 from mcstore.config import StoreConfig
+from mcstore.ha import leader, parse_entry, split_addr
 from mcstore.keys import MASTER_INFO_KEY, KeySpace, MasterInfo, engine_meta, meta_key
 
 logger = get_logger("mcstore.client")
@@ -31,10 +32,14 @@ _PUBLISH_WINDOW_S = 60.0
 
 
 class Breaker:
-    """Open while the master is unreachable; a daemon thread probes it."""
+    """Open while the master is unreachable; a daemon thread probes it.
 
-    def __init__(self, host: str, port: int, interval: float, name: str, rpc_ok=None):
-        self.host, self.port, self.interval = host, port, interval
+    ``target()`` names the master to probe, ``(host, port)``, or None while none can be named
+    (an HA election in progress): then the breaker opens, as for a master that does not answer.
+    """
+
+    def __init__(self, target, interval: float, name: str, rpc_ok=None):
+        self.target, self.interval = target, interval
         # After a master restart its port answers before a client's RPCs do (the first
         # one fails with -900): close only once a real, cheap RPC went through.
         self.rpc_ok = rpc_ok or (lambda: True)
@@ -42,6 +47,7 @@ class Breaker:
         self._up.set()
         self._stop = threading.Event()
         self.trips = 0
+        self.last = target()
         self._thread = threading.Thread(target=self._run, name=f"mcstore-probe-{name}", daemon=True)
         self._thread.start()
 
@@ -50,26 +56,51 @@ class Breaker:
         """True when calls may go to the master."""
         return self._up.is_set()
 
+    def _where(self) -> str:
+        return f"{self.last[0]}:{self.last[1]}" if self.last else "(no leader)"
+
     def trip(self, why: str) -> None:
         if self._up.is_set():
             self.trips += 1
-            logger.warning("mcstore: master %s:%s unavailable (%s); store skipped until it answers",
-                           self.host, self.port, why)
+            logger.warning("mcstore: master %s unavailable (%s); store skipped until it answers",
+                           self._where(), why)
         self._up.clear()
+
+    def _probe(self) -> bool:
+        where = self.target()
+        if where is None:
+            return False
+        self.last = where
+        return port_open(where[1], where[0], min(0.5, self.interval))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            ok = port_open(self.port, self.host, min(0.5, self.interval))
+            ok = self._probe()
             if ok and not self._up.is_set() and not self.rpc_ok():
                 continue
             if ok and not self._up.is_set():
-                logger.warning("mcstore: master %s:%s reachable again; store resumed", self.host, self.port)
+                logger.warning("mcstore: master %s reachable again; store resumed", self._where())
                 self._up.set()
             elif not ok and self._up.is_set():
-                self.trip("TCP probe failed")
+                self.trip("TCP probe failed" if self.last else "no master leads")
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def master_target(cfg: StoreConfig, timeout: float = 1.0):
+    """``target()`` for :class:`Breaker`: the configured master, or with an ``etcd://`` entry
+    the master that leads now (:func:`mcstore.ha.leader`)."""
+    eps = parse_entry(cfg.master)
+    if eps is None:
+        fixed = cfg.master_host_port
+        return lambda: fixed
+
+    def current():
+        addr = leader(eps, timeout)
+        return split_addr(addr) if addr else None
+
+    return current
 
 
 _REPLICATE_DEFAULTS = {"replicas": 1, "hard_pin": False, "soft_pin": False, "soft_pin_ttl_ms": None,
@@ -106,12 +137,19 @@ class StoreClient:
 
     def __init__(self, cfg: StoreConfig, name: str, segment: bool):
         self.cfg = cfg
-        host, port = cfg.master_host_port
+        target = master_target(cfg, timeout=min(1.0, cfg.connect_timeout_s))
+        where = target()
         # One clear error instead of Mooncake's 20 x 4 s set-up retries.
-        if not port_open(port, host, cfg.connect_timeout_s):
+        if where is None:
             raise ConfigError(
-                f"mcstore: Mooncake master {cfg.master} is not reachable (TCP connect failed within "
-                f"{cfg.connect_timeout_s:.0f}s); start it with `mctier master` or fix "
+                f"mcstore: no Mooncake master leads in {cfg.master} (etcd unreachable or no leader "
+                f"elected); start masters with `mctier master --ha --etcd ...` or fix "
+                f"kv_connector_extra_config.master"
+            )
+        if not port_open(where[1], where[0], cfg.connect_timeout_s):
+            raise ConfigError(
+                f"mcstore: Mooncake master {where[0]}:{where[1]} is not reachable (TCP connect failed "
+                f"within {cfg.connect_timeout_s:.0f}s); start it with `mctier master` or fix "
                 f"kv_connector_extra_config.master"
             )
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
@@ -133,7 +171,7 @@ class StoreClient:
                 f"metadata_server={cfg.metadata_server!r}"
             )
         self.replicate = replicate_config(cfg)
-        self.breaker = Breaker(host, port, cfg.probe_interval_s, name,
+        self.breaker = Breaker(target, cfg.probe_interval_s, name,
                                rpc_ok=lambda: self.store.is_exist(f"{cfg.key_prefix}/probe") >= 0)
         self._registered: list[int] = []
         logger.info("mcstore %s client up (%s, segment %d bytes) against %s", name,
@@ -248,13 +286,14 @@ class StoreClient:
 
     def admin(self, url: str | None = None, timeout: float = 5.0) -> MasterAdmin:
         """The master's HTTP admin API: ``url``, else the address the store server published
-        (:data:`mcstore.keys.MASTER_INFO_KEY`), else the master host's default admin port."""
+        (:data:`mcstore.keys.MASTER_INFO_KEY`), else the (leading) master host's default admin port."""
         if url is None:
             try:
                 info = self.read(MASTER_INFO_KEY, MasterInfo)
             except Unavailable:
                 info = None
-            url = info.admin if info is not None else f"http://{self.cfg.master_host_port[0]}:{DEFAULT_ADMIN_PORT}"
+            host = self.breaker.last[0] if self.breaker.last else self.cfg.master.rpartition(":")[0]
+            url = info.admin if info is not None else f"http://{host}:{DEFAULT_ADMIN_PORT}"
         return MasterAdmin(url, timeout)
 
     def close(self) -> None:

@@ -3,10 +3,13 @@
 Keys (all optional except the master address, which may also come from
 ``MOONCAKE_CONFIG_PATH``)::
 
-    master               "HOST:PORT" of mooncake_master (alias: master_server_address)
+    master               the mooncake_master: "HOST:PORT", or Mooncake's HA entry
+                         "etcd://HOST:PORT[;HOST:PORT...]" (the etcd that elects the leading master)
+                         (alias: master_server_address)
     protocol             transfer protocol, "tcp" (default) or "rdma"
     device_name          RDMA device(s), "" for TCP
-    metadata_server      "P2PHANDSHAKE" (default) or an HTTP/etcd metadata URL
+    metadata_server      Transfer Engine metadata: "P2PHANDSHAKE" (default), "http://HOST:PORT/metadata"
+                         or "etcd://HOST:PORT[,HOST:PORT...]" (kvcore.mooncake_json.metadata_conn_string)
     local_hostname       address peers use to reach this client (default VLLM_HOST_IP or 127.0.0.1)
     global_segment_size  DRAM this engine contributes to the pool; 0 = pure client (default)
     local_buffer_size    client staging buffer (default 16MB)
@@ -24,43 +27,52 @@ Keys (all optional except the master address, which may also come from
     verify_checksums     store an xxh3 checksum trailer with each chunk and check it on load (default false;
                          host-resident KV only: it reads the pages with the CPU)
 
-``MOONCAKE_CONFIG_PATH`` (Mooncake's own JSON: master_server_address, protocol,
-global_segment_size, local_buffer_size, device_name, metadata_server,
-local_hostname, enable_ssd_offload, ssd_offload_path, tenant_id, ...) supplies
-defaults; keys in ``kv_connector_extra_config`` win.
+``MOONCAKE_CONFIG_PATH`` (Mooncake's own ``mooncake.json``, :mod:`kvcore.mooncake_json`) supplies
+defaults; keys in ``kv_connector_extra_config`` win. The store tier takes master_server_address,
+metadata_server (with vLLM V0's metadata_backend), protocol, device_name, global_segment_size,
+local_buffer_size, local_hostname, enable_ssd_offload and ssd_offload_path. It ignores
+prefill_url and decode_url (the P2P tier's, :mod:`p2p.config`), tenant_id,
+enable_client_http_server and client_http_port, so one file serves both tiers.
+
+With an http or etcd metadata server, a Mooncake store client registers its Transfer Engine
+segment under its local hostname; without a port Mooncake appends a free one, so several
+clients on one host do not collide. Peers then reach it at ``MC_TCP_BIND_ADDRESS``, else at
+the host's first LAN address (not at local_hostname, as under P2PHANDSHAKE).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import msgspec
 
+from kvcore import mooncake_json
 from kvcore.config import load, parse_size
 from kvcore.errors import ConfigError
+from kvcore.mooncake_json import P2PHANDSHAKE, metadata_conn_string, split_host_port
 
-# Mooncake's MooncakeConfig.from_file keys -> ours.
+# mooncake.json keys the store tier takes -> ours (metadata_server: with metadata_backend).
 _MOONCAKE_JSON_KEYS = {
     "master_server_address": "master",
     "protocol": "protocol",
     "global_segment_size": "global_segment_size",
     "local_buffer_size": "local_buffer_size",
     "device_name": "device_name",
-    "metadata_server": "metadata_server",
     "local_hostname": "local_hostname",
     "enable_ssd_offload": "enable_ssd_offload",
     "ssd_offload_path": "ssd_offload_path",
 }
-_MOONCAKE_JSON_IGNORED = {"tenant_id", "enable_client_http_server", "client_http_port"}
+# ... and the ones it leaves to others (the P2P tier's, or nobody's).
+_MOONCAKE_JSON_IGNORED = {"prefill_url", "decode_url", "tenant_id", "enable_client_http_server",
+                          "client_http_port"}
 
 
 class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     master: str | None = None
     protocol: str = "tcp"
     device_name: str = ""
-    metadata_server: str = "P2PHANDSHAKE"
+    metadata_server: str = P2PHANDSHAKE
     local_hostname: str | None = None
     global_segment_size: int | str = 0
     local_buffer_size: int | str = "16MB"
@@ -88,9 +100,12 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 "mcstore: no master address: set kv_connector_extra_config.master "
                 "(\"HOST:PORT\") or MOONCAKE_CONFIG_PATH with master_server_address"
             )
-        host, sep, port = self.master.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ConfigError(f"mcstore: master must be HOST:PORT, got {self.master!r}")
+        self.master = self.master.strip()
+        _ha_endpoints(self.master)
+        try:
+            self.metadata_server = metadata_conn_string(self.metadata_server)
+        except ConfigError as e:
+            raise ConfigError(f"mcstore: {e}") from None
         self.global_segment_size = parse_size(self.global_segment_size)
         self.local_buffer_size = parse_size(self.local_buffer_size)
         if self.chunk_tokens <= 0:
@@ -110,8 +125,17 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     @property
     def master_host_port(self) -> tuple[str, int]:
+        """``(host, port)`` of a plain ``HOST:PORT`` master (ConfigError for an HA entry)."""
+        if self.ha_etcd_endpoints is not None:
+            raise ConfigError(f"mcstore: master {self.master!r} is an HA entry: no fixed HOST:PORT")
         host, _, port = self.master.rpartition(":")
         return host, int(port)
+
+    @property
+    def ha_etcd_endpoints(self) -> list[str] | None:
+        """The etcd endpoints (``"HOST:PORT"``) of an ``etcd://`` HA master entry, None for a
+        plain ``HOST:PORT`` master."""
+        return _ha_endpoints(self.master)
 
     def hostname(self) -> str:
         return self.local_hostname or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
@@ -124,21 +148,38 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
 
 
-def _mooncake_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"MOONCAKE_CONFIG_PATH={path}: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"MOONCAKE_CONFIG_PATH={path}: not a JSON object")
-    out: dict[str, Any] = {}
-    for k, v in raw.items():
-        if k in _MOONCAKE_JSON_KEYS:
-            out[_MOONCAKE_JSON_KEYS[k]] = v
-        elif k not in _MOONCAKE_JSON_IGNORED:
-            known = ", ".join(sorted({*_MOONCAKE_JSON_KEYS, *_MOONCAKE_JSON_IGNORED}))
-            raise ConfigError(f"MOONCAKE_CONFIG_PATH={path}: unknown key {k!r} (known keys: {known})")
+def _ha_endpoints(master: str) -> list[str] | None:
+    """Check ``master`` ("HOST:PORT" or "etcd://HOST:PORT[;HOST:PORT...]"); the etcd endpoints of
+    the HA form, None for the plain one."""
+    form = 'master must be HOST:PORT or etcd://HOST:PORT[;HOST:PORT...]'
+    scheme, sep, rest = master.partition("://")
+    if not sep:
+        try:
+            split_host_port(master, "master")
+        except ConfigError:
+            raise ConfigError(f"mcstore: {form}, got {master!r}") from None
+        return None
+    if scheme != "etcd":
+        raise ConfigError(f"mcstore: {form}, got {master!r}")
+    if "," in rest:
+        raise ConfigError(f"mcstore: separate the etcd endpoints of master {master!r} with ';' (Mooncake's form)")
+    eps = [e.strip() for e in rest.split(";")]
+    if not all(eps):
+        raise ConfigError(f"mcstore: {form}, got {master!r} (an empty etcd endpoint)")
+    for e in eps:
+        try:
+            split_host_port(e)
+        except ConfigError:
+            raise ConfigError(f"mcstore: etcd endpoint {e!r} of master {master!r} is not HOST:PORT") from None
+    return eps
+
+
+def _from_mooncake_json(mj: mooncake_json.MooncakeJson) -> dict[str, Any]:
+    """The store tier's keys of a ``mooncake.json``, renamed to ours."""
+    given = mj.given()
+    out = {ours: given[k] for k, ours in _MOONCAKE_JSON_KEYS.items() if k in given}
+    if mj.metadata() is not None:
+        out["metadata_server"] = mj.metadata()
     return out
 
 
@@ -146,9 +187,9 @@ def load_config(extra: dict[str, Any] | None, env: dict[str, str] | None = None)
     """The store config from ``kv_connector_extra_config`` over ``MOONCAKE_CONFIG_PATH``."""
     env = os.environ if env is None else env
     data: dict[str, Any] = {}
-    path = env.get("MOONCAKE_CONFIG_PATH")
-    if path:
-        data.update(_mooncake_json(path))
+    mj = mooncake_json.from_env(env)
+    if mj is not None:
+        data.update(_from_mooncake_json(mj))
     extra = dict(extra or {})
     if "master_server_address" in extra:
         if "master" in extra:

@@ -18,6 +18,7 @@ from multi import commands, demo
 COMMANDS = (
     commands.add_serve,
     commands.add_master,
+    commands.add_store_server,
     commands.add_proxy,
     demo.add_parser,
     warmup_cli.add_parser,

@@ -1,6 +1,6 @@
 """The ``mctier`` subcommands that are thin wrappers: ``serve`` (vLLM's server), ``proxy``
-(:mod:`p2p.proxy`), ``master`` (:mod:`mcstore.server`), ``model`` (:mod:`multi.models`) and
-``cpu`` (:mod:`kvcore.platform`).
+(:mod:`p2p.proxy`), ``master`` (:mod:`mcstore.server`), ``store-server``
+(:mod:`mcstore.segment`), ``model`` (:mod:`multi.models`) and ``cpu`` (:mod:`kvcore.platform`).
 
 Each is registered like every other subcommand, by an ``add_parser(sub)``-style function
 (listed in :data:`multi.cli.COMMANDS`). ``raw=True`` hands the whole tail of the command
@@ -42,8 +42,12 @@ def _master(args: argparse.Namespace, rest: list[str]) -> int:
     from kvcore.config import parse_size
     from mcstore.server import StoreCluster
 
+    if args.ha and not args.etcd:
+        print("mctier master --ha needs --etcd HOST:PORT[;HOST:PORT]", file=sys.stderr)
+        return 2
     cluster = StoreCluster(
         log_dir=args.log_dir,
+        host=args.host,
         port=args.port,
         metrics_port=args.metrics_port,
         http_port=args.http_port,
@@ -51,6 +55,7 @@ def _master(args: argparse.Namespace, rest: list[str]) -> int:
         ssd_dir=args.ssd,
         store_server=not args.no_store_server,
         extra_flags=rest,
+        ha_etcd=args.etcd if args.ha else None,
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -59,6 +64,8 @@ def _master(args: argparse.Namespace, rest: list[str]) -> int:
     try:
         a = cluster.addrs()
         print(f"mooncake master  rpc      {a.rpc}   (kv_connector_extra_config: {{\"master\": \"{a.rpc}\"}})")
+        if args.ha:
+            print(f"                 HA       this master listens on {args.host}:{cluster.port} while it leads")
         print(f"                 metrics  {a.metrics}")
         if a.http_metadata:
             print(f"                 metadata {a.http_metadata}")
@@ -77,14 +84,35 @@ def _master(args: argparse.Namespace, rest: list[str]) -> int:
 def add_master(sub) -> None:
     m = sub.add_parser("master", help="a mooncake_master plus a store server owning the pool "
                                       "(unknown flags go to mooncake_master)")
+    m.add_argument("--host", default="127.0.0.1",
+                   help="address the master (RPC, metrics, HTTP metadata) and its store server listen on "
+                        "and other hosts reach")
     m.add_argument("--port", type=int, default=50051, help="master RPC port")
     m.add_argument("--metrics-port", type=int, default=9003, help="admin/metrics HTTP port (published for the tools)")
     m.add_argument("--http-port", type=int, default=0, help="embedded HTTP metadata server (off by default)")
     m.add_argument("--segment-size", default="4GB", help="DRAM the store server contributes")
     m.add_argument("--ssd", help="directory for SSD offload (enables it)")
-    m.add_argument("--no-store-server", action="store_true", help="master only; engines must contribute segments")
+    m.add_argument("--no-store-server", action="store_true", help="master only; segments come from "
+                                                                  "`mctier store-server` or engines")
+    m.add_argument("--ha", action="store_true", help="Mooncake HA: elect a leader among masters through etcd; "
+                                                     "clients then use master etcd://HOST:PORT")
+    m.add_argument("--etcd", help="etcd endpoints for --ha, HOST:PORT[;HOST:PORT]")
     m.add_argument("--log-dir", default="./mctier-logs")
     m.set_defaults(func=_master, passthrough=True)
+
+
+def _store_server(args: argparse.Namespace, rest: list[str]) -> int:
+    from mcstore.segment import run
+
+    return run(args)
+
+
+def add_store_server(sub) -> None:
+    from mcstore.segment import add_arguments
+
+    s = sub.add_parser("store-server", help="contribute a DRAM segment (and SSD) to an existing pool, from any host")
+    add_arguments(s)
+    s.set_defaults(func=_store_server)
 
 
 def _model(args: argparse.Namespace, rest: list[str]) -> int:

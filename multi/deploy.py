@@ -19,21 +19,24 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcore import platform
 from kvcore.procs import Proc, free_port
-from mcstore.server import CLIENT_ENV, StoreCluster
+from mcstore.server import StoreCluster, client_env
 
 
-def engine_env(core: int | None = None) -> dict[str, str]:
-    """Environment of an engine pinned to ``core``: vLLM's settings and the CPU-class
-    simulation (:func:`kvcore.platform.engine_env`) plus the Mooncake client's."""
-    return {**platform.engine_env(core), **CLIENT_ENV}
+def engine_env(core: int | None = None, host: str = "127.0.0.1") -> dict[str, str]:
+    """Environment of an engine pinned to ``core`` on the address ``host``: vLLM's settings
+    and the CPU-class simulation (:func:`kvcore.platform.engine_env`), ``VLLM_HOST_IP`` (the
+    store tier's default advertised address), ``VLLM_LOOPBACK_IP`` (where vLLM's own
+    torch.distributed rendezvous listens: loopback by default, even on a host given another
+    address), plus the Mooncake client's."""
+    return {**platform.engine_env(core), "VLLM_HOST_IP": host, "VLLM_LOOPBACK_IP": host, **client_env(host)}
 
 
 def engine_argv(model: str, port: int, *, python: str = sys.executable, served_name: str = "m",
                 max_model_len: int = 8192, max_num_seqs: int | None = None, kv_config: dict | None = None,
-                extra: list[str] | None = None) -> list[str]:
-    """``mctier serve`` on 127.0.0.1 as every engine of this project runs: eager, block size
+                extra: list[str] | None = None, host: str = "127.0.0.1") -> list[str]:
+    """``mctier serve`` on ``host`` as every engine of this project runs: eager, block size
     32, seed 0, prompt-token details on, and the CPU class's dtype unless ``extra`` names one."""
-    argv = [python, "-m", "multi.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
+    argv = [python, "-m", "multi.cli", "serve", model, "--host", host, "--port", str(port),
             "--enforce-eager", "--block-size", "32", "--max-model-len", str(max_model_len), "--seed", "0",
             "--served-model-name", served_name, "--enable-prompt-tokens-details"]
     if max_num_seqs is not None:

@@ -35,9 +35,9 @@ class P2PConnector(KVConnectorBase_V1, Tier):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = vllm_config.kv_transfer_config
-        self.cfg = load_config(ktc.kv_connector_extra_config)
-        self.engine_id = ktc.engine_id
         role_name = ktc.kv_role
+        self.cfg = load_config(ktc.kv_connector_extra_config, role_name)
+        self.engine_id = ktc.engine_id
         self.scheduler: P2PScheduler | None = None
         self.worker = None
         if role == KVConnectorRole.SCHEDULER:

@@ -25,6 +25,7 @@ import zmq
 from kvcore.geometry import Region
 from kvcore.log import get_logger
 from kvcore.metrics import TierStats
+from kvcore.mooncake_json import P2PHANDSHAKE
 from p2p.protocol import (
     DoneAck,
     PullDone,
@@ -65,9 +66,11 @@ class SideChannel:
     """ROUTER socket + hold table, served by one daemon thread."""
 
     def __init__(self, regions: list[Region], te_addr: str, stats: TierStats, stats_lock: threading.Lock,
-                 host: str = "127.0.0.1", abort_timeout_s: float = 480.0, tp_size: int = 1):
+                 host: str = "127.0.0.1", abort_timeout_s: float = 480.0, tp_size: int = 1,
+                 te_metadata: str = P2PHANDSHAKE):
         self.regions = regions
         self.te_addr = te_addr
+        self.te_metadata = "" if te_metadata == P2PHANDSHAKE else te_metadata
         self.abort_timeout_s = abort_timeout_s
         self.tp_size = tp_size
         self._stats, self._stats_lock = stats, stats_lock
@@ -243,6 +246,6 @@ class SideChannel:
         if hold.fence is not None:
             hold.fence.synchronize()  # CUDA: the prefill's KV writes are complete
             hold.fence = None
-        self._send(w.ident, PullReply(Status.READY, tid, te_addr=self.te_addr, regions=self.regions,
-                                      block_ids=hold.block_ids[req.start_block:end]))
+        self._send(w.ident, PullReply(Status.READY, tid, te_addr=self.te_addr, te_metadata=self.te_metadata,
+                                      regions=self.regions, block_ids=hold.block_ids[req.start_block:end]))
         return True

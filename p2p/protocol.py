@@ -10,7 +10,8 @@ Two channels, both compatible in shape with vLLM's MooncakeConnector:
   D -> P :class:`PullRequest`  (blocks ``[start_block, start_block+num_blocks)`` of the
          request ``transfer_id``; ``num_blocks == 0`` means "release, I will not pull")
   P -> D :class:`PullReply`    WAIT (heartbeat while P still prefills), READY (P's regions,
-         block ids and Transfer Engine address), RELEASED, or ERROR
+         block ids, and the name of its Transfer Engine with the metadata server that
+         name is registered in, "" for P2PHANDSHAKE: see p2p.transfer), RELEASED, or ERROR
   D -> P :class:`PullDone`     the read finished (``ok``) or failed; P drops the hold once
          every consumer rank reported
   P -> D :class:`DoneAck`
@@ -63,6 +64,7 @@ class PullReply(msgspec.Struct, tag="reply", omit_defaults=True):
     regions: list[Region] = []
     block_ids: list[int] = []
     error: str = ""
+    te_metadata: str = ""  # the metadata server te_addr is registered in; "" = P2PHANDSHAKE
 
 
 class PullDone(msgspec.Struct, tag="done", omit_defaults=True):

@@ -7,7 +7,9 @@ One job per request, run on a small thread pool. Phases, each bounded:
 2. metadata  side-channel :class:`PullRequest`; the prefill worker answers WAIT
              heartbeats until its request finished, then READY with its regions and
              block ids; silence longer than ``peer_silence_timeout_s`` = dead peer
-3. transfer  one ``batch_transfer_sync_read`` of coalesced page runs
+3. transfer  one ``batch_transfer_sync_read`` of coalesced page runs from the Transfer
+             Engine the READY reply names (both sides must use the same kind of metadata:
+             P2PHANDSHAKE, http or etcd; a mismatch fails as ``protocol``)
 4. ack       :class:`PullDone` so the prefill frees its blocks (waited for briefly,
              after the result is already reported)
 
@@ -33,6 +35,7 @@ from kvcore.errors import MooncakeError
 from kvcore.geometry import KVGeometry
 from kvcore.log import get_logger
 from kvcore.metrics import TierStats
+from kvcore.mooncake_json import P2PHANDSHAKE, metadata_kind
 from p2p import bootstrap
 from p2p.protocol import DoneAck, EngineEntry, PullDone, PullReply, PullRequest, Status, decode_to_decode, encode
 from p2p.transfer import TransferEngineHandle
@@ -196,6 +199,11 @@ class Puller:
             if reply.status != Status.READY:
                 raise PullFailed("remote", reply.error or f"status {reply.status!r}")
             ready = True
+            theirs, ours = reply.te_metadata or P2PHANDSHAKE, self.engine.metadata_server
+            if metadata_kind(theirs) != metadata_kind(ours):
+                raise PullFailed("protocol", f"the prefill's Transfer Engine {reply.te_addr} is named through "
+                                             f"{theirs}, this one through {ours}: set the same metadata_server "
+                                             f"on both sides")
             try:
                 local, remote, lens = self.geometry.pair_ranges(job.block_ids, reply.regions, reply.block_ids)
             except ValueError as e:
@@ -203,7 +211,8 @@ class Puller:
             try:
                 self.engine.read(reply.te_addr, local, remote, lens)
             except MooncakeError as e:
-                raise PullFailed("transfer", str(e)) from None
+                other = f" (the prefill registered it in {theirs}, this engine reads {ours})" if theirs != ours else ""
+                raise PullFailed("transfer", f"{e}{other}") from None
             t3 = time.monotonic()
             timings["transfer"] = t3 - t2
             if time.monotonic() > job.deadline:

@@ -1,25 +1,65 @@
-"""Thin wrapper over Mooncake's ``TransferEngine`` (P2PHANDSHAKE metadata, no etcd).
+"""Thin wrapper over Mooncake's ``TransferEngine``.
 
 Only synchronous batch calls are used: ``get_batch_transfer_status`` on an already
 finished batch id segfaults in 0.3.13, so async batches are never polled here.
 Memory is registered with the platform's location string (``cpu:0`` on CPU,
 ``cuda:N`` with GPUDirect on CUDA).
+
+Naming (what a peer passes to read from this engine, :attr:`TransferEngineHandle.addr`, sent in
+the side channel's READY reply):
+
+* ``P2PHANDSHAKE`` (default, no metadata server): the engine's own RPC address
+  ``HOST:RPC_PORT`` (Mooncake picks the port); the peer asks it directly.
+* an http or etcd metadata server: Mooncake registers the engine's segment under the name
+  it was initialised with and peers look that name up in the metadata server, so both sides
+  must use the same server. The name is ``HOST:PORT`` with PORT a port this handle holds
+  bound (never listening) while it lives: unique among the engines of the host, and new at
+  every start (a peer's Transfer Engine caches a segment's descriptor by name and never
+  re-reads it, so a restarted prefill under its old name would stay unreachable). The
+  address peers connect to is ``MC_TCP_BIND_ADDRESS``, set to HOST unless already set
+  (Mooncake otherwise advertises the host's first LAN address).
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Sequence
 
 from kvcore import platform
 from kvcore.errors import ConfigError, check, error_for
 from kvcore.geometry import MemRange
+from kvcore.log import get_logger
+from kvcore.mooncake_json import P2PHANDSHAKE, metadata_conn_string
+
+logger = get_logger("p2p.transfer")
+
+
+def _wrap(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _reserve_port(host: str) -> socket.socket:
+    """A socket bound (not listening) to a fresh port on ``host`` (on loopback when ``host``
+    is not an address of this machine)."""
+    bare = host.strip("[]")
+    for family, addr in ((socket.AF_INET6 if ":" in bare else socket.AF_INET, bare), (socket.AF_INET, "127.0.0.1")):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.bind((addr, 0))
+            return sock
+        except OSError:
+            sock.close()
+    raise ConfigError(f"p2p: no port to name this Transfer Engine on {host!r}")
 
 
 class TransferEngineHandle:
-    """One Mooncake ``TransferEngine`` of this process: its address (``host:rpc_port``) and
-    the KV memory it registered; peers read (or write) that memory through it."""
+    """One Mooncake ``TransferEngine`` of this process: its name for peers (:attr:`addr`)
+    and the KV memory it registered; peers read (or write) that memory through it."""
 
-    def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = ""):
+    def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "",
+                 metadata_server: str = P2PHANDSHAKE):
+        metadata_server = metadata_conn_string(metadata_server)  # never a string Mooncake aborts on
         try:
             from mooncake.engine import TransferEngine
         except ImportError as e:
@@ -27,13 +67,31 @@ class TransferEngineHandle:
         self.te = TransferEngine()
         self.hostname = hostname
         self.protocol = protocol
-        rc = self.te.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
+        self.metadata_server = metadata_server
+        self._name_sock: socket.socket | None = None
+        name = hostname
+        if metadata_server != P2PHANDSHAKE:
+            self._name_sock = _reserve_port(hostname)
+            name = f"{_wrap(hostname)}:{self._name_sock.getsockname()[1]}"
+            bind = os.environ.setdefault("MC_TCP_BIND_ADDRESS", hostname.strip("[]"))
+            if bind != hostname.strip("[]"):
+                logger.warning("MC_TCP_BIND_ADDRESS=%s: peers reach this Transfer Engine there, not at "
+                               "te_hostname %s", bind, hostname)
+        rc = self.te.initialize(name, metadata_server, protocol, device_name)
         if rc != 0:
+            self._release_name()
+            hint = "" if metadata_server == P2PHANDSHAKE else "; is the metadata server up and reachable?"
             raise ConfigError(
-                f"TransferEngine.initialize({hostname!r}, 'P2PHANDSHAKE', {protocol!r}, {device_name!r}) returned {rc}"
+                f"TransferEngine.initialize({name!r}, {metadata_server!r}, {protocol!r}, {device_name!r}) "
+                f"returned {rc}{hint}"
             )
-        self.addr = f"{hostname}:{self.te.get_rpc_port()}"
+        self.addr = f"{_wrap(hostname)}:{self.te.get_rpc_port()}" if self._name_sock is None else name
         self._registered: list[int] = []
+
+    def _release_name(self) -> None:
+        if self._name_sock is not None:
+            self._name_sock.close()
+            self._name_sock = None
 
     def register(self, buffers: Sequence[MemRange], device_index: int = 0) -> None:
         loc = platform.current().memory_location(device_index)
@@ -60,3 +118,4 @@ class TransferEngineHandle:
         for addr in self._registered:
             self.te.unregister_memory(addr)
         self._registered.clear()
+        # The name stays reserved while the engine (registered under it) lives.

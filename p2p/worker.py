@@ -58,10 +58,12 @@ class P2PWorker:
         platform.current().prepare_worker()
         num_blocks = getattr(self.kv_cache_config, "num_blocks", None)
         self.geometry = KVGeometry.from_kv_caches(kv_caches, num_blocks)
-        self.engine = TransferEngineHandle(self.cfg.te_hostname, self.cfg.protocol, self.cfg.device_name)
+        self.engine = TransferEngineHandle(self.cfg.te_hostname, self.cfg.protocol, self.cfg.device_name,
+                                           self.cfg.metadata_server)
         self.engine.register(self.geometry.buffers)
-        logger.info("P2P worker %s tp=%d: TE %s (%s), %d regions, %d blocks x %d bytes", self.engine_id,
-                    self.tp_rank, self.engine.addr, self.cfg.protocol, len(self.geometry.regions),
+        logger.info("P2P worker %s tp=%d: TE %s (%s, %s), %d regions, %d blocks x %d bytes", self.engine_id,
+                    self.tp_rank, self.engine.addr, self.cfg.protocol, self.cfg.metadata_server,
+                    len(self.geometry.regions),
                     self.geometry.num_blocks, self.geometry.block_bytes)
         if self.is_producer:
             self._start_producer()
@@ -85,7 +87,7 @@ class P2PWorker:
             self.server = bootstrap.BootstrapServer(self.cfg.bootstrap_host, self.cfg.bootstrap_port).start()
         self.side = SideChannel(self.geometry.regions, self.engine.addr, self.stats, self.stats_lock,
                                 host=self.cfg.side_channel_host, abort_timeout_s=self.cfg.abort_timeout_s,
-                                tp_size=self.tp_size)
+                                tp_size=self.tp_size, te_metadata=self.cfg.metadata_server)
         payload = RegisterPayload(self.engine_id, self.dp_rank, self.tp_rank, self.pp_rank, self.side.addr)
         bootstrap.register(self.cfg.bootstrap_url, payload, timeout=self.cfg.bootstrap_timeout_s)
         logger.info("P2P producer %s registered side channel %s at %s", self.engine_id, self.side.addr,

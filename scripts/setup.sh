@@ -21,6 +21,19 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
   fi
 fi
 
+# 1b. etcd (Debian's etcd-server), only where the tests need it (`make test` sets
+# MCTIER_WITH_ETCD=1): the multi-host tests run Mooncake's master HA on a real etcd. The
+# package's own service is not started (the test harness starts etcd on loopback).
+if [ "${MCTIER_WITH_ETCD:-0}" = 1 ] && ! command -v etcd >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    log "installing etcd-server (for the multi-host tests)"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null
+  else
+    log "etcd is missing: run 'sudo apt-get install -y etcd-server' (Debian/Ubuntu)"; exit 1
+  fi
+fi
+
 # 2. virtualenv
 [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
 

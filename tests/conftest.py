@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import LOGS, Engine, model_dir, reference_tokens, start_engines
+from tests.harness import LOGS, Engine, model_dir, reference_tokens, start_engines, top_logprobs
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +32,13 @@ class Baseline:
                 self._engine = start_engines(Engine(name, core=self.core, dev_mode=True, dtype=self.dtype))[0]
             self._memo[key] = reference_tokens(self._engine, prompt, max_tokens, cached_prefix, writers)
         return self._memo[key]
+
+    def top_logprobs(self, prompt: list[int], max_tokens: int, k: int = 5) -> list[dict[int, float]]:
+        """Per generated position, the ``k`` most likely token ids and their logprobs, from a cold
+        one-pass run (see :func:`tests.harness.top_logprobs`)."""
+        self.tokens(prompt[:32], 1)  # starts the engine
+        self._engine.reset_prefix_cache()
+        return top_logprobs(self._engine.complete(prompt, max_tokens, logprobs=k, return_tokens_as_token_ids=True))
 
     def close(self):
         if self._engine is not None:

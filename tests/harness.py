@@ -53,8 +53,8 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 
 
 class Engine:
-    """A ``mctier serve`` OpenAI server on 127.0.0.1, pinned to ``core``, in ``dtype`` (default:
-    the CPU class's, :func:`kvcore.platform.engine_dtype`)."""
+    """A ``mctier serve`` OpenAI server on ``host`` (127.0.0.1 by default; ``VLLM_HOST_IP`` too),
+    pinned to ``core``, in ``dtype`` (default: the CPU class's, :func:`kvcore.platform.engine_dtype`)."""
 
     def __init__(
         self,
@@ -67,18 +67,19 @@ class Engine:
         max_model_len: int = 4096,
         dev_mode: bool = False,
         dtype: str | None = None,
+        host: str = "127.0.0.1",
     ):
-        self.name = name
-        self.port = free_port()
+        self.name, self.host = name, host
+        self.port = free_port(host)
         self.model = str(model or model_dir("tiny"))
         self.dtype = engine_dtype(explicit=dtype)
         argv = engine_argv(self.model, self.port, max_model_len=max_model_len, max_num_seqs=16,
-                           kv_config=kv_config, extra=[*(extra_args or []), "--dtype", self.dtype])
-        full_env = {**engine_env(core), **(env or {})}
+                           kv_config=kv_config, extra=[*(extra_args or []), "--dtype", self.dtype], host=host)
+        full_env = {**engine_env(core, host), **(env or {})}
         if dev_mode:
             full_env["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache, for reference engines
         self.proc = Proc(name, argv, LOGS / f"{name}-{self.port}.log", env=full_env, cwd=str(ROOT), cpus={core})
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
 
     def wait_ready(self, timeout: float = ENGINE_START_TIMEOUT) -> Engine:
         deadline = time.monotonic() + timeout
@@ -158,6 +159,29 @@ def reference_tokens(engine: Engine, prompt: list[int], max_tokens: int = 8, cac
     if got != cached_prefix:
         raise AssertionError(f"reference engine had {got} cached tokens, wanted {cached_prefix}: use a fresh prompt")
     return resp["choices"][0]["token_ids"]
+
+
+def top_logprobs(resp: dict) -> list[dict[int, float]]:
+    """The top logprobs of a completion asked with ``logprobs=k, return_tokens_as_token_ids=True``,
+    keyed by token id."""
+    lp = resp["choices"][0]["logprobs"]["top_logprobs"]
+    return [{int(t.split(":", 1)[1]): v for t, v in pos.items()} for pos in lp]
+
+
+TIE_NATS = 0.1  # bf16 rounding moves this model's logits by a few hundredths
+
+
+def close_tokens(got: list[int], got_top: list[dict[int, float]], want: list[int],
+                 want_top: list[dict[int, float]], tie: float = TIE_NATS) -> bool:
+    """For two runs whose batches differ (a loaded server against a lone reference request):
+    the greedy ids are equal, or they agree up to a first divergence that is a near tie, where
+    each run's token is among the other's top candidates (vLLM's ``check_logprobs_close`` rule)
+    and the reference rates the two within ``tie`` nats. Wrong KV moves the distribution itself
+    and fails this."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            return a in want_top[i] and b in got_top[i] and abs(want_top[i][a] - want_top[i][b]) < tie
+    return len(got) == len(want)
 
 
 def cached_tokens(resp: dict) -> int:

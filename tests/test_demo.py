@@ -15,7 +15,7 @@ pytestmark = pytest.mark.e2e
 
 def _our_processes() -> set[int]:
     """PIDs of engines, masters, store servers and proxies on this machine."""
-    out = subprocess.run(["pgrep", "-f", "VLLM::|mooncake_master|mcstore.server|multi.cli"],
+    out = subprocess.run(["pgrep", "-f", "VLLM::|mooncake_master|mcstore.segment|multi.cli"],
                          capture_output=True, text=True).stdout
     return {int(p) for p in out.split()}
 

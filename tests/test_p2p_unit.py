@@ -122,7 +122,7 @@ def test_bootstrap_unreachable_is_quick_and_clear():
 class Side:
     """One 'instance': KV tensors like vLLM's CPU layout, a TE with them registered."""
 
-    def __init__(self, num_blocks=64, layers=2, seed=0):
+    def __init__(self, num_blocks=64, layers=2, seed=0, metadata_server="P2PHANDSHAKE"):
         import torch
 
         from kvcore.geometry import KVGeometry
@@ -132,7 +132,7 @@ class Side:
         self.buf = torch.randn(layers, num_blocks, 2, 32, 128, generator=g).to(torch.bfloat16)
         self.kv = {f"model.layers.{i}.self_attn.attn": self.buf[i] for i in range(layers)}
         self.geo = KVGeometry.from_kv_caches(self.kv, num_blocks)
-        self.engine = TransferEngineHandle("127.0.0.1", "tcp", "")
+        self.engine = TransferEngineHandle("127.0.0.1", "tcp", "", metadata_server)
         self.engine.register(self.geo.buffers)
 
     def pages(self, blocks):

@@ -118,10 +118,27 @@ def test_config_defaults_and_sizes():
     ({"master": "h:1", "global_segment_size": "lots"}, "not a size"),
     ({"master": "h:1", "enable_ssd_offload": True}, "ssd_offload_path"),
     ({"master": "h:1", "master_server_address": "h:2"}, "not both"),
+    ({"master": "http://h:1"}, r"HOST:PORT or etcd://HOST:PORT\[;HOST:PORT...\]"),
+    ({"master": "etcd://"}, "empty etcd endpoint"),
+    ({"master": "etcd://h:1;"}, "empty etcd endpoint"),
+    ({"master": "etcd://h"}, "etcd endpoint 'h' of master"),
+    ({"master": "etcd://h:1,g:2"}, "with ';'"),
+    ({"master": "h:99999"}, "HOST:PORT"),
 ])
 def test_config_errors_are_clear(extra, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config(extra, env={})
+
+
+def test_master_plain_and_ha_forms():
+    plain = load_config({"master": " 10.0.0.1:50051 "}, env={})
+    assert plain.master == "10.0.0.1:50051" and plain.master_host_port == ("10.0.0.1", 50051)
+    assert plain.ha_etcd_endpoints is None
+    ha = load_config({"master": "etcd://127.0.0.2:2379;127.0.0.3:2379"}, env={})
+    assert ha.ha_etcd_endpoints == ["127.0.0.2:2379", "127.0.0.3:2379"]
+    assert load_config({"master": "etcd://127.0.0.2:2379"}, env={}).ha_etcd_endpoints == ["127.0.0.2:2379"]
+    with pytest.raises(ConfigError, match="HA entry"):
+        ha.master_host_port
 
 
 def test_chunk_must_be_multiple_of_block():

@@ -151,7 +151,7 @@ def test_cli_registers_every_command_one_way():
 
     parser, commands = build_parser()
     assert len(COMMANDS) == len(commands)
-    assert set(commands) == {"serve", "master", "proxy", "demo", "warmup", "inspect", "model", "cpu"}
+    assert set(commands) == {"serve", "master", "store-server", "proxy", "demo", "warmup", "inspect", "model", "cpu"}
     assert {n for n, p in commands.items() if p.get_default("raw")} == {"serve", "proxy"}
     assert all(callable(p.get_default("func")) for n, p in commands.items() if n != "inspect")  # inspect: per op
     with pytest.raises(SystemExit):
