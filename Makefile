@@ -9,7 +9,7 @@ demo: setup
 
 test:
 	@MCTIER_WITH_ETCD=1 bash scripts/setup.sh
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=25
 
 setup:
 	@bash scripts/setup.sh

@@ -7,6 +7,16 @@ from pathlib import Path
 
 README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
 
+# A published figure for scale, not a target this benchmark can meet or miss: both the
+# transfer (RDMA at ~142 GB/s there, loopback TCP here) and the TTFT it is divided by
+# (a GPU prefill there, a CPU one here) differ.
+MOONCAKE_PD_REFERENCE = (
+    "for scale only, not comparable: Mooncake's documentation (\"vLLM with Mooncake Transfer Engine "
+    "Benchmark\", kvcache-ai.github.io/Mooncake/performance/vllm-v1-support-benchmark.html) reports the "
+    "KV transfer at 4.2% of TTFT for a 32K-token prompt: Qwen3-8B on GPUs, 1P1D across two nodes, GPUDirect "
+    "RDMA over 8x RoCE (31.65 ms for 4.50 GB); here the KV crosses loopback TCP and the prefill runs on a CPU core"
+)
+
 
 def _ms(s: dict | None) -> str:
     if not s:
@@ -82,10 +92,12 @@ def verdicts(r: dict) -> list[str]:
         far = [x["prompt_tokens"] for x in big if x["ours_vs_floor"] > 2.0]
         lines.append("store hit within 2x of vLLM's prefix-cache floor from 2K tokens up: "
                      + ("met" if not far else f"NOT met at {far} tokens"))
-    for x in r.get("pd") or []:
-        if x.get("kv_move_share_of_ttft") is not None:
-            lines.append(f"P/D at {x['prompt_tokens']} tokens: KV read is {x['kv_move_share_of_ttft']:.1%} of "
-                         "decode-side TTFT (seeds' RDMA anchor: 4.2% at 32K)")
+    shares = [x for x in r.get("pd") or [] if x.get("kv_move_share_of_ttft") is not None]
+    for x in shares:
+        lines.append(f"P/D at {x['prompt_tokens']} tokens: KV read is {x['kv_move_share_of_ttft']:.1%} of "
+                     "decode-side TTFT (loopback TCP between CPU engines on one host)")
+    if shares:
+        lines.append(MOONCAKE_PD_REFERENCE)
     for name, err in (r.get("errors") or {}).items():
         lines.append(f"section {name} FAILED: {err.splitlines()[0][:300]}")
     mism = r.get("token_mismatches") or []

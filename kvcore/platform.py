@@ -2,9 +2,13 @@
 
 On CPU the forward pass has finished writing KV when a connector hook runs, and
 the transfer engine addresses host memory. On CUDA the KV is written by kernels
-on a stream: a save must wait for them, and memory is registered with its GPU
-location so RDMA can use GPUDirect. The CUDA branch is reviewed on paper only
-(no GPU on the CI machines).
+on a stream: a save must wait for them, and memory is registered with the location
+of the GPU it is on (``cuda:N`` of the worker's own device, not always ``cuda:0``)
+so RDMA can use GPUDirect. Copies the tiers make themselves go through
+:mod:`kvcore.pages` (torch copies, never ``memmove`` on device pointers). The CUDA
+branch is experimental: reviewed on paper and unit-tested with CPU tensors standing
+in, never run on a GPU (none on the CI machines; ``tests/test_cuda_fidelity.py``
+waits for one).
 
 CPU classes, and the one rule for the dtype of the engines this project starts
 (demo, tests, benchmarks, example scripts): ``bfloat16`` where the CPU has native
@@ -127,8 +131,9 @@ class Platform:
     name = "cpu"
     device_type = "cpu"
 
-    def memory_location(self, device_index: int = 0) -> str:
-        """Location string for ``TransferEngine.register_memory``."""
+    def memory_location(self, device=None) -> str:
+        """Location string for ``TransferEngine.register_memory`` of memory on ``device``
+        (a ``torch.device``, an index, or None for this process's current device)."""
         return "cpu:0"
 
     def kv_ready_fence(self):
@@ -157,8 +162,15 @@ class CudaPlatform(Platform):
     name = "cuda"
     device_type = "cuda"
 
-    def memory_location(self, device_index: int = 0) -> str:
-        return f"cuda:{device_index}"
+    def memory_location(self, device=None) -> str:
+        # Each TP rank's worker owns one GPU (its local rank), set as the current device;
+        # its KV must be registered there, or GPUDirect RDMA would address the wrong GPU.
+        index = getattr(device, "index", device)
+        if index is None:
+            import torch
+
+            index = torch.cuda.current_device()
+        return f"cuda:{index}"
 
     def prepare_worker(self) -> None:
         return None

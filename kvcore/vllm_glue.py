@@ -105,7 +105,8 @@ def request_finished_normally(request) -> bool:
 
 
 def first_group_block_ids(blocks) -> list[int]:
-    """Block ids of the first KV cache group of a ``KVCacheBlocks``."""
+    """Block ids of the first KV cache group of a ``KVCacheBlocks`` (the only one:
+    :func:`require_full_attention`)."""
     ids = blocks.get_block_ids()
     return list(ids[0]) if ids else []
 
@@ -114,14 +115,21 @@ def first_group_block_ids(blocks) -> list[int]:
 
 
 def kv_fingerprint_fields(vllm_config, kv_cache_config) -> dict:
-    """What makes two engines' KV pages interchangeable, as plain data (no addresses)."""
+    """What makes two engines' KV pages interchangeable, as plain data (no addresses).
+
+    The same in every process of one engine. With pipeline parallelism a worker's
+    ``kv_cache_config`` lists its own stage's layers and the scheduler's is stage 0's, so
+    per-group layer counts are left out there and ``pp_layers`` (every stage's
+    ``[start, end)`` of decoder layers, vLLM's split) describes the whole layout instead:
+    a different split (or ``VLLM_PP_LAYER_PARTITION``) is a different fingerprint."""
     from vllm.platforms import current_platform
 
     model = vllm_config.model_config
+    pp_size = vllm_config.parallel_config.pipeline_parallel_size
     groups = []
     for g in kv_cache_config.kv_cache_groups:
         spec = g.kv_cache_spec
-        groups.append({
+        group = {
             "spec": type(spec).__name__,
             "block_size": spec.block_size,
             "num_kv_heads": getattr(spec, "num_kv_heads", None),
@@ -129,9 +137,14 @@ def kv_fingerprint_fields(vllm_config, kv_cache_config) -> dict:
             "head_size_v": getattr(spec, "head_size_v", None),
             "dtype": str(getattr(spec, "dtype", "")),
             "page_size_bytes": spec.page_size_bytes,
-            "num_layers": len(g.layer_names),
-        })
-    return {
+            "num_layers": len(g.layer_names) if pp_size == 1 else None,
+        }
+        # Only when set, so that every full-attention model keeps the fingerprint it had.
+        for window in ("sliding_window", "attention_chunk_size"):
+            if getattr(spec, window, None) is not None:
+                group[window] = getattr(spec, window)
+        groups.append(group)
+    fields = {
         "model": model.model,
         "revision": getattr(model, "revision", None),
         "dtype": str(model.dtype),
@@ -139,9 +152,21 @@ def kv_fingerprint_fields(vllm_config, kv_cache_config) -> dict:
         "platform": current_platform.device_type,
         "kv_cache_layout": getattr(kv_cache_config, "kv_cache_layout", None),
         "tp_size": vllm_config.parallel_config.tensor_parallel_size,
-        "pp_size": vllm_config.parallel_config.pipeline_parallel_size,
+        "pp_size": pp_size,
         "groups": groups,
     }
+    if pp_size > 1:
+        fields["pp_layers"] = pp_layer_ranges(vllm_config)
+    return fields
+
+
+def pp_layer_ranges(vllm_config) -> list[list[int]]:
+    """``[start, end)`` of the decoder layers each pipeline stage owns, as vLLM splits them."""
+    from vllm.distributed.utils import get_pp_indices
+
+    total = vllm_config.model_config.get_total_num_hidden_layers()
+    pp_size = vllm_config.parallel_config.pipeline_parallel_size
+    return [list(get_pp_indices(total, rank, pp_size)) for rank in range(pp_size)]
 
 
 def block_size_of(kv_cache_config) -> int:
@@ -157,6 +182,111 @@ def tp_rank() -> int:
         return 0
 
 
+def pp_rank() -> int:
+    """The calling worker's pipeline stage (0 outside a distributed worker)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return get_pp_group().rank_in_group
+    except (ImportError, AssertionError):
+        return 0
+
+
+def pp_stages() -> int:
+    """How many pipeline stages the calling worker's engine has (1 outside a distributed worker)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return get_pp_group().world_size
+    except (ImportError, AssertionError):
+        return 1
+
+
+# --- what every tier requires of the engine's layout ------------------------------------------
+
+
+def _group_kind(spec) -> tuple[str, str | None]:
+    """``(description, why a tier cannot move it whole or None)`` of one group's spec."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    name = type(spec).__name__
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        inner = [_group_kind(s) for s in spec.kv_cache_specs.values()]
+        bad = next((why for _, why in inner if why), None)
+        return f"{name} of {sorted({d for d, _ in inner})}", bad
+    if isinstance(spec, SlidingWindowSpec):
+        return (f"{name} (window {spec.sliding_window} tokens)",
+                "vLLM frees a sliding-window group's pages behind the window, so a save would copy, and a "
+                "load overwrite, pages that belong to no token of the request any more")
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return (f"{name} (chunk {spec.attention_chunk_size} tokens)",
+                "vLLM frees a chunked-local group's pages of earlier chunks, so a save would copy, and a load "
+                "overwrite, pages that belong to no token of the request any more")
+    if isinstance(spec, MambaSpec):
+        return name, "a Mamba group holds per-request state, not one page per token block"
+    # Exact types only: a subclass (e.g. R-SWA, sink attention) may keep fewer pages than tokens.
+    if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
+        # With the hybrid allocator off (our connectors do not declare SupportsHMA), vLLM
+        # promotes sliding-window layers of a mixed model to full attention: a page for
+        # every token, the window only limits what attention reads.
+        window = spec.sliding_window or spec.attention_chunk_size
+        return (f"{name} (layers with a {window}-token window included)" if window else name), None
+    return name, "not a full-attention spec the tiers know to keep a page for every token"
+
+
+def require_full_attention(vllm_config, kv_cache_config, who: str) -> None:
+    """Refuse (:class:`kvcore.errors.ConfigError`) a KV cache layout no tier can move whole.
+
+    Every tier saves, loads or pulls a request's pages of *every* layer at the block ids of
+    the first KV cache group. That is right only for one group that keeps a page for every
+    token of every layer (full attention, or sliding-window layers that vLLM promoted to
+    full attention: it does so for a model mixing them with full layers whenever the
+    connector lacks ``SupportsHMA``, as ours do). Several groups, a sliding-window or
+    chunked-local group (every layer windowed), Mamba state: refused at start-up, never a
+    partial or wrong save or load."""
+    from kvcore.errors import ConfigError
+
+    groups = kv_cache_config.kv_cache_groups
+    kinds = [_group_kind(g.kv_cache_spec) for g in groups]
+    why = (f"{len(groups)} KV cache groups: only the first group's blocks would be saved or loaded"
+           if len(groups) > 1 else kinds[0][1] if kinds else "no KV cache group at all")
+    if why is None:
+        return
+    model = getattr(getattr(vllm_config, "model_config", None), "model", "?")
+    listed = "; ".join(f"group {i}: {d}, {len(g.layer_names)} layer(s)" for i, (g, (d, _)) in
+                       enumerate(zip(groups, kinds)))
+    raise ConfigError(
+        f"{who}: model {model!r} has a KV cache layout this connector cannot save or load whole "
+        f"({listed or 'none'}): {why}. The tiers move every layer's pages at one group's block ids, "
+        f"which needs a single full-attention group. Serve this model without mctier's connectors, or, "
+        f"for a model whose every layer slides, start vLLM with --disable-sliding-window (full "
+        f"attention, max_model_len capped to the window)"
+    )
+
+
+_PP_WARNED = False
+
+
+def warn_pipeline_parallel(vllm_config, who: str, log) -> None:
+    """Once per process (the composite and its tiers share it): PP is untested end to end."""
+    global _PP_WARNED
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp <= 1 or _PP_WARNED:
+        return
+    _PP_WARNED = True
+    log.warning(
+        "%s: pipeline_parallel_size=%d is untested end to end: every stage saves, looks up and pulls its own "
+        "layers (store keys carry the stage, unit-tested), but vLLM's CPU backend fails a PP engine's first "
+        "request even without a connector, so this project's CPU CI cannot run one", who, pp)
+
+
 def register_connector_name(name: str, module: str, class_name: str) -> None:
     """Make ``name`` resolvable by vLLM's factory registry.
 
@@ -169,7 +299,7 @@ def register_connector_name(name: str, module: str, class_name: str) -> None:
 
 
 def request_block_ids(kv_cache_manager, req_id: str) -> list[int]:
-    """Block ids of the request's (single) KV cache group."""
+    """Block ids of the request's (single: :func:`require_full_attention`) KV cache group."""
     return list(kv_cache_manager.get_block_ids(req_id)[0])
 
 
@@ -182,31 +312,36 @@ from vllm.config import KVTransferConfig  # noqa: E402,F401
 
 
 def engine_vllm_config(model: str, kv_transfer_config: dict, *, block_size: int | None = None, dtype: str = "auto",
-                       kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1):
+                       kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
     """The ``VllmConfig`` vLLM builds from these engine arguments (reads the model's config, no weights)."""
     install_version_alias()
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(
         model=model, block_size=block_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-        tensor_parallel_size=tensor_parallel_size, enforce_eager=True,
-        distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
+        tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size, enforce_eager=True,
+        distributed_executor_backend="mp" if tensor_parallel_size * pipeline_parallel_size > 1 else None,
         kv_transfer_config=KVTransferConfig(**kv_transfer_config),
     )
     return args.create_engine_config()
 
 
 def engine_kv_cache_layout(vllm_config):
-    """The parts of the engine's ``KVCacheConfig`` that :func:`kv_fingerprint_fields` reads
-    (``kv_cache_groups``, ``kv_cache_layout``), computed as the engine core does: the platform's
-    default attention backend customizes a ``FullAttentionSpec`` per decoder layer,
-    ``get_kv_cache_groups`` groups them, ``resolve_kv_cache_layout`` picks the layout.
-    Full-attention decoder models only (:class:`kvcore.errors.ConfigError` otherwise)."""
+    """The parts of the engine's ``KVCacheConfig`` that :func:`kv_fingerprint_fields` and
+    :func:`require_full_attention` read (``kv_cache_groups``, ``kv_cache_layout``), computed as
+    the engine core does for stage 0: the platform's default attention backend customizes
+    each decoder layer's spec (full attention, or vLLM's own ``Attention.get_kv_cache_spec``
+    for a sliding-window layer: ``layer_types`` / ``sliding_window`` as vLLM's Llama reads
+    them), ``get_kv_cache_groups`` groups them (promoting sliding windows to full attention
+    when the hybrid allocator is off), ``resolve_kv_cache_layout`` picks the layout. MLA,
+    Mamba and chunked-local models are refused (:class:`kvcore.errors.ConfigError`)."""
     from types import SimpleNamespace
 
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+    from vllm.model_executor.layers.attention.attention import Attention
     from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.v1.attention.backend import AttentionType
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
@@ -214,29 +349,43 @@ def engine_kv_cache_layout(vllm_config):
     from kvcore.errors import ConfigError
 
     model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-    if model.use_mla or getattr(model, "is_hybrid", False) or model.get_sliding_window() is not None:
-        raise ConfigError("only full-attention decoder models are laid out without an engine; use the "
-                          "fingerprint a running engine published instead")
+    if model.use_mla or getattr(model, "is_hybrid", False) or getattr(model, "attention_chunk_size", None):
+        raise ConfigError("only full-attention and sliding-window decoder models are laid out without an "
+                          "engine; use the fingerprint a running engine published instead")
     with set_current_vllm_config(vllm_config):
         backends = get_current_attn_backends(vllm_config)
     backend = backends[0]
     dtype = STR_DTYPE_TO_TORCH_DTYPE[cache.cache_dtype] if cache.cache_dtype != "auto" else model.dtype
-    spec = FullAttentionSpec(
+    try:  # the worker's helper (vLLM 0.32); older releases only have the backend's classmethod
+        from vllm.v1.worker.utils import customize_attention_spec
+    except ImportError:
+        def customize_attention_spec(b, spec):
+            return b.customize_spec(spec)
+    full = customize_attention_spec(backend, FullAttentionSpec(
         block_size=cache.block_size,
         num_kv_heads=model.get_num_kv_heads(parallel),
         head_size=model.get_head_size(),
         dtype=dtype,
         kv_quant_mode=get_kv_quant_mode(cache.cache_dtype),
-    )
-    try:  # the worker's helper (vLLM 0.32); older releases only have the backend's classmethod
-        from vllm.v1.worker.utils import customize_attention_spec
+    ))
+    hf = model.hf_text_config
+    types = getattr(hf, "layer_types", None)
 
-        spec = customize_attention_spec(backend, spec)
-    except ImportError:
-        spec = backend.customize_spec(spec)
+    def layer_spec(i: int):
+        window = hf.sliding_window if types and types[i] == "sliding_attention" else None
+        window = window if window is not None else cache.sliding_window  # every layer slides
+        if window is None:
+            return full
+        # vLLM's own method on a stand-in layer: it picks the sliding-window block size.
+        layer = SimpleNamespace(attn_type=AttentionType.DECODER, kv_cache_dtype=cache.cache_dtype,
+                                sliding_window=window, attn_backend=backend, num_kv_heads=full.num_kv_heads,
+                                head_size=full.head_size, head_size_v=full.head_size_v, kv_cache_torch_dtype=dtype)
+        return customize_attention_spec(backend, Attention.get_kv_cache_spec(layer, vllm_config))
+
+    start, _ = model.get_layers_start_end_indices(parallel)
     n_layers = model.get_num_layers_by_block_type(parallel, "attention")
-    specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(n_layers)}
-    groups = get_kv_cache_groups(vllm_config, specs)
+    specs = {f"model.layers.{i}.self_attn.attn": layer_spec(i) for i in range(start, start + n_layers)}
     supported = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
     layout = resolve_kv_cache_layout(vllm_config, [supported], list(specs.values()))
+    groups = get_kv_cache_groups(vllm_config, specs)  # may promote specs in place: after the layout
     return SimpleNamespace(kv_cache_groups=groups, kv_cache_layout=layout.name)

@@ -153,6 +153,9 @@ class StoreClient:
                 f"kv_connector_extra_config.master"
             )
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+        # With an http/etcd metadata server Mooncake advertises MC_TCP_BIND_ADDRESS, else the
+        # host's first LAN address, whatever local_hostname says.
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", cfg.hostname())
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
         from mooncake.store import MooncakeDistributedStore
 

@@ -17,14 +17,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvcore.log import get_logger
 from kvcore.tier import LoadPrior, LoadReport, Tier
 from kvcore.vllm_glue import (
     KVConnectorBase_V1,
     KVConnectorRole,
     block_size_of,
     kv_fingerprint_fields,
+    pp_rank,
     register_connector_name,
+    require_full_attention,
     tp_rank,
+    warn_pipeline_parallel,
 )
 from mcstore.client import publish_engine_meta
 from mcstore.config import StoreConfig, composite_role, load_config
@@ -34,17 +38,21 @@ from mcstore.protocol import StoreMetadata
 from mcstore.scheduler import StoreScheduler
 from mcstore.worker import StoreWorker
 
+logger = get_logger("mcstore.connector")
 register_connector_name("StoreConnector", "mcstore.connector", "StoreConnector")
 
 
 def key_space(cfg: StoreConfig, vllm_config, kv_cache_config) -> KeySpace:
+    """The engine's key space, the same in every one of its processes (TP and PP sizes and the
+    stage split are in the fingerprint); a worker names its own stage's objects with it."""
     fields = kv_fingerprint_fields(vllm_config, kv_cache_config)
     if cfg.model_id:
         fields["model"] = cfg.model_id
         fields["revision"] = None
     fields["chunk_tokens"] = cfg.chunk_tokens
     fields["object_format"] = "pages+xxh3" if cfg.verify_checksums else "pages"
-    return KeySpace(fingerprint(fields), cfg.chunk_tokens, fields["tp_size"], cfg.key_prefix)
+    return KeySpace(fingerprint(fields), cfg.chunk_tokens, fields["tp_size"], cfg.key_prefix,
+                    pp_size=fields["pp_size"])
 
 
 class StoreConnector(KVConnectorBase_V1, Tier):
@@ -57,6 +65,7 @@ class StoreConnector(KVConnectorBase_V1, Tier):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         if kv_cache_config is None:
             raise ValueError("StoreConnector needs kv_cache_config (vLLM >= 0.32)")
+        require_full_attention(vllm_config, kv_cache_config, "mcstore StoreConnector")
         ktc = vllm_config.kv_transfer_config
         cfg = load_config(ktc.kv_connector_extra_config)
         block_size = block_size_of(kv_cache_config)
@@ -67,11 +76,13 @@ class StoreConnector(KVConnectorBase_V1, Tier):
         self._sched: StoreScheduler | None = None
         self._worker: StoreWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            warn_pipeline_parallel(vllm_config, "mcstore StoreConnector", logger)
             self._sched = StoreScheduler(cfg, keys, block_size, load=load, save=save)
             publish_engine_meta(cfg, keys, vllm_config, kv_cache_config, self._sched.client)  # for mctier tools
         else:
-            self._worker = StoreWorker(cfg, keys, block_size, kv_cache_config.num_blocks, tp_rank(),
-                                       load=load, save=save)
+            # The worker's key space names its own stage's objects (its layers only).
+            self._worker = StoreWorker(cfg, keys.stage(pp_rank()), block_size, kv_cache_config.num_blocks,
+                                       tp_rank(), load=load, save=save)
 
     # -- tier contract (kvcore.tier) ------------------------------------------------
 

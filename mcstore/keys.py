@@ -3,11 +3,20 @@
 ``seed = H(fingerprint, isolation keys)``; ``link[i] = H(link[i-1], tokens of chunk i)``.
 The fingerprint digests everything that makes stored bytes (in)compatible:
 model identity, dtype, KV layout, block size, layer count, KV heads, head size,
-TP size and chunk size. Isolation keys (cache_salt, LoRA name, multimodal
-hashes) go into the seed, so two requests that differ in any of them never share
-an object. Only ``hashlib``: deterministic across processes and hosts.
+sliding window (when vLLM keeps such layers as full attention), TP size, PP size and
+split, and chunk size (``kvcore.vllm_glue.kv_fingerprint_fields``). Isolation keys
+(cache_salt, LoRA name, multimodal hashes) go into the seed, so two requests that
+differ in any of them never share an object. Only ``hashlib``: deterministic across
+processes and hosts.
 
-One object per (chunk, TP rank): ``{prefix}/{fp16}/{link hex}/tp{rank}``.
+One object per part of a chunk, a part being what one worker holds: with one pipeline
+stage ``{prefix}/{fp16}/{link hex}/tp{rank}`` (TP rank ``rank``; these keys never change),
+with ``pp_size > 1`` ``{prefix}/{fp16}/{link hex}/pp{stage}tp{rank}``. A stage's object
+holds its own layers only, ``fields["pp_layers"][stage]`` of the fingerprint (vLLM's split
+of the model's decoder layers), so stages never share an object. A chunk is present only
+when all ``tp_size * pp_size`` parts are, and the fingerprint holds ``tp_size``,
+``pp_size`` and the split: an engine of another layout has other keys altogether and
+never reads this layout's objects.
 
 Published metadata, for the operator tools (``mcstore.tools``): every engine's
 connector writes its key space to ``{prefix}/{fp16}/meta`` (:class:`EngineMeta`)
@@ -66,24 +75,44 @@ def chain(start: bytes, tokens: Sequence[int], chunk_tokens: int) -> list[bytes]
 
 
 class KeySpace:
-    """Key naming for one engine configuration."""
+    """Key naming for one engine configuration; ``pp_rank`` is the stage whose objects
+    :meth:`key` names (a worker's own; the scheduler looks up every stage's)."""
 
-    def __init__(self, fp: str, chunk_tokens: int, tp_size: int = 1, prefix: str = "mct"):
+    def __init__(self, fp: str, chunk_tokens: int, tp_size: int = 1, prefix: str = "mct", *,
+                 pp_size: int = 1, pp_rank: int = 0):
+        if not 0 <= pp_rank < pp_size:
+            raise ValueError(f"pipeline stage {pp_rank} outside pp_size {pp_size}")
         self.fp = fp
         self.chunk_tokens = chunk_tokens
         self.tp_size = tp_size
+        self.pp_size = pp_size
+        self.pp_rank = pp_rank
         self.prefix = f"{prefix}/{fp[:16]}"
+        self._key_prefix = prefix
+
+    @property
+    def parts(self) -> int:
+        """Objects per chunk: one per (stage, TP rank)."""
+        return self.tp_size * self.pp_size
+
+    def stage(self, pp_rank: int) -> KeySpace:
+        """The same key space naming stage ``pp_rank``'s objects."""
+        return KeySpace(self.fp, self.chunk_tokens, self.tp_size, self._key_prefix, pp_size=self.pp_size,
+                        pp_rank=pp_rank)
 
     def links(self, tokens: Sequence[int], cache_salt=None, lora=None, mm_hashes=()) -> list[str]:
         s = seed(self.fp, cache_salt, lora, tuple(mm_hashes))
         return [f"{self.prefix}/{link.hex()}" for link in chain(s, tokens, self.chunk_tokens)]
 
-    def key(self, link: str, rank: int) -> str:
-        return f"{link}/tp{rank}"
+    def key(self, link: str, rank: int, stage: int | None = None) -> str:
+        """The object of TP rank ``rank`` of stage ``stage`` (default: this key space's stage)."""
+        if self.pp_size == 1:
+            return f"{link}/tp{rank}"
+        return f"{link}/pp{self.pp_rank if stage is None else stage}tp{rank}"
 
     def all_rank_keys(self, links: Sequence[str]) -> list[str]:
-        """Chunk-major: chunk i's keys are ``[i*tp_size, (i+1)*tp_size)``."""
-        return [self.key(link, r) for link in links for r in range(self.tp_size)]
+        """Chunk-major: chunk i's keys (every stage's, every TP rank's) are ``[i*parts, (i+1)*parts)``."""
+        return [self.key(link, r, s) for link in links for s in range(self.pp_size) for r in range(self.tp_size)]
 
 
 # -- published metadata ---------------------------------------------------------------
@@ -98,17 +127,18 @@ class EngineMeta(msgspec.Struct, kw_only=True):
     fingerprint: str
     chunk_tokens: int
     tp_size: int
+    pp_size: int = 1  # absent in what engines before pipeline-parallel keys published
     key_prefix: str = "mct"
     model: str | None = None  # model_id if configured, else the engine's --model
     fields: dict[str, Any] = msgspec.field(default_factory=dict)  # kvcore.vllm_glue.kv_fingerprint_fields
 
     def key_space(self) -> KeySpace:
-        return KeySpace(self.fingerprint, self.chunk_tokens, self.tp_size, self.key_prefix)
+        return KeySpace(self.fingerprint, self.chunk_tokens, self.tp_size, self.key_prefix, pp_size=self.pp_size)
 
 
 def engine_meta(ks: KeySpace, key_prefix: str, model: str | None, fields: dict[str, Any]) -> EngineMeta:
-    return EngineMeta(fingerprint=ks.fp, chunk_tokens=ks.chunk_tokens, tp_size=ks.tp_size, key_prefix=key_prefix,
-                      model=model, fields=fields)
+    return EngineMeta(fingerprint=ks.fp, chunk_tokens=ks.chunk_tokens, tp_size=ks.tp_size, pp_size=ks.pp_size,
+                      key_prefix=key_prefix, model=model, fields=fields)
 
 
 def meta_key(ks: KeySpace) -> str:

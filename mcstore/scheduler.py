@@ -5,9 +5,9 @@ facade exposes it, ``release`` is a no-op there), kept apart from vLLM's hooks:
 
 ``lookup(request) -> int``
     Prompt tokens ``[0, n)`` the store can supply: the longest prefix of full
-    chunks whose every TP part exists, capped so the last prompt token is left to
-    the engine. One ``batch_is_exist`` per request (cached); 0 at once while the
-    master is unreachable.
+    chunks whose every part exists (every TP rank of every pipeline stage), capped
+    so the last prompt token is left to the engine. One ``batch_is_exist`` per
+    request (cached); 0 at once while the master is unreachable.
 ``plan_load(request, start, end, block_ids)``
     Load tokens ``[start, end)`` (``start`` block aligned, ``end <= lookup``) into
     the request's blocks; ``block_ids`` is the request's block list indexed by
@@ -101,9 +101,9 @@ class StoreScheduler:
             return 0
         t0 = time.perf_counter()
         rcs = self.client.exists(self.keys.all_rank_keys(st.links))
-        tp = self.keys.tp_size
+        n = self.keys.parts
         present = 0
-        while present < len(st.links) and all(rc == 1 for rc in rcs[present * tp:(present + 1) * tp]):
+        while present < len(st.links) and all(rc == 1 for rc in rcs[present * n:(present + 1) * n]):
             present += 1
         st.present = present
         st.hit = max(0, min(present * self.cfg.chunk_tokens, request.num_prompt_tokens - 1))

@@ -4,7 +4,13 @@ Loads and saves run on two background threads, off the forward path, straight
 between the registered KV pages and the store (zero copy). A stored object is one
 chunk of one TP rank: the chunk's pages in canonical order (layer-major, then
 block order; see ``KVGeometry.ranges``), so its bytes do not depend on the block
-ids it was saved from or is loaded into.
+ids it was saved from or is loaded into. A chunk needed from block ``first`` on only
+is fetched whole into host staging, its pages copied by :mod:`kvcore.pages`.
+
+A read that outlasts the master's read lease (``--default_kv_lease_ttl``) fails:
+Mooncake's batch get returns LEASE_EXPIRED for it (the object may have been evicted
+and its memory reused while the bytes were in flight). Like an eviction, that is a
+miss: the chunk and the ones after it are recomputed (``failures:load_lease_expired``).
 
 With ``verify_checksums`` (opt-in) an object ends in a 12-byte trailer
 (:mod:`mcstore.objects`: xxh3-64 of the pages, magic); a load whose bytes do not match it is a load error, so no
@@ -28,6 +34,7 @@ from collections import Counter, deque
 from kvcore.errors import ConfigError, cause_of, is_missing, is_no_space
 from kvcore.geometry import KVGeometry
 from kvcore.log import get_logger
+from kvcore.pages import PageViews
 from kvcore.platform import current as current_platform
 from kvcore.platform import wait_fence
 from kvcore.tier import LoadReport, LoadReports
@@ -86,7 +93,9 @@ class StoreWorker:
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         self.geo = KVGeometry.from_kv_caches(kv_caches, self.num_blocks)
+        self.pages = PageViews(kv_caches, self.geo)  # partial-chunk copies, on the KV's own device
         self.chunk_bytes = self.chunk_blocks * self.geo.block_bytes
+        # The store's register_buffer takes no location: Mooncake finds where the memory is.
         for buf in self.geo.buffers:
             self.client.register(buf.addr, buf.size)
         if self.verify:
@@ -297,10 +306,12 @@ class StoreWorker:
             return False, read_cause(rc, want)
         if self.verify and not trailer_ok(base + self.chunk_bytes, [base], [self.chunk_bytes]):
             return False, "checksum"
-        for r, off in zip(self.geo.regions, self._region_off):
-            for j, bid in enumerate(c.block_ids):
-                src = base + off + (c.first + j) * r.page_bytes
-                ctypes.memmove(r.base + bid * r.block_stride, src, r.page_bytes)
+        # Torch copies, not memmove: on CUDA the pages are device memory (kvcore.pages).
+        k = len(c.block_ids)
+        for i, (r, off) in enumerate(zip(self.geo.regions, self._region_off)):
+            lo = off + c.first * r.page_bytes
+            self.pages.write(i, c.block_ids, self._staging[lo:lo + k * r.page_bytes].view(k, r.page_bytes))
+        self.pages.wait()  # the pages are complete before the load is reported, staging free again
         return True, None
 
     # -- saves -----------------------------------------------------------------------

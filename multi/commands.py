@@ -120,7 +120,7 @@ def _model(args: argparse.Namespace, rest: list[str]) -> int:
 
     out = build(
         args.preset, args.dir, dtype=args.dtype, layers=args.layers, hidden=args.hidden, heads=args.heads,
-        kv_heads=args.kv_heads, vocab=args.vocab, seed=args.seed,
+        kv_heads=args.kv_heads, vocab=args.vocab, seed=args.seed, window=args.window, full_every=args.full_every,
     )
     print(describe(out), file=sys.stderr)
     print(out)  # last line on stdout: scripts take the directory from it
@@ -128,13 +128,18 @@ def _model(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def add_model(sub) -> None:
+    from multi.models import PRESETS
+
     md = sub.add_parser("model", help="build a deterministic random-weight Llama (no hub)")
-    md.add_argument("preset", choices=["tiny", "small"])
+    md.add_argument("preset", choices=sorted(PRESETS))
     md.add_argument("dir")
     md.add_argument("--dtype", choices=["bfloat16", "float32", "float16"],
                     help="the engines' dtype to size 'small' for (default: this CPU class's, see `mctier cpu`)")
     for flag in ("layers", "hidden", "heads", "kv-heads", "vocab", "seed"):
         md.add_argument(f"--{flag}", type=int, help="fix this part of the shape (skips sizing by measurement)")
+    md.add_argument("--window", type=int, help="sliding-window length in tokens (0: full attention)")
+    md.add_argument("--full-every", type=int,
+                    help="with --window: every Nth layer attends fully (0: every layer slides)")
     md.set_defaults(func=_model)
 
 

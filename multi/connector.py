@@ -26,6 +26,8 @@ from kvcore.vllm_glue import (
     KVTransferConfig,
     block_size_of,
     register_connector_name,
+    require_full_attention,
+    warn_pipeline_parallel,
 )
 from multi.config import TierSpec, TieredConfig, load_config
 from multi.metrics import TieredPromMetrics, TieredStats
@@ -59,6 +61,10 @@ class TieredConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.cfg = load_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        if kv_cache_config is not None:  # before the tiers: one error that names the composite
+            require_full_attention(vllm_config, kv_cache_config, "multi TieredConnector")
+        if role == KVConnectorRole.SCHEDULER:
+            warn_pipeline_parallel(vllm_config, "multi TieredConnector", logger)
         # Cheapest first: the order plans fill a prompt in.
         tiers = {spec.name: spec.connector_class()(_tier_config(vllm_config, spec, self.cfg), role, kv_cache_config)
                  for spec in self.cfg.tier_specs()}

@@ -3,6 +3,12 @@
 Models are defined by what they are for, not by one shape:
 
 - ``tiny`` (2 layers, hidden 256) keeps the test suite quick on every CPU class;
+- ``tiny-swa`` and ``tiny-swa-all`` are ``tiny`` with sliding-window attention (a 64-token
+  window), for what the tiers do with such models (``kvcore.vllm_glue.require_full_attention``):
+  ``tiny-swa`` interleaves sliding and full layers (Gemma-2 style ``layer_types``; with
+  a connector that lacks vLLM's ``SupportsHMA``, vLLM allocates every layer's pages for
+  every token, so the tiers serve it), ``tiny-swa-all`` slides on every layer (Mistral
+  style ``sliding_window``; vLLM then frees pages behind the window, so the tiers refuse it);
 - ``small`` is the model on which loading versus recomputing is a real decision: a
   2K-token prefill should take 1 to 3 s in a vLLM engine on one core of the machine
   at hand. Its shape is picked from ``LADDER`` by measuring: each rung (cheapest
@@ -39,6 +45,9 @@ import msgspec
 
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(layers=2, hidden=256, heads=4, kv_heads=2, vocab=2048, seed=0),
+    # Layer 0 slides, layer 1 attends fully; vLLM's Llama reads both keys from config.json.
+    "tiny-swa": dict(layers=2, hidden=256, heads=4, kv_heads=2, vocab=2048, seed=0, window=64, full_every=2),
+    "tiny-swa-all": dict(layers=2, hidden=256, heads=4, kv_heads=2, vocab=2048, seed=0, window=64),
     # The shape of "small" when measuring is skipped (explicit overrides fill it in).
     "small": dict(layers=8, hidden=1024, heads=16, kv_heads=4, vocab=2048, seed=0),
 }
@@ -75,6 +84,8 @@ class ModelSpec(msgspec.Struct, frozen=True):
     kv_heads: int
     vocab: int
     seed: int
+    window: int = 0  # sliding-window length in tokens; 0: full attention everywhere
+    full_every: int = 0  # with a window: layers full_every-1, 2*full_every-1, ... attend fully; 0: none do
 
     @property
     def head_dim(self) -> int:
@@ -126,6 +137,19 @@ def _train_tokenizer(spec: ModelSpec, out: Path) -> None:
     fast.save_pretrained(out)
 
 
+def _attention_kwargs(spec: ModelSpec) -> dict:
+    """Sliding-window keys of config.json. Hugging Face's Llama ignores them (only the random
+    weights come from it); vLLM's reads them: ``layer_types`` picks the sliding layers, and
+    without it ``sliding_window`` applies to every layer."""
+    if not spec.window:
+        return {}
+    out: dict = {"sliding_window": spec.window}
+    if spec.full_every:
+        out["layer_types"] = ["full_attention" if (i + 1) % spec.full_every == 0 else "sliding_attention"
+                              for i in range(spec.layers)]
+    return out
+
+
 def _config(spec: ModelSpec):
     from transformers import LlamaConfig
 
@@ -144,6 +168,7 @@ def _config(spec: ModelSpec):
         pad_token_id=3,
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
+        **_attention_kwargs(spec),
     )
 
 
@@ -269,6 +294,9 @@ def describe(model_dir: str | os.PathLike) -> str:
     s = rec.get("shape", {})
     line = (f"{rec.get('key', {}).get('preset', '?')}: {s.get('layers')} layers, hidden {s.get('hidden')}, "
             f"{s.get('kv_heads')} KV heads, {rec.get('params', 0) / 1e6:.1f}M params")
+    if s.get("window"):
+        line += f", {s['window']}-token sliding window " + (
+            f"(1 full-attention layer in {s['full_every']})" if s.get("full_every") else "(every layer)")
     if rec.get("estimated_2k_prefill_s") is not None:
         line += (f"; sized for {rec['dtype_sized_for']} on {rec['cpu']['cpu']}: 2K-token prefill "
                  f"~{rec['estimated_2k_prefill_s']:.1f} s on one core (estimated)")

@@ -19,6 +19,8 @@ from kvcore.vllm_glue import (
     KVConnectorRole,
     KVConnectorTransferResults,
     register_connector_name,
+    require_full_attention,
+    warn_pipeline_parallel,
 )
 from p2p.config import load_config
 from p2p.metrics import P2PPromMetrics, P2PStats
@@ -34,6 +36,8 @@ class P2PConnector(KVConnectorBase_V1, Tier):
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if kv_cache_config is not None:
+            require_full_attention(vllm_config, kv_cache_config, "p2p P2PConnector")
         ktc = vllm_config.kv_transfer_config
         role_name = ktc.kv_role
         self.cfg = load_config(ktc.kv_connector_extra_config, role_name)
@@ -41,6 +45,7 @@ class P2PConnector(KVConnectorBase_V1, Tier):
         self.scheduler: P2PScheduler | None = None
         self.worker = None
         if role == KVConnectorRole.SCHEDULER:
+            warn_pipeline_parallel(vllm_config, "p2p P2PConnector", logger)
             self.scheduler = P2PScheduler(vllm_config, self.cfg, role_name)
         else:
             from p2p.worker import P2PWorker

@@ -5,11 +5,17 @@ A *hold* is one finished prefill request whose blocks the scheduler keeps
 server thread owns all hold state; the worker thread talks to it through
 :meth:`SideChannel.add_hold` / :meth:`abort` and drains :meth:`take_finished`.
 
-Lifecycle of a hold: opened -> (every consumer rank sent PullDone) released, or
-(a release request) released early, or (``abort_timeout_s`` passed) expired. A pull
-that arrives before its hold waits (WAIT heartbeats every second) at most the
-``wait_s`` the decode side allowed; a pull for a transfer whose prefill was aborted
-is answered ERROR at once. Holds are never re-read after release.
+Lifecycle of a hold: opened -> (its consumer sent PullDone) released, or (a release
+request) released early, or (``abort_timeout_s`` passed) expired. A pull that arrives
+before its hold waits (WAIT heartbeats every second) at most the ``wait_s`` the decode
+side allowed; a pull for a transfer whose prefill was aborted is answered ERROR at
+once. Holds are never re-read after release.
+
+A hold has exactly one consumer: prefill and decode must have the same TP size (a pull
+with another ``tp_size`` is refused), so decode rank r reads only from prefill rank r's
+side channel, and the first PullDone ends the hold. Heterogeneous TP (several decode
+ranks reading parts of one prefill rank's pages) would need an acknowledgement per
+decode rank; it is not supported.
 """
 
 from __future__ import annotations
@@ -50,8 +56,6 @@ class Hold:
     opened: float
     expires: float
     fence: object = None
-    acks_needed: int = 1
-    acks: int = 0
 
 
 @dataclass
@@ -184,11 +188,9 @@ class SideChannel:
         if isinstance(msg, PullDone):
             hold = self._holds.get(msg.transfer_id)
             if hold is not None:
-                hold.acks += 1
                 if not msg.ok:
                     logger.info("decode side failed to pull %s (%s): %s", msg.transfer_id, msg.req_id, msg.cause)
-                if hold.acks >= hold.acks_needed:
-                    self._release(hold, "released")
+                self._release(hold, "released")  # its only consumer is done with it
             else:
                 self._inc("rejected:unknown_transfer")
             self._send(ident, DoneAck(msg.transfer_id))

@@ -1,19 +1,26 @@
 """Wire messages of the P2P tier (msgspec structs).
 
-Two channels, both compatible in shape with vLLM's MooncakeConnector:
+Two channels. Only the first is vLLM's MooncakeConnector's own:
 
-* HTTP bootstrap (prefill side): ``POST /register`` takes :class:`RegisterPayload`,
-  ``GET /query`` answers ``{dp_rank: EngineEntry}`` (JSON object keys are strings).
-* ZMQ side channel (ROUTER on the prefill worker, DEALER on the decode worker),
-  msgpack-encoded tagged structs. The decode side *pulls*:
+* HTTP bootstrap (prefill side), the same routes and JSON as vLLM's
+  ``MooncakeBootstrapServer``: ``POST /register`` takes :class:`RegisterPayload`,
+  ``GET /query`` answers ``{dp_rank: EngineEntry}`` (JSON object keys are strings). So
+  vLLM's Mooncake proxy and anything else that reads ``/query`` work unchanged, as do
+  the requests' ``kv_transfer_params`` (``do_remote_prefill``/``do_remote_decode``,
+  ``transfer_id``, ``remote_engine_id``, ``remote_bootstrap_addr``).
+* ZMQ side channel (ROUTER on the prefill worker, DEALER on the decode worker, as in
+  vLLM), but with this project's messages, msgpack-encoded tagged structs, and the
+  opposite direction: vLLM's prefill *writes* the KV into the decode's blocks, here the
+  decode side *pulls* (reads the prefill's pages). A vLLM ``MooncakeConnector`` on one
+  side and a ``P2PConnector`` on the other do not interoperate. The messages:
 
   D -> P :class:`PullRequest`  (blocks ``[start_block, start_block+num_blocks)`` of the
          request ``transfer_id``; ``num_blocks == 0`` means "release, I will not pull")
   P -> D :class:`PullReply`    WAIT (heartbeat while P still prefills), READY (P's regions,
          block ids, and the name of its Transfer Engine with the metadata server that
          name is registered in, "" for P2PHANDSHAKE: see p2p.transfer), RELEASED, or ERROR
-  D -> P :class:`PullDone`     the read finished (``ok``) or failed; P drops the hold once
-         every consumer rank reported
+  D -> P :class:`PullDone`     the read finished (``ok``) or failed; P drops the hold (one
+         consumer per hold: same TP size on both sides, see p2p.holds)
   P -> D :class:`DoneAck`
 """
 

@@ -33,7 +33,7 @@ import zmq
 
 from kvcore.errors import MooncakeError
 from kvcore.geometry import KVGeometry
-from kvcore.log import get_logger
+from kvcore.log import DegradeWatch, get_logger
 from kvcore.metrics import TierStats
 from kvcore.mooncake_json import P2PHANDSHAKE, metadata_kind
 from p2p import bootstrap
@@ -74,16 +74,19 @@ class PullFailed(Exception):
 class Puller:
     def __init__(self, geometry: KVGeometry, engine: TransferEngineHandle, stats: TierStats,
                  stats_lock: threading.Lock, *,
-                 tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, num_workers: int = 4,
+                 tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1, num_workers: int = 4,
                  bootstrap_timeout_s: float = 5.0, peer_silence_timeout_s: float = 10.0,
                  corrupt: bool = False):
         self.geometry, self.engine = geometry, engine
         self._stats, self._stats_lock = stats, stats_lock
-        self.tp_rank, self.tp_size, self.pp_rank = tp_rank, tp_size, pp_rank
+        self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = tp_rank, tp_size, pp_rank, pp_size
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self.silence_s = peer_silence_timeout_s
         self.corrupt = corrupt
         self._pool = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="p2p-pull")
+        # Every handoff failing (a bootstrap server nobody reaches, say) is otherwise only a
+        # warning per request: tokens stay right, the tier silently does nothing.
+        self._watch = DegradeWatch(logger, f"P2P handoffs (decode rank {tp_rank})")
         self._ctx = zmq.Context.instance()
         self._entries: dict[tuple[str, str], EngineEntry] = {}
         self._lock = threading.Lock()
@@ -125,6 +128,8 @@ class Puller:
             res = PullResult(job.req_id, False, job.block_ids, "internal", str(e))
         if res is _ALREADY:
             return
+        if job.block_ids:
+            self._watch.record(None if res.ok else res.cause)
         if not res.ok:
             self._inc("pulls:failed")
             self._inc(f"failures:{res.cause}")
@@ -178,6 +183,11 @@ class Puller:
             timings["query"] = t1 - t0
             if len(entry.worker_addr) != self.tp_size:
                 raise PullFailed("protocol", f"prefill has {len(entry.worker_addr)} TP ranks, decode has {self.tp_size}")
+            # Stage s pulls stage s's layers: both sides must split the model the same way
+            # (a differing split fails pair_ranges: other layer names in the regions).
+            stages = len(entry.worker_addr.get(self.tp_rank, {}))
+            if stages != self.pp_size:
+                raise PullFailed("protocol", f"prefill has {stages} pipeline stages, decode has {self.pp_size}")
             try:
                 addr = entry.worker_addr[self.tp_rank][self.pp_rank]
             except KeyError:

@@ -3,7 +3,7 @@
 Only synchronous batch calls are used: ``get_batch_transfer_status`` on an already
 finished batch id segfaults in 0.3.13, so async batches are never polled here.
 Memory is registered with the platform's location string (``cpu:0`` on CPU,
-``cuda:N`` with GPUDirect on CUDA).
+``cuda:N`` with GPUDirect on CUDA, N the GPU the KV tensors are on).
 
 Naming (what a peer passes to read from this engine, :attr:`TransferEngineHandle.addr`, sent in
 the side channel's READY reply):
@@ -93,8 +93,10 @@ class TransferEngineHandle:
             self._name_sock.close()
             self._name_sock = None
 
-    def register(self, buffers: Sequence[MemRange], device_index: int = 0) -> None:
-        loc = platform.current().memory_location(device_index)
+    def register(self, buffers: Sequence[MemRange], device=None) -> None:
+        """Register ``buffers``, memory on ``device`` (the KV tensors' ``torch.device``; None:
+        this process's current device)."""
+        loc = platform.current().memory_location(device)
         for b in buffers:
             check(self.te.register_memory(b.addr, b.size, loc), "register_memory", f"{b.size} bytes at {b.addr:#x}")
             self._registered.append(b.addr)

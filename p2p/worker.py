@@ -19,14 +19,17 @@ prefill instance).
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
 from kvcore import platform
+from kvcore.errors import ConfigError
 from kvcore.geometry import KVGeometry
 from kvcore.log import get_logger
+from kvcore.pages import kv_device
 from kvcore.tier import LoadReport, LoadReports
-from kvcore.vllm_glue import KVConnectorTransferResults, parallel_ranks
+from kvcore.vllm_glue import KVConnectorTransferResults, parallel_ranks, pp_stages
 from p2p import bootstrap
 from p2p.config import P2PConfig
 from p2p.metrics import P2PStats
@@ -44,6 +47,15 @@ class P2PWorker:
         self.is_producer = role_name in ("kv_producer", "kv_both")
         self.is_consumer = role_name in ("kv_consumer", "kv_both")
         self.dp_rank, self.tp_rank, self.tp_size, self.pp_rank = parallel_ranks(vllm_config)
+        self.pp_size = pp_stages()
+        if self.tp_size > 1 or self.pp_size > 1:
+            # With TP > 1 each rank is its own process, pinned to one core, whose main thread
+            # spins on vLLM's shm queue while requests wait for KV: our pull threads then got
+            # the GIL so rarely that a bootstrap query to a server answering others in
+            # milliseconds timed out (issue 15). A 0.2 ms switch interval (default 5 ms) lets
+            # them through; TP 2 handoffs still fail on peer silence (see the closing note of
+            # 2026-11-30): a mitigation, not the fix.
+            sys.setswitchinterval(0.0002)
         self.stats = P2PStats()
         self.stats_lock = threading.Lock()
         self.reports = LoadReports()
@@ -60,7 +72,8 @@ class P2PWorker:
         self.geometry = KVGeometry.from_kv_caches(kv_caches, num_blocks)
         self.engine = TransferEngineHandle(self.cfg.te_hostname, self.cfg.protocol, self.cfg.device_name,
                                            self.cfg.metadata_server)
-        self.engine.register(self.geometry.buffers)
+        # On the GPU of this worker's KV (its local rank), not a fixed cuda:0.
+        self.engine.register(self.geometry.buffers, kv_device(kv_caches))
         logger.info("P2P worker %s tp=%d: TE %s (%s, %s), %d regions, %d blocks x %d bytes", self.engine_id,
                     self.tp_rank, self.engine.addr, self.cfg.protocol, self.cfg.metadata_server,
                     len(self.geometry.regions),
@@ -70,9 +83,13 @@ class P2PWorker:
         if self.is_consumer:
             from p2p.puller import Puller
 
+            if self.cfg.debug_corrupt_received_kv and platform.current().device_type != "cpu":
+                # It flips bytes through host pointers (p2p.puller._flip_signs).
+                raise ConfigError("p2p: debug_corrupt_received_kv needs host-resident KV (the CPU platform)")
+
             self.puller = Puller(
                 self.geometry, self.engine, self.stats, self.stats_lock, tp_rank=self.tp_rank,
-                tp_size=self.tp_size, pp_rank=self.pp_rank, num_workers=self.cfg.num_workers,
+                tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size, num_workers=self.cfg.num_workers,
                 bootstrap_timeout_s=self.cfg.bootstrap_timeout_s,
                 peer_silence_timeout_s=self.cfg.peer_silence_timeout_s,
                 corrupt=self.cfg.debug_corrupt_received_kv,

@@ -68,17 +68,24 @@ class Engine:
         dev_mode: bool = False,
         dtype: str | None = None,
         host: str = "127.0.0.1",
+        tp: int = 1,
     ):
-        self.name, self.host = name, host
+        self.name, self.host, self.tp = name, host, tp
         self.port = free_port(host)
         self.model = str(model or model_dir("tiny"))
         self.dtype = engine_dtype(explicit=dtype)
         argv = engine_argv(self.model, self.port, max_model_len=max_model_len, max_num_seqs=16,
-                           kv_config=kv_config, extra=[*(extra_args or []), "--dtype", self.dtype], host=host)
+                           kv_config=kv_config, extra=[*(extra_args or []), "--dtype", self.dtype,
+                                                       *(["--tensor-parallel-size", str(tp)] if tp > 1 else [])],
+                           host=host)
         full_env = {**engine_env(core, host), **(env or {})}
+        # Tensor parallel: one rank per core, ranks 0..tp-1 on cores core..core+tp-1.
+        cpus = set(range(core, core + tp))
+        if tp > 1:
+            full_env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in sorted(cpus))
         if dev_mode:
             full_env["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache, for reference engines
-        self.proc = Proc(name, argv, LOGS / f"{name}-{self.port}.log", env=full_env, cwd=str(ROOT), cpus={core})
+        self.proc = Proc(name, argv, LOGS / f"{name}-{self.port}.log", env=full_env, cwd=str(ROOT), cpus=cpus)
         self.url = f"http://{host}:{self.port}"
 
     def wait_ready(self, timeout: float = ENGINE_START_TIMEOUT) -> Engine:

@@ -53,6 +53,19 @@ def raw_client(master: str):
     return s
 
 
+def master_metric(cluster, name: str) -> float:
+    """A sample of the master's Prometheus text (its ``--metrics_port``), 0 when absent; e.g.
+    ``master_batch_get_replica_list_requests_total``, counted when a client's batch get asks
+    the master for replicas, which is when the master grants that read's lease."""
+    r = requests.get(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=5)
+    r.raise_for_status()
+    for line in r.text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == name:
+            return float(parts[1])
+    return 0.0
+
+
 def all_keys(cluster) -> set[str]:
     r = requests.get(f"http://127.0.0.1:{cluster.metrics_port}/get_all_keys", timeout=5)
     r.raise_for_status()

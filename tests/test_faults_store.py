@@ -1,7 +1,7 @@
 """Fault injection on the store tier: "loads never hang and never lie".
 
 Tenants isolated by ``cache_salt``, a foreign object of the wrong size under an engine's
-key, chunks removed between lookup and load, a read lease that expires during a slow load,
+key, chunks removed between lookup and load, a read that outlasts its lease (a miss),
 a store full for a sustained period, and the master killed during a load and during a save,
 then restarted.
 
@@ -30,7 +30,7 @@ import time
 import pytest
 
 from tests.harness import prompt_ids
-from tests.store_util import raw_client
+from tests.store_util import master_metric, raw_client
 from tests.support import (
     CHUNK,
     LOAD_TIMEOUT,
@@ -55,6 +55,8 @@ from tests.support import (
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
+
+LEASE_TTL = 0.5  # the master's --default_kv_lease_ttl in tests.support.fault_cluster
 
 
 @pytest.fixture(scope="module")
@@ -161,18 +163,34 @@ def test_chunks_removed_between_lookup_and_load(dep, baseline, raw):
 
 
 def test_read_lease_expires_during_a_slow_load(dep, baseline):
-    """The store server that owns the bytes stalls mid-read for longer than the master's read
-    lease (0.5 s): the read cannot be trusted (the object may have been evicted and its memory
-    reused), so the load fails and the tokens are recomputed; nothing waits past the deadline."""
+    """D's worker asks the master for both chunks (the master grants a 0.5 s read lease with
+    the replica list) and reads them from the store server, which is frozen until the lease
+    has long expired. Once its lease is gone an object may be evicted and its memory reused,
+    so bytes that arrive later cannot be trusted: Mooncake's batch get returns LEASE_EXPIRED
+    for every chunk read that way (tests/test_store_integration.py pins this without
+    engines). Deterministically, then: the load fails at chunk 0 with cause lease_expired,
+    no chunk is used, the whole prompt is recomputed, and the request ends within its
+    deadline. The freeze is held on evidence, not a guess: until the master has counted D's
+    batch get (the lease exists from then on), then twice the lease TTL longer."""
     prefix = prompt_ids(2 * CHUNK, 1620)
     save_prefix(dep, prefix, 1621)
     prompt = prefix + prompt_ids(90, 1622)
     before = d_load_counters(dep)
+    expired0 = counter(dep.D, "store_failures", kind="load_lease_expired")
+    gets = lambda: master_metric(dep.cluster, "master_batch_get_replica_list_requests_total")  # noqa: E731
+    gets0 = gets()
     with frozen(dep.cluster.server.pid):
         c = Call(d_store, dep, prompt)
         c.start()
-        time.sleep(2.0)
-    assert_interrupted_load_ended(dep, baseline, c, before, prompt)
+        wait_for(lambda: gets() > gets0, LOAD_TIMEOUT, what="D's worker asking the master for the chunks")
+        time.sleep(2 * LEASE_TTL)
+        assert c.is_alive(), "the request ended while the store server holding its chunks was frozen"
+    r = c.get(LOAD_TIMEOUT + 30)
+    assert c.took < LOAD_TIMEOUT + 10
+    loaded, failed = load_outcome(dep, before)
+    assert (loaded, failed) == (0, 1), f"loaded {loaded} tokens, {failed} failed loads"
+    assert counter(dep.D, "store_failures", kind="load_lease_expired") == expired0 + 1
+    assert toks(r) == baseline.tokens(prompt, MAX_TOKENS)  # recomputed from scratch
     recovered(dep, baseline, 41)
 
 

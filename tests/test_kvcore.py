@@ -251,3 +251,24 @@ def test_avx2_simulation_hides_avx512_and_amx(monkeypatch):
         cpu_flags(AMX_CPUINFO)
     monkeypatch.delenv("MCTIER_SIMULATE_CPU")
     assert "ATEN_CPU_CAPABILITY" not in engine_env(0)
+
+
+@pytest.mark.unit
+def test_degrade_watch_logs_one_rate_limited_error(caplog):
+    import logging
+
+    from kvcore.log import DegradeWatch
+
+    now = [0.0]
+    log = logging.getLogger("test.degrade")
+    w = DegradeWatch(log, "P2P handoffs", window=10, min_failed=3, ratio=0.5, every_s=60, clock=lambda: now[0])
+    with caplog.at_level(logging.ERROR, logger="test.degrade"):
+        assert not any(w.record(None) for _ in range(10))  # all good
+        assert [w.record("bootstrap") for _ in range(3)] == [False, False, False]  # 3 of 10: under half
+        assert [w.record("bootstrap") for _ in range(2)] == [False, True]  # 5 of 10: logged once
+        assert not w.record("timeout")  # within the minute: rate-limited
+        now[0] = 61.0
+        assert w.record("timeout")
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2 == w.errors
+    assert "bootstrap x5" in errors[0] and "fell back to recomputation" in errors[0]

@@ -151,6 +151,49 @@ def test_expired_deadline_fails_without_touching_memory(store_cluster):
         w.close()
 
 
+def test_read_that_outlasts_the_lease_is_a_miss(store_cluster):
+    """The contract behind tests/test_faults_store.py::test_read_lease_expires_during_a_slow_load,
+    without engines. The master grants a read lease (500 ms here) with the replica list; the
+    store server holding the bytes is frozen, so the transfer ends after the lease did. The
+    object could have been evicted and its memory reused meanwhile: Mooncake's batch get
+    returns LEASE_EXPIRED, and the worker fails the load at chunk 0 as a miss, every block
+    reported, well before the deadline. Unfrozen, the same chunks load (the lease was the cause)."""
+    import signal
+
+    from tests.store_util import master_metric
+
+    w, buf = _worker(store_cluster.master_addr, slow_rpc_s=30)  # a slow read here is not a dead master
+    try:
+        buf.normal_()
+        links = [f"mct/lease/{i}-{time.monotonic_ns()}" for i in range(2)]
+        w.wait_for_save(StoreMetadata(saves=[SaveJob("s", [ChunkIO(links[0], 0, [1, 2]), ChunkIO(links[1], 1, [3, 4])])]))
+        _until(lambda: w.get_finished({"s"})[0])
+        gets0 = master_metric(store_cluster, "master_batch_get_replica_list_requests_total")
+        os.kill(store_cluster.server.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            w.start_load_kv(StoreMetadata(loads=[LoadJob("slow", [ChunkIO(links[0], 0, [10, 11]),
+                                                                  ChunkIO(links[1], 1, [12, 13])], timeout_s=15)]))
+            # The lease is granted when the master answers the batch get; hold the freeze well past it.
+            _until(lambda: master_metric(store_cluster, "master_batch_get_replica_list_requests_total") > gets0, 10)
+            time.sleep(1.0)  # 2x the lease
+            assert not w._done_loads, "the read ended while its store server was frozen"
+        finally:
+            os.kill(store_cluster.server.pid, signal.SIGCONT)
+        assert _finish_load(w, "slow") == {10, 11, 12, 13}
+        assert time.monotonic() - t0 < 10
+        counters = w.take_stats().data["counters"]
+        assert counters["failures:load_lease_expired"] == 1
+        assert "loaded_tokens" not in counters
+        w.start_load_kv(StoreMetadata(loads=[LoadJob("fast", [ChunkIO(links[0], 0, [20, 21]),
+                                                              ChunkIO(links[1], 1, [22, 23])], timeout_s=15)]))
+        assert _finish_load(w, "fast") == set()
+        for s, d in [(1, 20), (2, 21), (3, 22), (4, 23)]:
+            assert torch.equal(buf[:, s], buf[:, d]), (s, d)
+    finally:
+        w.close()
+
+
 def test_unreachable_master_is_one_clear_error_fast():
     from kvcore.procs import free_port
 

@@ -82,7 +82,8 @@ def store_config(kv: dict) -> StoreConfig:
 
 
 def derive_meta(model: str, kv_config: str | dict, *, block_size: int | None = None, dtype: str = "auto",
-                kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1) -> EngineMeta:
+                kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
+                pipeline_parallel_size: int = 1) -> EngineMeta:
     """The key space an engine with these settings uses (imports vLLM: ~15 s)."""
     # Tools print results on stdout; vLLM logs there by default.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -92,7 +93,7 @@ def derive_meta(model: str, kv_config: str | dict, *, block_size: int | None = N
     kv = read_kv_config(kv_config)
     cfg = store_config(kv)
     vc = engine_vllm_config(model, kv, block_size=block_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                            tensor_parallel_size=tensor_parallel_size)
+                            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
     cfg.check_block_size(vc.cache_config.block_size)
     kvcc = engine_kv_cache_layout(vc)
     ks = key_space(cfg, vc, kvcc)
@@ -103,7 +104,8 @@ def meta_from_args(args) -> EngineMeta | None:
     """From the shared tool flags (see :func:`add_engine_args`); None when none were given."""
     if getattr(args, "model", None) and getattr(args, "kv_config", None):
         return derive_meta(args.model, args.kv_config, block_size=args.block_size, dtype=args.dtype,
-                           kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size)
+                           kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
+                           pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1))
     return None
 
 
@@ -115,6 +117,7 @@ def add_engine_args(p, *, required: bool = False) -> None:
     g.add_argument("--dtype", default="auto")
     g.add_argument("--kv-cache-dtype", default="auto")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
 
 
 # -- the key space an engine published ---------------------------------------------------------

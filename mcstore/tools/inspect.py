@@ -56,12 +56,13 @@ from mcstore.tools.results import (
 __all__ = ["Inspector", "NotFound", "Unavailable", "parse_key"]
 
 _HEX16 = re.compile(r"^[0-9a-f]{16}([0-9a-f]{48})?$")
+_PART = re.compile(r"^(pp\d+)?tp\d+$")  # mcstore.keys.KeySpace.key: tp{r}, or pp{s}tp{r} with stages
 
 
 def parse_key(key: str) -> tuple[str, str, str] | None:
     """``(prefix, fp16, link|'meta')`` for a key of ours, None otherwise."""
     parts = key.split("/")
-    if len(parts) == 4 and len(parts[1]) == 16 and len(parts[2]) == 64 and parts[3].startswith("tp"):
+    if len(parts) == 4 and len(parts[1]) == 16 and len(parts[2]) == 64 and _PART.match(parts[3]):
         return parts[0], parts[1], parts[2]
     if len(parts) == 3 and len(parts[1]) == 16 and parts[2] == META_SUFFIX:
         return parts[0], parts[1], META_SUFFIX
@@ -243,7 +244,7 @@ class Inspector:
         reps, note = self._presence(rank_keys)
         chunks, hit, leading = [], 0, True
         for i in range(len(links)):
-            keys = rank_keys[i * ks.tp_size:(i + 1) * ks.tp_size]
+            keys = rank_keys[i * ks.parts:(i + 1) * ks.parts]
             rs = [reps[k] for k in keys]
             present = all(r.ok for r in rs)
             tier_sets = {"+".join(r.tiers) for r in rs if r.ok}

@@ -140,8 +140,8 @@ def read_prefixes(path: str, renderer: Renderer, fmt: str = "auto") -> list[Pref
 
 def _present(client, ks: KeySpace, links: list[str]) -> list[bool]:
     rcs = client.exists(ks.all_rank_keys(links))
-    tp = ks.tp_size
-    return [all(rc == 1 for rc in rcs[i * tp:(i + 1) * tp]) for i in range(len(links))]
+    n = ks.parts  # every TP rank of every pipeline stage
+    return [all(rc == 1 for rc in rcs[i * n:(i + 1) * n]) for i in range(len(links))]
 
 
 def repin(client: StoreClient, keys: list[str], rc, lease_wait_s: float) -> dict[str, str | None]:
