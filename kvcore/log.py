@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import sys
+import threading
+import time
 
 
 def get_logger(name: str) -> logging.Logger:
@@ -36,10 +39,6 @@ class DegradeWatch:
 
     def __init__(self, logger: logging.Logger, what: str, window: int = 20, min_failed: int = 5,
                  ratio: float = 0.5, every_s: float = 60.0, clock=None):
-        import collections
-        import threading
-        import time
-
         self.logger, self.what = logger, what
         self.window, self.min_failed, self.ratio, self.every_s = window, min_failed, ratio, every_s
         self._clock = clock or time.monotonic

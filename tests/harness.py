@@ -191,6 +191,24 @@ def close_tokens(got: list[int], got_top: list[dict[int, float]], want: list[int
     return len(got) == len(want)
 
 
+def start_proxy(name: str, prefill: str, decode: str, timeout: float, connect_timeout: float | None = 2.0,
+                host: str = "127.0.0.1", wait_s: float = 60) -> tuple[Proc, str]:
+    """``mctier proxy`` on ``host`` in front of ``prefill`` (``URL@BOOTSTRAP_URL``) and ``decode``,
+    listening within ``wait_s`` seconds: the process and its base URL."""
+    port = free_port(host)
+    argv = [sys.executable, "-m", "multi.cli", "proxy", "--host", host, "--port", str(port), "--prefill", prefill,
+            "--decode", decode, "--timeout", str(timeout)]
+    if connect_timeout is not None:
+        argv += ["--connect-timeout", str(connect_timeout)]
+    proc = Proc(name, argv, LOGS / f"{name}-{port}.log", cwd=str(ROOT))
+    try:
+        proc.wait_port(port, wait_s, host=host)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, f"http://{host}:{port}"
+
+
 def cached_tokens(resp: dict) -> int:
     details = (resp.get("usage") or {}).get("prompt_tokens_details") or {}
     return int(details.get("cached_tokens") or 0)

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -19,8 +18,8 @@ import psutil
 import requests
 
 from kvcore.platform import engine_dtype
-from kvcore.procs import Proc, free_port
-from tests.harness import LOGS, ROOT, Engine, model_dir, prompt_ids, start_engines
+from kvcore.procs import free_port
+from tests.harness import LOGS, Engine, model_dir, prompt_ids, start_engines, start_proxy
 
 # -- polling, requests on threads, process stalls -------------------------------------------
 
@@ -172,16 +171,10 @@ class Dep:
             self.meta = derive_meta(self.model, self.p_kv, block_size=32, dtype=self.dtype)  # while the engines boot
             baseline.tokens(prompt_ids(40, 0), 1)  # the baseline engine boots meanwhile too
             start_engines(self.P, self.D)
-            port = free_port()
-            self.proxy = Proc(f"{name}-proxy", [sys.executable, "-m", "multi.cli", "proxy", "--port", str(port),
-                                                "--prefill", f"{self.P.url}@{self.boot}", "--decode", self.D.url,
-                                                "--timeout", "60", "--connect-timeout", "2"],
-                              LOGS / f"{name}-proxy-{port}.log", cwd=str(ROOT))
-            self.proxy.wait_port(port, 60)
+            self.proxy, self.url = start_proxy(f"{name}-proxy", f"{self.P.url}@{self.boot}", self.D.url, 60)
         except BaseException:
             self.stop()
             raise
-        self.url = f"http://127.0.0.1:{port}"
         self.admin = f"http://127.0.0.1:{cluster.metrics_port}"
         self.idle = {"P": 0.0, "D": 0.0}
 

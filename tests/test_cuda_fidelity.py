@@ -21,8 +21,6 @@ whole module is skipped, and ``pytest -ra`` prints why.
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -32,18 +30,17 @@ if not torch.cuda.is_available():
                 "these GPU-engine fidelity checks run on a machine with a GPU and the 'cuda' extra",
                 allow_module_level=True)
 
-from kvcore.procs import Proc, free_port  # noqa: E402
+from kvcore.procs import free_port  # noqa: E402
 from tests.conftest import Baseline  # noqa: E402
 from tests.harness import (  # noqa: E402
     BLOCK,
-    LOGS,
-    ROOT,
     Engine,
     cached_tokens,
     kv_bytes_per_token,
     model_dir,
     prompt_ids,
     start_engines,
+    start_proxy,
 )
 from tests.store_util import all_keys, raw_client  # noqa: E402
 from tests.support import CHUNK, counter, plan_sources, tiered, toks, wait_for  # noqa: E402
@@ -76,16 +73,10 @@ class GpuDep:
         self.proxy = None
         try:
             start_engines(self.P, self.D)
-            port = free_port()
-            self.proxy = Proc(f"{name}-proxy", [sys.executable, "-m", "multi.cli", "proxy", "--port", str(port),
-                                                "--prefill", f"{self.P.url}@{self.boot}", "--decode", self.D.url,
-                                                "--timeout", "120", "--connect-timeout", "2"],
-                              LOGS / f"{name}-proxy-{port}.log", cwd=str(ROOT))
-            self.proxy.wait_port(port, 60)
+            self.proxy, self.url = start_proxy(f"{name}-proxy", f"{self.P.url}@{self.boot}", self.D.url, 120)
         except BaseException:
             self.stop()
             raise
-        self.url = f"http://127.0.0.1:{port}"
 
     def complete(self, prompt, max_tokens: int = 8, **kv) -> dict:
         import requests

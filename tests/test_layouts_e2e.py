@@ -15,23 +15,21 @@ does (and the layouts vLLM computes for these models, checked without an engine)
 
 from __future__ import annotations
 
-import sys
 import time
 
 import pytest
 import requests
 
-from kvcore.procs import Proc, free_port
+from kvcore.procs import free_port
 from tests.harness import (
     BLOCK,
-    LOGS,
-    ROOT,
     Engine,
     cached_tokens,
     model_dir,
     prompt_ids,
     reference_tokens,
     start_engines,
+    start_proxy,
 )
 from tests.store_util import all_keys, store_kv
 
@@ -131,16 +129,11 @@ def test_interleaved_model_p2p_handoff_matches_reference(swa_ref):
     proxy = None
     try:
         start_engines(p, d)
-        port = free_port()
-        proxy = Proc(f"swa-proxy-{port}", [sys.executable, "-m", "multi.cli", "proxy", "--port", str(port),
-                                            "--prefill", f"{p.url}@http://127.0.0.1:{boot_port}", "--decode", d.url,
-                                            "--timeout", "120", "--connect-timeout", "2"],
-                     LOGS / f"swa-proxy-{port}.log", cwd=str(ROOT))
-        proxy.wait_port(port, 90)
+        proxy, url = start_proxy("swa-proxy", f"{p.url}@http://127.0.0.1:{boot_port}", d.url, 120, wait_s=90)
         # The P2P tier pulls the whole prompt's KV (the partial last block too), computed in
         # the prefill's one pass: the reference is that one pass (as in tests/test_p2p_e2e.py).
         prompt = prompt_ids(PREFIX + 1, 43)
-        r = requests.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
+        r = requests.post(f"{url}/v1/completions", timeout=120, json={
             "model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True})
         assert r.status_code == 200, r.text

@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 import threading
 import time
 
 import pytest
 import requests
 
-from kvcore.procs import Proc, free_port
+from kvcore.procs import free_port
 from mcstore.admin import MasterAdmin
 from mcstore.ha import leader
 from mcstore.server import Master, StoreServer
-from tests.harness import LOGS, ROOT, Engine, close_tokens, model_dir, prompt_ids, start_engines, top_logprobs
+from tests.harness import (LOGS, Engine, close_tokens, model_dir, prompt_ids, start_engines, start_proxy,
+                           top_logprobs)
 from tests.hosts import Etcd, listeners_by_process
 from tests.support import counter, plan_sources, toks, usage, wait_for
 
@@ -80,13 +80,8 @@ class Topology:
                         kv_config=tiered("kv_consumer", D_HOST, self.entry, free_port(D_HOST), 2, True))
         self.engines = [self.P, self.D]
         start_engines(self.P, self.D)
-        port = free_port(PROXY)
-        self.proxy = Proc("mh-proxy", [sys.executable, "-m", "multi.cli", "proxy", "--host", PROXY, "--port", str(port),
-                                       "--prefill", f"{self.P.url}@http://{P_HOST}:{self.boot_port}",
-                                       "--decode", self.D.url, "--timeout", "90"],
-                          LOGS / f"mh-proxy-{port}.log", cwd=str(ROOT))
-        self.proxy.wait_port(port, 60, host=PROXY)
-        self.url = f"http://{PROXY}:{port}"
+        self.proxy, self.url = start_proxy("mh-proxy", f"{self.P.url}@http://{P_HOST}:{self.boot_port}", self.D.url,
+                                           90, connect_timeout=None, host=PROXY)
         for e in self.engines:  # first-request compilation, then the idle usage
             e.complete(prompt_ids(40, 1), 1)
         time.sleep(1.0)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import threading
 import time
 
@@ -16,7 +15,7 @@ import pytest
 import requests
 
 from kvcore.procs import Proc, free_port
-from tests.harness import BLOCK, LOGS, ROOT, Engine, cached_tokens, kv_bytes_per_token, prompt_ids
+from tests.harness import BLOCK, Engine, cached_tokens, kv_bytes_per_token, prompt_ids, start_proxy
 
 pytestmark = pytest.mark.e2e
 
@@ -44,14 +43,7 @@ class PD:
         self.proxy = None
 
     def start_proxy(self, prefill_spec: str | None = None, timeout: float = 120) -> tuple[Proc, str]:
-        port = free_port()
-        spec = prefill_spec or f"{self.P.url}@{self.boot}"
-        p = Proc(f"p2p-proxy-{port}", [sys.executable, "-m", "multi.cli", "proxy", "--prefill", spec,
-                                        "--decode", self.D.url, "--port", str(port), "--timeout", str(timeout),
-                                        "--connect-timeout", "2"],
-                 LOGS / f"p2p-proxy-{port}.log", cwd=str(ROOT))
-        p.wait_port(port, 90)
-        return p, f"http://127.0.0.1:{port}"
+        return start_proxy("p2p-proxy", prefill_spec or f"{self.P.url}@{self.boot}", self.D.url, timeout, wait_s=90)
 
     def engine_id(self) -> str:
         return requests.get(self.boot + "/query", timeout=5).json()["0"]["engine_id"]

@@ -4,15 +4,14 @@ choice), ``mctier proxy`` in front, and a no-connector baseline."""
 
 from __future__ import annotations
 
-import sys
 import time
 
 import pytest
 import requests
 
-from kvcore.procs import Proc, free_port
-from tests.harness import (LOGS, Engine, cached_tokens, kv_bytes_per_token, model_dir, prompt_ids, reference_tokens,
-                           start_engines)
+from kvcore.procs import free_port
+from tests.harness import (Engine, cached_tokens, kv_bytes_per_token, model_dir, prompt_ids, reference_tokens,
+                           start_engines, start_proxy)
 from tests.support import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -41,12 +40,8 @@ class Deployment:
                         kv_config=tiered("kv_consumer", cluster.master_addr, free_port()))
         self.base = Engine("baseline-small", core=0, model=small, max_model_len=8192, dev_mode=True)
         start_engines(self.p, self.d, self.base)
-        self.proxy_port = free_port()
-        self.proxy = Proc("proxy", [sys.executable, "-m", "multi.cli", "proxy", "--port", str(self.proxy_port),
-                                    "--prefill", f"{self.p.url}@http://127.0.0.1:{self.bootstrap}",
-                                    "--decode", self.d.url], LOGS / f"proxy-{self.proxy_port}.log")
-        self.proxy.wait_port(self.proxy_port, 30)
-        self.url = f"http://127.0.0.1:{self.proxy_port}"
+        self.proxy, self.url = start_proxy("proxy", f"{self.p.url}@http://127.0.0.1:{self.bootstrap}", self.d.url,
+                                           600, connect_timeout=None, wait_s=30)
 
     def complete(self, prompt, max_tokens=8, **kv) -> dict:
         body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
