@@ -14,10 +14,13 @@ test:
 setup:
 	@bash scripts/setup.sh
 
-# Benchmarks against the peers (tens of minutes; LMCache goes into its own .venv-lmcache).
-# BENCH_ARGS=--quick for the reduced matrix.
+# Benchmarks against the peers (tens of minutes; LMCache goes into its own .venv-lmcache),
+# then the router's (bench/router_bench.py), which runs even when the first one failed.
+# BENCH_ARGS=--quick for the reduced matrix of both; ROUTER_BENCH_ARGS for the router's alone.
 bench: setup
-	$(PY) -m bench.suite $(BENCH_ARGS)
+	@status=0; $(PY) -m bench.suite $(BENCH_ARGS) || status=$$?; \
+	$(PY) -m bench.router_bench $(filter --quick,$(BENCH_ARGS)) $(ROUTER_BENCH_ARGS) || status=$$?; \
+	exit $$status
 
 clean:
 	rm -rf .cache/test-logs .pytest_cache

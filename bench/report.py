@@ -120,23 +120,31 @@ def header(r: dict) -> str:
             f"{r['reps']} timed repetitions per cell")
 
 
-def render_table(r: dict) -> str:
-    parts = [header(r)]
-    for title, head, rows in tables(r):
-        widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+def as_text(head_line: str, tabs: list[tuple[str, list[str], list[list[str]]]], lines: list[str]) -> str:
+    """A header line, titled right-aligned tables and closing lines, as plain text."""
+    parts = [head_line]
+    for title, head, rows in tabs:
+        widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
         fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
         parts += ["", title, fmt(head), *(fmt(row) for row in rows)]
-    parts += ["", *verdicts(r)]
-    return "\n".join(parts)
+    return "\n".join(parts + ["", *lines])
+
+
+def as_markdown(head_line: str, tabs: list[tuple[str, list[str], list[list[str]]]], lines: list[str]) -> str:
+    """The same as :func:`as_text`, in Markdown."""
+    parts = [f"_{head_line}_"]
+    for title, head, rows in tabs:
+        parts += ["", f"**{title}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+                  *("| " + " | ".join(row) + " |" for row in rows)]
+    return "\n".join(parts + ["", *(f"- {v}" for v in lines)]) + "\n"
+
+
+def render_table(r: dict) -> str:
+    return as_text(header(r), tables(r), verdicts(r))
 
 
 def render_markdown(r: dict) -> str:
-    parts = [f"_{header(r)}_"]
-    for title, head, rows in tables(r):
-        parts += ["", f"**{title}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
-                  *("| " + " | ".join(row) + " |" for row in rows)]
-    parts += ["", *(f"- {v}" for v in verdicts(r))]
-    return "\n".join(parts) + "\n"
+    return as_markdown(header(r), tables(r), verdicts(r))
 
 
 def plot(r: dict, path: Path) -> None:

@@ -51,6 +51,10 @@ from kvcore import mooncake_json
 from kvcore.config import load, parse_size
 from kvcore.errors import ConfigError
 from kvcore.mooncake_json import P2PHANDSHAKE, metadata_conn_string, split_host_port
+from kvcore.tier import LoadPrior
+
+# Where the composite's (and the router's) load-time fit for this tier starts.
+LOAD_PRIOR = LoadPrior(latency_s=0.02, bandwidth_gbps=1.0)
 
 # mooncake.json keys the store tier takes -> ours (metadata_server: with metadata_backend).
 _MOONCAKE_JSON_KEYS = {

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvcore.log import get_logger
-from kvcore.tier import LoadPrior, LoadReport, Tier
+from kvcore.tier import LoadReport, Tier
 from kvcore.vllm_glue import (
     KVConnectorBase_V1,
     KVConnectorRole,
@@ -31,7 +31,7 @@ from kvcore.vllm_glue import (
     warn_pipeline_parallel,
 )
 from mcstore.client import publish_engine_meta
-from mcstore.config import StoreConfig, composite_role, load_config
+from mcstore.config import LOAD_PRIOR, StoreConfig, composite_role, load_config
 from mcstore.keys import KeySpace, fingerprint
 from mcstore.metrics import StorePromMetrics, StoreStats
 from mcstore.protocol import StoreMetadata
@@ -59,7 +59,7 @@ class StoreConnector(KVConnectorBase_V1, Tier):
     name = "store"
     # A load parks the request for at least one extra engine step; that is most of
     # its fixed cost on loopback.
-    load_prior = LoadPrior(latency_s=0.02, bandwidth_gbps=1.0)
+    load_prior = LOAD_PRIOR
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)

@@ -1,5 +1,5 @@
 """The ``mctier`` subcommands that are thin wrappers: ``serve`` (vLLM's server), ``proxy``
-(:mod:`p2p.proxy`), ``master`` (:mod:`mcstore.server`), ``store-server``
+(:mod:`multi.router_cli`), ``master`` (:mod:`mcstore.server`), ``store-server``
 (:mod:`mcstore.segment`), ``model`` (:mod:`multi.models`) and ``cpu`` (:mod:`kvcore.platform`).
 
 Each is registered like every other subcommand, by an ``add_parser(sub)``-style function
@@ -28,13 +28,14 @@ def add_serve(sub) -> None:
 
 
 def _proxy(args: argparse.Namespace, rest: list[str]) -> int:
-    from p2p.proxy import main as proxy_main
+    from multi.router_cli import main as router_main
 
-    return proxy_main(rest)
+    return router_main(rest)
 
 
 def add_proxy(sub) -> None:
-    px = sub.add_parser("proxy", help="OpenAI-compatible P/D proxy (vLLM Mooncake proxy contract)", add_help=False)
+    px = sub.add_parser("proxy", help="KV-aware router for P/D and data-parallel instances (vLLM Mooncake proxy "
+                                      "contract), with SLO admission", add_help=False)
     px.set_defaults(func=_proxy, raw=True)
 
 

@@ -69,11 +69,13 @@ class Deployment:
         return proc
 
     def engine(self, name: str, model: str, core: int, kv_config: dict | None, *,
-               python: str = sys.executable, env: dict[str, str] | None = None) -> tuple[str, Proc]:
+               python: str = sys.executable, env: dict[str, str] | None = None,
+               extra: list[str] | None = None) -> tuple[str, Proc]:
         """An OpenAI server pinned whole to ``core``; ``python`` may be another virtualenv's
-        interpreter (the benchmarks run peers such as LMCache that way)."""
+        interpreter (the benchmarks run peers such as LMCache that way); ``extra`` are more
+        ``vllm serve`` flags (e.g. ``--num-gpu-blocks-override`` to size the prefix cache)."""
         port = free_port()
-        argv = engine_argv(model, port, python=python, served_name="demo", kv_config=kv_config)
+        argv = engine_argv(model, port, python=python, served_name="demo", kv_config=kv_config, extra=extra)
         proc = self.track(Proc(name, argv, self.log_dir / f"{name}.log", env={**engine_env(core), **(env or {})},
                                cpus={core}))
         return f"http://127.0.0.1:{port}", proc
@@ -88,9 +90,12 @@ class Deployment:
         self.wait_http(d_url, d_proc)
         return p_url, d_url, self.proxy(p_url, f"http://127.0.0.1:{bootstrap_port}", d_url)
 
-    def proxy(self, prefill: str, bootstrap: str, decode: str) -> str:
+    def proxy(self, prefill: str, bootstrap: str, decode: str, policy: str = "least-outstanding") -> str:
+        """``mctier proxy`` in front of one P/D pair. ``least-outstanding`` always hands off
+        (what the demo and the P/D benchmarks show); ``kv`` may serve a request on the decode
+        instance alone when the handoff does not pay (:mod:`multi.route`)."""
         port = free_port()
-        proc = Proc("proxy", [sys.executable, "-m", "multi.cli", "proxy", "--port", str(port),
+        proc = Proc("proxy", [sys.executable, "-m", "multi.cli", "proxy", "--port", str(port), "--policy", policy,
                               "--prefill", f"{prefill}@{bootstrap}", "--decode", decode],
                     self.log_dir / "proxy.log")
         self.track(proc)

@@ -20,9 +20,12 @@ Estimated seconds, with ``b_j`` the bytes of tier ``j``'s range (tokens times
   tier's ``LoadPrior`` (``latency_s + b / bandwidth``);
 - plus, for a tier whose KV a prefill instance computes (``remote_prefill``,
   the P2P handoff), that instance's remaining compute: it prefills what the
-  tiers before it could not give it, ``max(0, compute(R_before, N) - elapsed)``
-  with ``R_before`` the largest reach of the tiers before it (0 for the first) and
-  ``elapsed`` the time since the request arrived;
+  tiers before it and its own prefix cache could not give it,
+  ``queue + max(0, compute(max(R_before, C), N) - elapsed)`` with ``R_before`` the
+  largest reach of the tiers before it (0 for the first), ``C`` the instance's
+  cached prefix (``remote_cached``), ``queue`` the prefill work queued ahead on it
+  (``remote_queue_s``; both 0 unless a router knows them) and ``elapsed`` the time
+  since the request arrived;
 - recomputing ``n`` tokens after ``c`` cached ones: ``compute(c, c+n) =
   prefill([1, n, n*(c+n/2)])`` (fixed step cost, linear work, attention over the
   context), times ``local_compute_weight`` for this instance's own recomputation:
@@ -68,6 +71,11 @@ class TierReach(msgspec.Struct, frozen=True):
     tokens: int  # lookup: the tier can supply [0, tokens)
     remote_prefill: bool = False  # Tier.remote_prefill
     prior: LoadPrior = LoadPrior()  # Tier.load_prior, unless PolicyConfig.tiers overrides it
+    # A remote prefill instance's own state, when known (the router knows it; a connector
+    # does not and leaves both 0): its prefix-cache hit and the seconds of prefill work
+    # queued ahead of this request.
+    remote_cached: int = 0
+    remote_queue_s: float = 0.0
 
 
 class Inputs(msgspec.Struct, kw_only=True):
@@ -184,7 +192,8 @@ class CostModel:
             if t.remote_prefill:
                 # The prefill instance computes what the tiers before this one could not give it.
                 before = max((min(u.tokens, N - 1) for u in x.tiers[:i]), default=0)
-                seconds += max(0.0, self.compute_s(before, N) - x.prefill_elapsed_s)
+                before = max(before, min(t.remote_cached, N - 1))
+                seconds += t.remote_queue_s + max(0.0, self.compute_s(before, N) - x.prefill_elapsed_s)
             parts[f"{t.tier}_s"] = seconds
             t_load = max(t_load, seconds)
             end = reach[i]

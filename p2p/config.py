@@ -46,6 +46,10 @@ from kvcore import mooncake_json
 from kvcore.config import load
 from kvcore.errors import ConfigError
 from kvcore.mooncake_json import P2PHANDSHAKE, metadata_conn_string
+from kvcore.tier import LoadPrior
+
+# Where the composite's (and the router's) load-time fit for this tier starts.
+LOAD_PRIOR = LoadPrior(latency_s=0.03, bandwidth_gbps=1.0)
 
 # mooncake.json keys the P2P tier takes (the metadata pair and the URLs are mapped below).
 _MOONCAKE_JSON_KEYS = ("protocol", "device_name")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvcore.log import get_logger
-from kvcore.tier import LoadPrior, LoadReport, Tier
+from kvcore.tier import LoadReport, Tier
 from kvcore.vllm_glue import (
     KVConnectorBase_V1,
     KVConnectorRole,
@@ -22,7 +22,7 @@ from kvcore.vllm_glue import (
     require_full_attention,
     warn_pipeline_parallel,
 )
-from p2p.config import load_config
+from p2p.config import LOAD_PRIOR, load_config
 from p2p.metrics import P2PPromMetrics, P2PStats
 from p2p.scheduler import P2PMetadata, P2PScheduler
 
@@ -32,7 +32,7 @@ logger = get_logger("p2p.connector")
 class P2PConnector(KVConnectorBase_V1, Tier):
     name = "p2p"
     remote_prefill = True  # the prefill instance computes the KV after the request arrives
-    load_prior = LoadPrior(latency_s=0.03, bandwidth_gbps=1.0)
+    load_prior = LOAD_PRIOR
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)

@@ -1,25 +1,25 @@
-"""``mctier proxy``: OpenAI-compatible P/D proxy speaking vLLM's Mooncake contract.
+"""The P2P tier's proxy contract: vLLM's Mooncake P/D exchange, for a router to drive.
 
-    mctier proxy --prefill http://127.0.0.1:8100@http://127.0.0.1:8998 \\
-                 --decode http://127.0.0.1:8200 --port 8000
-
-Each ``--prefill`` is ``URL`` or ``URL@BOOTSTRAP_URL`` (the prefill engine's bootstrap
-server; default: the prefill host with port ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` or 8998);
-``--bootstrap`` gives them as a separate list instead. Per client request: one
-``transfer_id``; the prefill request (``max_tokens=1``, not streamed,
-``do_remote_decode``) and the decode request (``do_remote_prefill``,
+:func:`prefill_body` and :func:`decode_body` build the two requests of one client
+request, tied by one ``transfer_id``: the prefill request (``max_tokens=1``, not
+streamed, ``do_remote_decode``) and the decode request (``do_remote_prefill``,
 ``remote_bootstrap_addr``, ``remote_engine_id``, ``transfer_id``, plus any
-``kv_transfer_params`` keys the client sent) go out concurrently; instances are picked
-by fewest outstanding requests; the decode response (its ``kv_transfer_params``
-included) is passed through. A prefill that fails before the decode produced output,
-or an unreachable instance, is a 502; the overall deadline is a 504; a client that
-disconnects cancels both upstream requests (vLLM then aborts them and the prefill
-blocks are released).
+``kv_transfer_params`` keys the client sent). :class:`Proxy` runs them: the prefill
+instance's engine id comes from its bootstrap server's ``/query`` (vLLM's route), both
+requests go out concurrently, and the decode response (its ``kv_transfer_params``
+included) is passed through, streamed or whole. :meth:`Proxy._direct` sends a whole
+request to one instance instead.
+
+Failures: a prefill that fails before the decode produced output, or an unreachable
+instance, is a :class:`ProxyError` with status 502 (``prefill_failed`` tells a router it
+may retry elsewhere); a decode that fails after its prefill succeeded has the prefill's
+hold released at once (:mod:`p2p.release`) instead of at its abort timeout; a client
+that disconnects cancels both upstream requests (vLLM then aborts them and the prefill
+blocks are released). ``mctier proxy`` is :mod:`multi.router`, which picks the instances.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -33,7 +33,7 @@ from aiohttp import web
 
 import logging
 
-from p2p.config import normalize_url
+from p2p.release import release_hold
 
 # A standalone process: a plain logger (kvcore.log would import all of vLLM just for this).
 logger = logging.getLogger("mctier.proxy")
@@ -49,18 +49,45 @@ class Backend:
 
 
 class ProxyError(Exception):
-    def __init__(self, status: int, message: str):
+    """A request that cannot be answered: ``status`` is the HTTP status to return;
+    ``prefill_failed`` says the prefill instance failed before the decode instance
+    produced any output (a router may retry the request on another prefill instance)."""
+
+    def __init__(self, status: int, message: str, prefill_failed: bool = False):
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.prefill_failed = status, message, prefill_failed
 
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": "proxy_error", "code": status}}, status=status)
 
 
-def _default_bootstrap(url: str) -> str:
+def default_bootstrap(url: str) -> str:
+    """A prefill instance's bootstrap server when none is given: its host, port
+    ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` (8998, vLLM's default)."""
     host = urlparse(url).hostname or "127.0.0.1"
     return f"http://{host}:{os.environ.get('VLLM_MOONCAKE_BOOTSTRAP_PORT', '8998')}"
+
+
+def prefill_body(body: dict, transfer_id: str) -> dict:
+    """The prefill request of vLLM's Mooncake proxy contract: one token, not streamed,
+    ``do_remote_decode`` with the request's ``transfer_id``."""
+    pbody = {k: v for k, v in body.items() if k not in ("stream_options",)}
+    pbody.update(max_tokens=1, stream=False,
+                 kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id})
+    if "max_completion_tokens" in body:
+        pbody["max_completion_tokens"] = 1
+    return pbody
+
+
+def decode_body(body: dict, client_params: dict, bootstrap: str, engine_id: str, transfer_id: str) -> dict:
+    """The decode request: the client's, with ``do_remote_prefill`` and where to pull from
+    (any ``kv_transfer_params`` keys the client sent are kept)."""
+    dbody = dict(body)
+    dbody["kv_transfer_params"] = {**client_params, "do_remote_decode": False, "do_remote_prefill": True,
+                                   "remote_bootstrap_addr": bootstrap, "remote_engine_id": engine_id,
+                                   "transfer_id": transfer_id}
+    return dbody
 
 
 class Proxy:
@@ -68,6 +95,7 @@ class Proxy:
         self.prefills, self.decodes = prefills, decodes
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self.session: aiohttp.ClientSession | None = None
+        self.releases = 0  # prefill holds released after their decode failed
 
     async def start(self, app):
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=self.connect_timeout))
@@ -146,48 +174,44 @@ class Proxy:
             p.outstanding -= 1
             d.outstanding -= 1
 
-    async def _run(self, request: web.Request, path: str, body: dict, p: Backend, d: Backend):
-        rid = str(uuid.uuid4())
+    # Hooks for a router that measures (no-ops here): the first output of request ``rid``
+    # reached the proxy; the prefill of ``rid`` on ``p`` succeeded after ``seconds``.
+    def _first_output(self, rid: str) -> None:
+        pass
+
+    def _prefill_done(self, p: Backend, rid: str, seconds: float) -> None:
+        pass
+
+    async def _run(self, request: web.Request, path: str, body: dict, p: Backend, d: Backend,
+                   rid: str | None = None):
+        rid = rid or str(uuid.uuid4())
         tid = f"xfer-{rid}"
         client_params = body.get("kv_transfer_params") or {}
         if not isinstance(client_params, dict):
             raise ProxyError(400, "kv_transfer_params must be an object")
         try:
             engine_id = await self._engine_id(p)
-        except ProxyError:
+        except ProxyError as e:
             p.engine_id = None
+            e.prefill_failed = True
             raise
         headers = {"X-Request-Id": rid}
         if auth := request.headers.get("Authorization"):
             headers["Authorization"] = auth
 
-        pbody = {k: v for k, v in body.items() if k not in ("stream_options",)}
-        pbody.update(max_tokens=1, stream=False,
-                     kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid})
-        if "max_completion_tokens" in body:
-            pbody["max_completion_tokens"] = 1
-        dbody = dict(body)
-        dbody["kv_transfer_params"] = {**client_params, "do_remote_decode": False, "do_remote_prefill": True,
-                                       "remote_bootstrap_addr": p.bootstrap, "remote_engine_id": engine_id,
-                                       "transfer_id": tid}
-
-        prefill = asyncio.create_task(self._prefill(p, path, pbody, headers))
+        pbody = prefill_body(body, tid)
+        dbody = decode_body(body, client_params, p.bootstrap, engine_id, tid)
+        prefill = asyncio.create_task(self._prefill(p, path, pbody, headers, rid))
         stream = bool(body.get("stream"))
         first = asyncio.create_task(self._decode_first(d, path, dbody, headers, stream))
-        resp = None
+        resp, answered = None, False
         try:
             # Until the decode instance produced something, a failed prefill fails the request.
             await self._race(first, prefill)
             resp, data = first.result()
-            if resp.status != 200 or not stream:
-                return web.Response(body=data, status=resp.status, content_type=resp.content_type)
-            out = web.StreamResponse(status=200, headers={"Content-Type": resp.headers.get("Content-Type", "text/event-stream")})
-            await out.prepare(request)
-            chunk = data
-            while chunk:
-                await out.write(chunk)
-                chunk = await resp.content.readany()
-            await out.write_eof()
+            self._first_output(rid)
+            out = await self._relay(request, resp, data, stream)
+            answered = resp.status == 200
             return out
         except (aiohttp.ClientError, ConnectionError) as e:
             raise ProxyError(502, f"decode instance {d.url} failed: {e!r}") from None
@@ -201,6 +225,51 @@ class Proxy:
                 prefill.cancel()
             elif not prefill.cancelled() and prefill.exception() is not None:
                 logger.info("prefill failed after the decode answered: %s", prefill.exception())
+            elif not answered and not prefill.cancelled():
+                # The prefill holds its blocks for a decode that will not pull them: free
+                # them now rather than at the prefill's abort timeout.
+                self._release_later(p, engine_id, tid)
+
+    def _release_later(self, p: Backend, engine_id: str, tid: str) -> None:
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(None, release_hold, p.bootstrap, engine_id, tid, self.connect_timeout)
+        self.releases += 1
+        fut.add_done_callback(lambda f: f.exception() or logger.info(
+            "released the prefill hold of %s on %s (%d workers confirmed)", tid, p.url, f.result()))
+
+    async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse, data: bytes,
+                     stream: bool) -> web.StreamResponse:
+        """Pass an upstream response on: whole (``data``) or streamed from its first chunk."""
+        if resp.status != 200 or not stream:
+            return web.Response(body=data, status=resp.status, content_type=resp.content_type)
+        out = web.StreamResponse(status=200, headers={"Content-Type": resp.headers.get("Content-Type", "text/event-stream")})
+        await out.prepare(request)
+        chunk = data
+        while chunk:
+            await out.write(chunk)
+            chunk = await resp.content.readany()
+        await out.write_eof()
+        return out
+
+    async def _direct(self, request: web.Request, path: str, body: dict, d: Backend,
+                      rid: str | None = None) -> web.StreamResponse:
+        """The whole request on one instance (no handoff): a plain engine, or a decode instance
+        whose connector loads what the store holds and recomputes the rest."""
+        rid = rid or str(uuid.uuid4())
+        headers = {"X-Request-Id": rid}
+        if auth := request.headers.get("Authorization"):
+            headers["Authorization"] = auth
+        stream = bool(body.get("stream"))
+        resp = None
+        try:
+            resp, data = await self._decode_first(d, path, body, headers, stream)
+            self._first_output(rid)
+            return await self._relay(request, resp, data, stream)
+        except (aiohttp.ClientError, ConnectionError) as e:
+            raise ProxyError(502, f"instance {d.url} failed: {e!r}") from None
+        finally:
+            if resp is not None:
+                resp.release()
 
     async def _decode_first(self, d: Backend, path: str, body: dict, headers: dict, stream: bool):
         """The decode response and its whole body (non-streamed or error) or first chunk."""
@@ -233,67 +302,17 @@ class Proxy:
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise ProxyError(502, f"decode instance {b.url} unreachable: {e!r}") from None
 
-    async def _prefill(self, p: Backend, path: str, body: dict, headers: dict) -> None:
+    async def _prefill(self, p: Backend, path: str, body: dict, headers: dict, rid: str = "") -> None:
         t0 = time.monotonic()
         try:
             async with self.session.post(p.url + path, json=body, headers=headers) as r:
                 data = await r.read()
                 if r.status != 200:
                     status = r.status if 400 <= r.status < 500 else 502
-                    raise ProxyError(status, f"prefill instance {p.url}: HTTP {r.status}: {data[:300].decode(errors='replace')}")
+                    raise ProxyError(status, f"prefill instance {p.url}: HTTP {r.status}: "
+                                             f"{data[:300].decode(errors='replace')}", prefill_failed=status >= 500)
         except (aiohttp.ClientError, ConnectionError) as e:
             p.engine_id = None  # it may come back with another engine id
-            raise ProxyError(502, f"prefill instance {p.url} failed: {e!r}") from None
+            raise ProxyError(502, f"prefill instance {p.url} failed: {e!r}", prefill_failed=True) from None
         logger.debug("prefill on %s took %.3fs", p.url, time.monotonic() - t0)
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="mctier proxy", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prefill", nargs="+", required=True, metavar="URL[@BOOTSTRAP_URL]")
-    ap.add_argument("--decode", nargs="+", required=True, metavar="URL")
-    ap.add_argument("--bootstrap", nargs="+", metavar="URL", help="bootstrap URLs, one per --prefill")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--timeout", type=float, default=600.0, help="deadline of one client request (504 after)")
-    ap.add_argument("--connect-timeout", type=float, default=5.0, help="connect / bootstrap query timeout (502 after)")
-    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return ap.parse_args(argv)
-
-
-def build_app(args: argparse.Namespace) -> web.Application:
-    prefills = []
-    if args.bootstrap and len(args.bootstrap) != len(args.prefill):
-        raise SystemExit("--bootstrap needs exactly one URL per --prefill")
-    for i, spec in enumerate(args.prefill):
-        url, _, boot = spec.partition("@")
-        if args.bootstrap:
-            boot = args.bootstrap[i]
-        url = normalize_url(url)
-        prefills.append(Backend(url, normalize_url(boot) if boot else _default_bootstrap(url)))
-    decodes = [Backend(normalize_url(u)) for u in args.decode]
-    proxy = Proxy(prefills, decodes, args.timeout, args.connect_timeout)
-    app = web.Application(client_max_size=64 << 20)
-    app.on_startup.append(proxy.start)
-    app.on_cleanup.append(proxy.stop)
-    app.router.add_post("/v1/completions", proxy.completions)
-    app.router.add_post("/v1/chat/completions", proxy.chat)
-    app.router.add_get("/v1/models", proxy.models)
-    app.router.add_get("/health", proxy.health)
-    app["proxy"] = proxy
-    return app
-
-
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = build_app(args)
-    for p in app["proxy"].prefills:
-        print(f"prefill {p.url} (bootstrap {p.bootstrap})", flush=True)
-    for d in app["proxy"].decodes:
-        print(f"decode  {d.url}", flush=True)
-    # handler_cancellation: a client disconnect cancels the handler, which closes the
-    # upstream connections, which makes vLLM abort both requests.
-    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, access_log=None,
-                print=lambda s: print(s, flush=True))
-    return 0
+        self._prefill_done(p, rid, time.monotonic() - t0)

@@ -191,13 +191,20 @@ def close_tokens(got: list[int], got_top: list[dict[int, float]], want: list[int
     return len(got) == len(want)
 
 
-def start_proxy(name: str, prefill: str, decode: str, timeout: float, connect_timeout: float | None = 2.0,
-                host: str = "127.0.0.1", wait_s: float = 60) -> tuple[Proc, str]:
-    """``mctier proxy`` on ``host`` in front of ``prefill`` (``URL@BOOTSTRAP_URL``) and ``decode``,
-    listening within ``wait_s`` seconds: the process and its base URL."""
+def start_proxy(name: str, prefill: str | list[str], decode: str | list[str], timeout: float,
+                connect_timeout: float | None = 2.0, host: str = "127.0.0.1", wait_s: float = 60,
+                policy: str = "least-outstanding", extra: list[str] | None = None) -> tuple[Proc, str]:
+    """``mctier proxy`` on ``host`` in front of ``prefill`` (``URL@BOOTSTRAP_URL``, one or a list)
+    and ``decode``, listening within ``wait_s`` seconds: the process and its base URL.
+
+    The default ``least-outstanding`` policy always hands off (the P/D path these tests
+    exercise); the ``kv`` policy may serve a request on the decode instance alone
+    (``tests/test_router_e2e.py``)."""
     port = free_port(host)
-    argv = [sys.executable, "-m", "multi.cli", "proxy", "--host", host, "--port", str(port), "--prefill", prefill,
-            "--decode", decode, "--timeout", str(timeout)]
+    prefill = [prefill] if isinstance(prefill, str) else prefill
+    decode = [decode] if isinstance(decode, str) else decode
+    argv = [sys.executable, "-m", "multi.cli", "proxy", "--host", host, "--port", str(port), "--prefill", *prefill,
+            "--decode", *decode, "--timeout", str(timeout), "--policy", policy, *(extra or [])]
     if connect_timeout is not None:
         argv += ["--connect-timeout", str(connect_timeout)]
     proc = Proc(name, argv, LOGS / f"{name}-{port}.log", cwd=str(ROOT))

@@ -84,3 +84,35 @@ def test_quick_bench_writes_outputs_and_stops_everything(quick):
         except (ProcessLookupError, psutil.Error):
             pass
     assert left == []
+
+
+def test_router_bench_quick_reports_every_row(tmp_path):
+    """``python -m bench.router_bench --quick``: the P/D deployment behind the kv, round-robin
+    and least-outstanding routers, the plain one behind round-robin and kv, the admission
+    pair; every row measured with finite numbers, every request through the routers
+    answered except the 429s of admission, every process gone. No assertion on speed."""
+    import math
+
+    proc = subprocess.run([sys.executable, "-m", "bench.router_bench", "--quick", "--out", str(tmp_path)],
+                          cwd=str(ROOT), capture_output=True, text=True, timeout=1200)
+    (tmp_path / "stdout.txt").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((tmp_path / "router.json").read_text())
+    got = sorted((x["workload"], x["deployment"], x["policy"], x["admission"]) for x in r["rows"])
+    assert got == sorted([("prefix", "pd", p, False) for p in ("kv", "round-robin", "least-outstanding")]
+                         + [("prefix", "plain", p, False) for p in ("kv", "round-robin")]
+                         + [("admission", "pd", "kv", False), ("admission", "pd", "kv", True)])
+    for x in r["rows"]:
+        assert not x.get("skipped") and not x.get("error"), x
+        for k in ("mean_ttft_ms", "p90_ttft_ms", "request_throughput", "output_throughput"):
+            assert isinstance(x[k], (int, float)) and math.isfinite(x[k]) and x[k] >= 0, (x["name"], k, x[k])
+        assert x["other_failures"] == 0, x
+        assert x["completed"] + x["rejected_429"] == x["requests"] > 0, x
+        assert x["completed"] > 0 and (x["rejected_429"] == 0 or x["admission"]), x
+        if x["workload"] == "admission":
+            assert 0 <= x["within_slo_share"] <= 1 and x["slo_s"] > 0 and x["rate"] > 0, x
+    assert (tmp_path / "router.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (tmp_path / "router.md").read_text()
+    assert "Every run" in md and "Side by side" in md and "Admission above capacity" in md
+    assert len(r["pids"]) >= 2 + 3 + 2 + 7  # store pair, A's engines, B's engines, a router per run
+    assert [p for p in r["pids"] if not _gone(p)] == []

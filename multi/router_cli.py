@@ -1,0 +1,177 @@
+"""``mctier proxy``: the command line of the KV-aware router (:mod:`multi.router`).
+
+Every flag of the earlier P/D proxy keeps its meaning (``--prefill URL[@BOOTSTRAP_URL]``,
+``--decode``, ``--bootstrap``, ``--host``, ``--port``, ``--timeout``,
+``--connect-timeout``, ``--log-level``), so existing launch lines still work; they now
+get the ``kv`` policy. New:
+
+- ``--plain URL ...``: engines that serve whole requests (data-parallel; no P/D);
+- ``--instances FILE``: more instances from a TOML file (:mod:`multi.instances`),
+  re-read on SIGHUP;
+- ``--kv-events URL=ENDPOINT[,REPLAY_ENDPOINT]``: an instance's vLLM KV event publisher,
+  the strings of its ``--kv-events-config`` (``"publisher": "zmq"``), for an exact index;
+  by default the router reads them from each engine's ``/kv_event_sources``;
+- ``--policy kv|least-outstanding|round-robin``;
+- ``--ttft-slo SECONDS``: admission (off by default); per request, the ``X-TTFT-SLO``
+  header or ``kv_transfer_params.ttft_slo_s``;
+- ``--store MASTER`` (exact store view through the store tier's lookup) or
+  ``--store approx`` (what prefills stored; no Mooncake client in the router);
+- ``--kv-bytes-per-token``: KV bytes of one token (default: from the served model's
+  ``config.json`` when its path exists here, in the dtype this machine's engines get,
+  :func:`kvcore.platform.engine_dtype`; else 0: transfers then cost their latency only);
+- ``--block-size``: the engines' block size (default 32); ``--tokenizer``; the cost
+  model's priors with ``--policy-config JSON`` (:class:`multi.policy.PolicyConfig`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+
+import msgspec
+from aiohttp import web
+
+from multi import instances as inst_mod
+from multi.kvindex import BlockIndex
+from multi.policy import PolicyConfig
+from multi.prompts import Prompts
+from multi.route import POLICIES, Chooser
+from multi.router import Router
+
+logger = logging.getLogger("mctier.router")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="mctier proxy", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prefill", nargs="+", default=[], metavar="URL[@BOOTSTRAP_URL]")
+    ap.add_argument("--decode", nargs="+", default=[], metavar="URL")
+    ap.add_argument("--plain", nargs="+", default=[], metavar="URL", help="engines serving whole requests")
+    ap.add_argument("--bootstrap", nargs="+", metavar="URL", help="bootstrap URLs, one per --prefill")
+    ap.add_argument("--instances", metavar="FILE", help="TOML file of instances, re-read on SIGHUP")
+    ap.add_argument("--kv-events", nargs="+", default=[], metavar="URL=ENDPOINT[,REPLAY]")
+    ap.add_argument("--policy", default="kv", choices=POLICIES)
+    ap.add_argument("--ttft-slo", type=float, help="TTFT target in seconds: 429 when the estimate misses it")
+    ap.add_argument("--store", metavar="MASTER|approx", help="the store view: a master HOST:PORT or 'approx'")
+    ap.add_argument("--kv-bytes-per-token", type=float)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--tokenizer")
+    ap.add_argument("--policy-config", help="JSON of multi.policy.PolicyConfig fields")
+    ap.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
+    ap.add_argument("--index-blocks", type=int, default=4096,
+                    help="index capacity per instance until its cache size is known (blocks)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--timeout", type=float, default=600.0, help="deadline of one client request (504 after)")
+    ap.add_argument("--connect-timeout", type=float, default=5.0, help="connect / bootstrap query timeout (502 after)")
+    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return ap.parse_args(argv)
+
+
+def _instances(a: argparse.Namespace) -> list[inst_mod.Instance]:
+    if a.bootstrap and len(a.bootstrap) != len(a.prefill):
+        raise SystemExit("--bootstrap needs exactly one URL per --prefill")
+    events = {}
+    for spec in a.kv_events:
+        url, sep, eps = spec.partition("=")
+        if not sep or not eps:
+            raise SystemExit(f"--kv-events takes URL=ENDPOINT[,REPLAY_ENDPOINT], got {spec!r}")
+        ep, _, replay = eps.partition(",")
+        events[inst_mod.normalize_url(url)] = (ep, replay or None)
+    out = []
+    for i, spec in enumerate(a.prefill):
+        url, _, boot = spec.partition("@")
+        out.append(inst_mod.make("prefill", url, a.bootstrap[i] if a.bootstrap else (boot or None)))
+    out += [inst_mod.make("decode", u) for u in a.decode]
+    out += [inst_mod.make("plain", u) for u in a.plain]
+    if a.instances:
+        try:
+            out += inst_mod.load_file(a.instances)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+    for inst in out:
+        if inst.url in events:
+            inst.events, inst.replay = events.pop(inst.url)
+    if events:
+        raise SystemExit(f"--kv-events names instances that are not given: {sorted(events)}")
+    return out
+
+
+def bytes_per_token(a: argparse.Namespace, root: str | None) -> float:
+    if a.kv_bytes_per_token is not None:
+        return a.kv_bytes_per_token
+    cfg_path = os.path.join(root, "config.json") if root else None
+    if not cfg_path or not os.path.exists(cfg_path):
+        logger.warning("KV bytes per token unknown (no local config.json; pass --kv-bytes-per-token): "
+                       "transfers are estimated by their latency alone")
+        return 0.0
+    from kvcore.platform import engine_dtype
+
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    size = {"bfloat16": 2, "float16": 2, "float32": 4}.get(engine_dtype(), 2)
+    return float(2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+                 * head_dim * size)
+
+
+def _served_root(pool: inst_mod.Pool, timeout: float) -> str | None:
+    import requests
+
+    for inst in pool.all:
+        try:
+            card = requests.get(inst.url + "/v1/models", timeout=timeout).json()["data"][0]
+            return card.get("root") or card.get("id")
+        except (requests.RequestException, KeyError, IndexError, ValueError):
+            continue
+    return None
+
+
+def build_app(a: argparse.Namespace) -> web.Application:
+    pool = inst_mod.Pool(_instances(a))
+    try:
+        pool.validate()
+        cfg = msgspec.json.decode(a.policy_config, type=PolicyConfig) if a.policy_config else PolicyConfig()
+    except (ValueError, msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise SystemExit(f"mctier proxy: {e}") from None
+    root = None if a.kv_bytes_per_token is not None else _served_root(pool, a.connect_timeout)
+    store_view = None
+    if a.store and a.store != "approx":
+        from multi.storeview import StoreView
+
+        url = (pool.role("decode", False) or pool.role("plain", False) or pool.all)[0].url
+        store_view = StoreView(a.store, url)
+    router = Router(pool, Chooser(a.policy, bytes_per_token(a, root), cfg), BlockIndex(a.block_size, a.index_blocks),
+                    Prompts(a.tokenizer, a.connect_timeout), timeout=a.timeout, connect_timeout=a.connect_timeout,
+                    slo=a.ttft_slo, store_view=store_view, store_approx=bool(a.store),
+                    health_interval=a.health_interval, instances_file=a.instances)
+    app = web.Application(client_max_size=64 << 20)
+    app.on_startup.append(router.start)
+    app.on_cleanup.append(router.stop)
+    app.router.add_post("/v1/completions", router.completions)
+    app.router.add_post("/v1/chat/completions", router.chat)
+    app.router.add_get("/v1/models", router.models)
+    app.router.add_get("/health", router.health)
+    app.router.add_get("/metrics", router.metrics_handler)
+    app["router"] = app["proxy"] = router
+    return app
+
+
+def main(argv: list[str]) -> int:
+    a = parse_args(argv)
+    logging.basicConfig(level=getattr(logging, a.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = build_app(a)
+    r = app["router"]
+    for i in r.pool.all:
+        extra = f" (bootstrap {i.bootstrap})" if i.bootstrap else ""
+        print(f"{i.role:<7} {i.url}{extra}" + (f" events {i.events}" if i.events else ""), flush=True)
+    print(f"policy  {a.policy}; store view {a.store or 'none'}; TTFT target "
+          f"{f'{a.ttft_slo:g}s' if a.ttft_slo else 'none'}; KV bytes/token {r.chooser.bytes_per_token:g}", flush=True)
+    # handler_cancellation: a client disconnect cancels the handler, which closes the
+    # upstream connections, which makes vLLM abort both requests.
+    web.run_app(app, host=a.host, port=a.port, handler_cancellation=True, access_log=None,
+                print=lambda s: print(s, flush=True))
+    return 0

@@ -1,0 +1,60 @@
+"""The router's ``/metrics``: every metric declared once here, in its own registry.
+
+- ``mctier_router_decisions_total{route, reason}``: routes taken (``pd``, ``direct``,
+  ``reject``) and why (the chooser's reason, or the policy's name);
+- ``mctier_router_ttft_seconds{kind}``: predicted and actual time to first token of
+  answered requests (``kind`` = ``predicted`` / ``actual``), and
+  ``mctier_router_ttft_error_ratio``: actual over predicted;
+- ``mctier_router_rejections_total``: admission rejections (429);
+- ``mctier_router_retries_total``: requests retried on another prefill instance;
+- ``mctier_router_released_holds_total``: prefill holds released because their decode failed;
+- ``mctier_router_requests_total{status}``: answered requests by HTTP status;
+- ``mctier_router_index_blocks{view, kind}``: blocks in the index per view (an instance
+  URL or ``store``) and kind (``approx``: what the router sent there; ``exact``: what the
+  instance's KV events say it holds), ``mctier_router_index_capacity_blocks{view}``;
+- ``mctier_router_event_lag_seconds{instance}``: age of the last KV event batch, and
+  ``mctier_router_events{instance, kind}``: the subscribers' counters (events, batches,
+  gaps, replays, replay_failures, unknown_parent) and ``stale`` (1: exact view unusable);
+- ``mctier_router_queue_seconds{instance}``: routed prefill work still ahead per instance;
+  ``mctier_router_instance_healthy{instance, role}``; ``mctier_router_outstanding{instance}``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_RATIO_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 10.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.decisions = Counter("mctier_router_decisions", "Routes taken, by route and reason",
+                                 ["route", "reason"], registry=r)
+        self.ttft = Histogram("mctier_router_ttft_seconds", "Predicted and actual time to first token",
+                              ["kind"], buckets=_TTFT_BUCKETS, registry=r)
+        self.ttft_ratio = Histogram("mctier_router_ttft_error_ratio", "Actual over predicted time to first token",
+                                    buckets=_RATIO_BUCKETS, registry=r)
+        self.rejections = Counter("mctier_router_rejections", "Requests rejected by admission (429)", registry=r)
+        self.retries = Counter("mctier_router_retries", "Requests retried on another prefill instance", registry=r)
+        self.released = Counter("mctier_router_released_holds", "Prefill holds released after their decode failed",
+                                registry=r)
+        self.requests = Counter("mctier_router_requests", "Answered requests by HTTP status", ["status"], registry=r)
+        self.index_blocks = Gauge("mctier_router_index_blocks", "Blocks in the KV index per view and kind",
+                                  ["view", "kind"], registry=r)
+        self.index_capacity = Gauge("mctier_router_index_capacity_blocks", "Capacity of each index view in blocks",
+                                    ["view"], registry=r)
+        self.event_lag = Gauge("mctier_router_event_lag_seconds", "Age of the last KV event batch per instance",
+                               ["instance"], registry=r)
+        self.events = Gauge("mctier_router_events", "KV event subscriber counters per instance",
+                            ["instance", "kind"], registry=r)
+        self.queue = Gauge("mctier_router_queue_seconds", "Routed prefill work still ahead per instance",
+                           ["instance"], registry=r)
+        self.healthy = Gauge("mctier_router_instance_healthy", "1 while an instance is in rotation",
+                             ["instance", "role"], registry=r)
+        self.outstanding = Gauge("mctier_router_outstanding", "Requests in flight per instance", ["instance"],
+                                 registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,230 @@
+"""The router's choice, instances and command line, without engines (``multi.route``,
+``multi.instances``, ``multi.router_cli``). The routes on real engines are in
+``tests/test_router_e2e.py``."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from multi.instances import Pool, load_file, make
+from multi.kvindex import BlockIndex, chain
+from multi.policy import PolicyConfig
+from multi.route import Chooser
+from multi.router_cli import _instances, parse_args
+
+pytestmark = pytest.mark.unit
+
+BS = 32
+BPT = 4096.0  # KV bytes per token
+
+
+def pd_pool(prefills=2, decodes=1) -> Pool:
+    return Pool([make("prefill", f"http://127.0.0.1:81{i:02d}") for i in range(prefills)]
+                + [make("decode", f"http://127.0.0.1:82{i:02d}") for i in range(decodes)])
+
+
+def chooser(policy="kv", **cfg) -> Chooser:
+    return Chooser(policy, BPT, PolicyConfig(calibrate=False, **cfg))
+
+
+def matcher(index: BlockIndex, tokens):
+    hashes = chain(tokens, BS)
+    return lambda inst: index.match(inst.url, hashes) * BS
+
+
+def prompt(n, seed=0):
+    return [(seed * 7919 + i * 31) % 2000 + 4 for i in range(n)]
+
+
+def test_prefix_in_one_prefill_cache_picks_that_instance():
+    pool, index = pd_pool(), BlockIndex(BS)
+    a, b = pool.role("prefill")
+    tokens = prompt(32 * 40 + 1)
+    index.record(b.url, chain(tokens[:32 * 36], BS))
+    r = chooser().choose(pool, len(tokens), matcher(index, tokens), 0, None)
+    assert (r.kind, r.prefill) == ("pd", b) and r.cached_prefill == 32 * 36
+    assert r.reason == "prefill instance's cache"
+    # The same request with the prefix on A goes to A: the choice follows the index.
+    index2 = BlockIndex(BS)
+    index2.record(a.url, chain(tokens[:32 * 36], BS))
+    assert chooser().choose(pool, len(tokens), matcher(index2, tokens), 0, None).prefill is a
+
+
+def test_queue_ahead_outweighs_a_cache_hit():
+    pool, index = pd_pool(), BlockIndex(BS)
+    a, b = pool.role("prefill")
+    tokens = prompt(32 * 40 + 1, 1)
+    index.record(b.url, chain(tokens[:32 * 20], BS))
+    now = time.monotonic()
+    b.inflight["x"] = (30.0, now)  # 30 s of prefill work queued on B
+    r = chooser().choose(pool, len(tokens), matcher(index, tokens), 0, None)
+    assert r.prefill is a and r.seconds < 30
+
+
+def test_decode_and_store_covering_the_prompt_skip_the_prefill():
+    pool, index = pd_pool(), BlockIndex(BS)
+    tokens = prompt(32 * 64 + 1, 2)
+    c = chooser()
+    # Nothing anywhere: a long prompt is handed off (its compute on the decode instance costs 1.5x).
+    r = c.choose(pool, len(tokens), matcher(index, tokens), 0, None)
+    assert r.kind == "pd"
+    # The store holds all but the last token: the decode instance loads and computes one token.
+    r = c.choose(pool, len(tokens), matcher(index, tokens), 32 * 64, None)
+    assert (r.kind, r.target, r.plan) == ("direct", pool.role("decode")[0], "store")
+    assert r.reason == "decode instance and store cover the prompt"
+
+
+def test_short_prompt_goes_direct_when_the_handoff_costs_more():
+    # The handoff's fixed latency (0.03 s prior) is more than a 40-token recomputation saves.
+    pool, index = pd_pool(), BlockIndex(BS)
+    tokens = prompt(40, 3)
+    r = chooser(prefill_token_s=1e-5, prefill_step_s=0.002).choose(pool, len(tokens), matcher(index, tokens), 0, None)
+    assert r.kind == "direct" and r.reason == "handoff does not pay"
+
+
+def test_admission_rejects_with_retry_after():
+    pool, index = pd_pool(), BlockIndex(BS)
+    tokens = prompt(32 * 64 + 1, 4)
+    c = chooser()
+    est = c.choose(pool, len(tokens), matcher(index, tokens), 0, None).seconds
+    r = c.choose(pool, len(tokens), matcher(index, tokens), 0, est / 2)
+    assert r.kind == "reject" and r.retry_after >= 1
+    assert c.choose(pool, len(tokens), matcher(index, tokens), 0, est * 2).kind == "pd"
+    # Work queued everywhere (the decode instance too, or recomputing there would win).
+    for p in pool.all:
+        p.inflight["q"] = (est + 7.5, time.monotonic())
+    r = c.choose(pool, len(tokens), matcher(index, tokens), 0, est * 1.01)
+    assert r.kind == "reject" and r.retry_after >= 7
+
+
+def test_round_robin_and_least_outstanding():
+    pool = pd_pool(prefills=2, decodes=2)
+    idx = BlockIndex(BS)
+    m = matcher(idx, prompt(100))
+    rr = chooser("round-robin")
+    picks = [rr.choose(pool, 100, m, 0, None) for _ in range(4)]
+    assert [p.prefill.url for p in picks] == [pool.role("prefill")[i % 2].url for i in range(4)]
+    assert all(p.kind == "pd" for p in picks)
+    lo = chooser("least-outstanding")
+    pool.role("prefill")[0].outstanding = 3
+    pool.role("decode")[0].outstanding = 1
+    r = lo.choose(pool, 100, m, 0, None)
+    assert (r.prefill, r.target) == (pool.role("prefill")[1], pool.role("decode")[1])
+
+
+def test_plain_instances_by_cache_then_queue():
+    pool = Pool([make("plain", "http://127.0.0.1:8300"), make("plain", "http://127.0.0.1:8301")])
+    e0, e1 = pool.role("plain")
+    index = BlockIndex(BS)
+    tokens = prompt(32 * 30 + 1, 5)
+    index.record(e1.url, chain(tokens[:32 * 30], BS))
+    r = chooser().choose(pool, len(tokens), matcher(index, tokens), 0, None)
+    assert (r.kind, r.target) == ("direct", e1)
+    e1.inflight["busy"] = (20.0, time.monotonic())
+    assert chooser().choose(pool, len(tokens), matcher(index, tokens), 0, None).target is e0
+
+
+def test_unhealthy_instances_are_not_routed_to():
+    pool = pd_pool()
+    a, b = pool.role("prefill")
+    b.healthy = False
+    index = BlockIndex(BS)
+    tokens = prompt(32 * 40 + 1, 6)
+    index.record(b.url, chain(tokens[:32 * 36], BS))
+    assert chooser().choose(pool, len(tokens), matcher(index, tokens), 0, None).prefill is a
+    pool.role("decode")[0].healthy = False
+    assert chooser().choose(pool, len(tokens), matcher(index, tokens), 0, None) is None
+
+
+def test_learning_moves_the_instance_estimate():
+    pool = pd_pool()
+    a, _ = pool.role("prefill")
+    c = Chooser("kv", BPT, PolicyConfig())
+    before = c.prefill_work(a, 2000, 0)
+    for _ in range(30):
+        c.learn_prefill(a, 2000, 0, before * 4, alone=True)
+    assert c.prefill_work(a, 2000, 0) > 2 * before
+    other = pool.role("prefill")[1]
+    assert c.prefill_work(other, 2000, 0) == pytest.approx(before)  # per-instance models
+    c.learn_prefill(other, 2000, 0, before * 4, alone=False)  # queued: not a speed sample
+    assert c.prefill_work(other, 2000, 0) == pytest.approx(before)
+
+
+def test_instances_file_and_reload(tmp_path):
+    f = tmp_path / "inst.toml"
+    f.write_text('[[prefill]]\nurl = "http://127.0.0.2:8100"\nevents = "tcp://127.0.0.2:5557"\n'
+                 '[[decode]]\nurl = "127.0.0.3:8200"\n')
+    got = load_file(str(f))
+    assert [(i.role, i.url, i.bootstrap, i.events) for i in got] == [
+        ("prefill", "http://127.0.0.2:8100", "http://127.0.0.2:8998", "tcp://127.0.0.2:5557"),
+        ("decode", "http://127.0.0.3:8200", None, None)]
+    pool = Pool([make("decode", "http://127.0.0.1:8200")] + got)
+    f.write_text('[[prefill]]\nurl = "http://127.0.0.4:8100"\n[[decode]]\nurl = "http://127.0.0.3:8200"\n')
+    added, removed = pool.replace_file(load_file(str(f)))
+    assert [i.url for i in added] == ["http://127.0.0.4:8100"]
+    assert [i.url for i in removed] == ["http://127.0.0.2:8100"]
+    assert sorted(i.url for i in pool.all) == ["http://127.0.0.1:8200", "http://127.0.0.3:8200",
+                                               "http://127.0.0.4:8100"]
+    f.write_text('[[prefill]]\nurl = "http://x:1"\nweight = 3\n')
+    with pytest.raises(ValueError, match=r"weight.*known keys.*url, bootstrap, events, replay"):
+        load_file(str(f))
+    f.write_text('[[prefil]]\nurl = "http://x:1"\n')
+    with pytest.raises(ValueError, match=r"prefil.*known keys: top level prefill, decode, plain"):
+        load_file(str(f))
+
+
+def test_command_line_keeps_the_old_proxy_flags():
+    a = parse_args(["--prefill", "http://127.0.0.1:8100@http://127.0.0.1:9000", "127.0.0.1:8101",
+                    "--decode", "http://127.0.0.1:8200", "--port", "8000", "--timeout", "30",
+                    "--kv-events", "http://127.0.0.1:8101=tcp://127.0.0.1:5557,tcp://127.0.0.1:5558"])
+    got = _instances(a)
+    assert [(i.role, i.url, i.bootstrap) for i in got] == [
+        ("prefill", "http://127.0.0.1:8100", "http://127.0.0.1:9000"),
+        ("prefill", "http://127.0.0.1:8101", "http://127.0.0.1:8998"),
+        ("decode", "http://127.0.0.1:8200", None)]
+    assert (got[1].events, got[1].replay) == ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")
+    assert a.policy == "kv" and a.ttft_slo is None
+    with pytest.raises(SystemExit, match="not given"):
+        _instances(parse_args(["--plain", "http://127.0.0.1:1", "--kv-events", "http://127.0.0.1:2=tcp://x:1"]))
+    with pytest.raises(ValueError, match="at least one --prefill and one --decode"):
+        Pool(_instances(parse_args(["--prefill", "http://127.0.0.1:1"]))).validate()
+
+
+def test_wait_fit_learns_what_a_request_in_flight_costs():
+    # Each request already in flight on the instance delays the next first token by 0.5 s
+    # (decode steps sharing the engine): the fitted wait follows, and admission with it.
+    pool = Pool([make("plain", "http://127.0.0.1:8300")])
+    e = pool.role("plain")[0]
+    m = matcher(BlockIndex(BS), prompt(100, 7))
+    c = Chooser("kv", BPT, PolicyConfig())
+    idle = c.choose(pool, 100, m, 0, None)
+    assert idle.seconds == pytest.approx(idle.base_s)  # nothing ahead, nothing learned yet
+    for _ in range(5):
+        for k in range(1, 9):
+            e.outstanding = k
+            r = c.choose(pool, 100, m, 0, None)
+            c.learn_wait(r, r.base_s + 0.5 * k)
+    e.outstanding = 6
+    r = c.choose(pool, 100, m, 0, None)
+    assert r.seconds - r.base_s == pytest.approx(3.0, rel=0.15)
+    assert c.choose(pool, 100, m, 0, 2.0).kind == "reject"
+    e.outstanding = 1
+    assert c.choose(pool, 100, m, 0, 2.0).kind == "direct"
+    # Not calibrating: the wait stays the prior, each request in flight costs this one's compute.
+    frozen = chooser()
+    for k in range(1, 9):
+        e.outstanding = k
+        r = frozen.choose(pool, 100, m, 0, None)
+        frozen.learn_wait(r, r.base_s + 0.5 * k)
+    r = frozen.choose(pool, 100, m, 0, None)
+    assert r.own_s > 0 and r.seconds == pytest.approx(r.base_s + 8 * r.own_s)
+
+
+def test_equal_estimates_take_turns():
+    pool = Pool([make("plain", f"http://127.0.0.1:83{i:02d}") for i in range(2)])
+    m = matcher(BlockIndex(BS), prompt(100, 8))
+    c = chooser()
+    picks = [c.choose(pool, 100, m, 0, None).target.url for _ in range(4)]
+    assert picks[0] != picks[1] and picks[0] == picks[2] and picks[1] == picks[3]
