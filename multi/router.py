@@ -59,7 +59,7 @@ class Router(Proxy):
     def __init__(self, pool: Pool, chooser: Chooser, index: BlockIndex, prompts: Prompts, *, timeout: float,
                  connect_timeout: float, slo: float | None = None, store_view=None, store_approx: bool = False,
                  health_interval: float = 2.0, instances_file: str | None = None, store_timeout: float = 0.5):
-        super().__init__(pool.role("prefill", False), pool.role("decode", False), timeout, connect_timeout)
+        super().__init__(timeout, connect_timeout)
         self.pool, self.chooser, self.index, self.prompts = pool, chooser, index, prompts
         # The exact view (KV events) lives apart from the router's own record: a stale
         # subscriber clears its view, and removals must not delete what the router recorded.
@@ -156,7 +156,6 @@ class Router(Proxy):
                 self.metrics.healthy.remove(i.url, i.role)
             except KeyError:  # never exported (removed before the first health round)
                 pass
-        self.prefills, self.decodes = self.pool.role("prefill", False), self.pool.role("decode", False)
         self._sync_subscribers()
         logger.warning("reloaded %s: added %s, removed %s", self.instances_file,
                        [i.url for i in added] or "none", [i.url for i in removed] or "none")
@@ -311,6 +310,8 @@ class Router(Proxy):
                 self.metrics.retries.inc()
                 logger.warning("prefill on %s failed (%s); retrying on another prefill instance", p.url, e.message)
                 p = min(others, key=lambda i: i.queue_s())
+                # The estimate was made for the first instance: teach no wait fit with this one.
+                route.prefill, route.wait_x = p, []
 
     async def _on(self, inst: Instance, route: Route, n: int, cached: int, hashes, t0: float, call,
                   pd: bool = False, stream: bool = False) -> web.StreamResponse:

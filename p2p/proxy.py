@@ -21,7 +21,6 @@ blocks are released). ``mctier proxy`` is :mod:`multi.router`, which picks the i
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 import uuid
@@ -91,8 +90,7 @@ def decode_body(body: dict, client_params: dict, bootstrap: str, engine_id: str,
 
 
 class Proxy:
-    def __init__(self, prefills: list[Backend], decodes: list[Backend], timeout: float, connect_timeout: float):
-        self.prefills, self.decodes = prefills, decodes
+    def __init__(self, timeout: float, connect_timeout: float):
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self.session: aiohttp.ClientSession | None = None
         self.releases = 0  # prefill holds released after their decode failed
@@ -103,10 +101,6 @@ class Proxy:
     async def stop(self, app):
         if self.session is not None:
             await self.session.close()
-
-    @staticmethod
-    def _pick(backends: list[Backend]) -> Backend:
-        return min(backends, key=lambda b: b.outstanding)
 
     async def _engine_id(self, p: Backend) -> str:
         if p.engine_id is not None:
@@ -126,27 +120,6 @@ class Proxy:
         return p.engine_id
 
     # ---------------- handlers ----------------
-    async def health(self, request: web.Request) -> web.Response:
-        async def ok(b: Backend) -> bool:
-            try:
-                async with self.session.get(b.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    return r.status == 200
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                return False
-
-        states = await asyncio.gather(*(ok(b) for b in self.prefills + self.decodes))
-        body = {b.url: s for b, s in zip(self.prefills + self.decodes, states)}
-        healthy = any(states[: len(self.prefills)]) and any(states[len(self.prefills):])
-        return web.json_response({"healthy": healthy, "instances": body}, status=200 if healthy else 503)
-
-    async def models(self, request: web.Request) -> web.Response:
-        d = self._pick(self.decodes)
-        try:
-            async with self.session.get(d.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=30)) as r:
-                return web.Response(body=await r.read(), status=r.status, content_type="application/json")
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            return _error(502, f"decode instance {d.url} unreachable: {e!r}")
-
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, "/v1/completions")
 
@@ -154,25 +127,9 @@ class Proxy:
         return await self._handle(request, "/v1/chat/completions")
 
     async def _handle(self, request: web.Request, path: str) -> web.StreamResponse:
-        try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise ValueError("body must be a JSON object")
-        except (ValueError, json.JSONDecodeError) as e:
-            return _error(400, f"invalid JSON body: {e}")
-        p, d = self._pick(self.prefills), self._pick(self.decodes)
-        p.outstanding += 1
-        d.outstanding += 1
-        try:
-            return await asyncio.wait_for(self._run(request, path, body, p, d), self.timeout)
-        except ProxyError as e:
-            logger.warning("%s: %s", path, e.message)
-            return _error(e.status, e.message)
-        except asyncio.TimeoutError:
-            return _error(504, f"no complete answer within the proxy deadline ({self.timeout:.0f}s)")
-        finally:
-            p.outstanding -= 1
-            d.outstanding -= 1
+        """Pick the instances and run :meth:`_run` or :meth:`_direct`: the router's part
+        (:class:`multi.router.Router`)."""
+        raise NotImplementedError
 
     # Hooks for a router that measures (no-ops here): the first output of request ``rid``
     # reached the proxy; the prefill of ``rid`` on ``p`` succeeded after ``seconds``.

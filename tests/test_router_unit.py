@@ -228,3 +228,20 @@ def test_equal_estimates_take_turns():
     c = chooser()
     picks = [c.choose(pool, 100, m, 0, None).target.url for _ in range(4)]
     assert picks[0] != picks[1] and picks[0] == picks[2] and picks[1] == picks[3]
+
+
+def test_decode_instance_by_load_then_by_what_it_holds():
+    pool, index = pd_pool(prefills=1, decodes=2), BlockIndex(BS)
+    d0, d1 = pool.role("decode")
+    tokens = prompt(32 * 64 + 1, 9)
+    c = chooser()
+    # Both idle; d1 holds the prefix in its cache: the request goes there, and whole
+    # (it holds all but the last token, nothing to hand off).
+    index.record(d1.url, chain(tokens[:32 * 64], BS))
+    r = c.choose(pool, len(tokens), matcher(index, tokens), 0, None)
+    assert (r.kind, r.target) == ("direct", d1)
+    # d1 busy (requests in flight and waiting): the least loaded decode instance, d0,
+    # loads the store's copy instead.
+    d1.outstanding, d1.waiting = 3, 2
+    r = c.choose(pool, len(tokens), matcher(index, tokens), 32 * 64, None)
+    assert (r.kind, r.target, r.plan) == ("direct", d0, "store")
