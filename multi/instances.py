@@ -31,8 +31,8 @@ the command line are always kept; a reload replaces only the file's.
 Health: every ``interval`` seconds each instance's ``/health`` (deadline
 ``timeout``) and ``/metrics`` (running and waiting requests, KV usage, and the cache
 size in blocks from ``vllm:cache_config_info``) are read. An instance that fails a
-health check, or whose connection fails during a request, is out of rotation until a
-check succeeds again.
+health check, or a prefill instance whose request failed (502, :mod:`multi.router`), is
+out of rotation until a check succeeds again.
 """
 
 from __future__ import annotations

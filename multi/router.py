@@ -7,8 +7,9 @@ weighed against load, and rejects early what cannot meet its time-to-first-token
 Per request: the prompt's token ids (the served model's tokenizer, else the instance's
 ``/tokenize``) give the router's block hashes (:func:`multi.kvindex.chain`); the index
 (:mod:`multi.kvindex`) says how much of the prefix each instance holds, the store view
-how much the store holds (:mod:`multi.storeview` with ``--store``, else what prefills
-stored); :mod:`multi.route` picks the route (P/D through the cheapest prefill
+how much the store holds (``--store MASTER``: the store tier's lookup,
+:mod:`multi.storeview`, falling back to what prefills stored when the lookup is late;
+``--store approx``: what prefills stored; no ``--store``: nothing); :mod:`multi.route` picks the route (P/D through the cheapest prefill
 instance, or the whole request on the decode / a plain instance) and applies
 admission. The P/D exchange itself is the P2P tier's proxy contract (:mod:`p2p.proxy`).
 
@@ -20,8 +21,9 @@ disconnects cancels both upstream requests. Answers: 400 bad input, 429 admissio
 (``Retry-After``), 502 an instance failed, 503 no healthy instance, 504 the deadline.
 
 The index learns what the router sent where (the approximate view, aged by each
-instance's cache size) and, for instances with ``events``, from vLLM's KV events
-(exact: stored and evicted blocks, :mod:`multi.kvevents`).
+instance's cache size) and, for instances that publish vLLM's KV events (found through
+their ``/kv_event_sources``, or given), from those events (exact: stored and evicted
+blocks, :mod:`multi.kvevents`), which it uses while the event stream is trustworthy.
 """
 
 from __future__ import annotations
