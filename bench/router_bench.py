@@ -98,13 +98,6 @@ FULL = Scale(cache_blocks=192, max_model_len=4096, prefix_len=1024, num_prefixes
              admission_prompts=54, chat=(12, 5, 80, 40), short_prompts=48)
 
 
-def kv_bytes_per_token(model: str, dtype: str) -> int:
-    """K and V of every layer and KV head (as tests/harness.py computes it)."""
-    c = json.loads((Path(model) / "config.json").read_text())
-    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head * (4 if dtype == "float32" else 2)
-
-
 def chat_dataset(path: Path, model: str, seed: int, conversations: int, turns: int, user: int, assistant: int) -> int:
     """Synthetic conversations in ShareGPT's format, one entry per turn: turn k of conversation
     c asks with the text of turns 1..k (user and assistant text from random token ids),
@@ -319,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "router"))
     a = ap.parse_args(argv)
 
-    from kvcore.platform import engine_dtype
+    from kvcore.platform import engine_dtype, kv_bytes_per_token
     from multi.models import build
 
     out = Path(a.out)

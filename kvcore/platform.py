@@ -100,6 +100,19 @@ def engine_dtype(flags: frozenset[str] | None = None, explicit: str | None = Non
     return "bfloat16" if any(f in flags for f in NATIVE_BF16_FLAGS) else "float32"
 
 
+def kv_bytes_per_token(model: str | os.PathLike, dtype: str | None = None) -> int:
+    """KV bytes one token takes in an engine of the model directory ``model`` in ``dtype``
+    (default: :func:`engine_dtype`): K and V, every layer, every KV head, from its
+    ``config.json``. ``OSError``/``KeyError`` when the directory or a field is missing."""
+    import json
+
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    size = {"bfloat16": 2, "float16": 2, "float32": 4}[engine_dtype(explicit=dtype)]
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * size
+
+
 def dtype_args(argv: list[str]) -> list[str]:
     """``["--dtype", engine_dtype()]`` unless ``argv`` already names a dtype."""
     if any(a == "--dtype" or a.startswith("--dtype=") for a in argv):

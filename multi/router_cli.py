@@ -26,9 +26,7 @@ get the ``kv`` policy. New:
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 
 import msgspec
 from aiohttp import web
@@ -102,19 +100,16 @@ def _instances(a: argparse.Namespace) -> list[inst_mod.Instance]:
 def bytes_per_token(a: argparse.Namespace, root: str | None) -> float:
     if a.kv_bytes_per_token is not None:
         return a.kv_bytes_per_token
-    cfg_path = os.path.join(root, "config.json") if root else None
-    if not cfg_path or not os.path.exists(cfg_path):
-        logger.warning("KV bytes per token unknown (no local config.json; pass --kv-bytes-per-token): "
-                       "transfers are estimated by their latency alone")
-        return 0.0
-    from kvcore.platform import engine_dtype
+    from kvcore.platform import kv_bytes_per_token
 
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    size = {"bfloat16": 2, "float16": 2, "float32": 4}.get(engine_dtype(), 2)
-    return float(2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-                 * head_dim * size)
+    if root:
+        try:
+            return float(kv_bytes_per_token(root))
+        except (OSError, KeyError, ValueError):
+            pass
+    logger.warning("KV bytes per token unknown (no readable config.json of the served model here; pass "
+                   "--kv-bytes-per-token): transfers are estimated by their latency alone")
+    return 0.0
 
 
 def _served_root(pool: inst_mod.Pool, timeout: float) -> str | None:

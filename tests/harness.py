@@ -16,7 +16,7 @@ from pathlib import Path
 
 import requests
 
-from kvcore.platform import engine_dtype
+from kvcore.platform import engine_dtype, kv_bytes_per_token  # noqa: F401 - the tests' import point
 from kvcore.procs import Proc, free_port
 from multi.deploy import engine_argv, engine_env
 
@@ -35,15 +35,6 @@ def model_dir(preset: str = "tiny") -> Path:
     from multi.models import build
 
     return build(preset, CACHE / "models" / preset)
-
-
-def kv_bytes_per_token(model: str | os.PathLike, dtype: str | None = None) -> int:
-    """KV bytes one token takes in an engine of ``model`` in ``dtype`` (default: the CPU
-    class's): K and V, every layer, every KV head."""
-    cfg = json.loads((Path(model) / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    size = {"bfloat16": 2, "float16": 2, "float32": 4}[engine_dtype(explicit=dtype)]
-    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * size
 
 
 def prompt_ids(n: int, seed: int) -> list[int]:
