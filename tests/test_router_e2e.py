@@ -119,6 +119,16 @@ def plan(resp: dict) -> list[tuple[int, int, str]]:
     return [(s["start"], s["end"], s["source"]) for s in (resp.get("kv_transfer_params") or {}).get("kv_plan", [])]
 
 
+def assert_fresh_prompt_tokens(rt: Routed, prompt: list[int], resp: dict) -> None:
+    """A prompt nothing had cached, answered either through a handoff (``[0, N-1)`` from the
+    prefill instance, the last token on D) or whole on D: the reference's ids for that split."""
+    n, got = len(prompt), plan(resp)
+    assert got in ([(0, n - 1, "p2p"), (n - 1, n, "recompute")], [(0, n, "recompute")]), got
+    cached = n - 1 if got[0][2] == "p2p" else 0
+    assert resp["choices"][0]["token_ids"] == reference_tokens(rt.base, prompt, 8, cached_prefix=cached,
+                                                               writers=[prompt] if cached else None)
+
+
 def test_prefix_only_in_one_prefill_cache_goes_to_that_instance(rt):
     prefix = prompt_ids(6 * 32, 9101)  # less than one store chunk: never in the store
     warm = prefix + prompt_ids(40, 9102)
@@ -183,12 +193,7 @@ def test_request_that_cannot_meet_its_target_gets_429_before_any_engine(rt):
     # A target the estimate meets: served, with the right tokens.
     ok = rt.complete(prompt, headers={"X-TTFT-SLO": "60"})
     assert ok.status_code == 200, ok.text
-    resp = ok.json()
-    n = len(prompt)
-    cached = plan(resp)[-1][0] if plan(resp)[-1][2] == "recompute" and plan(resp)[0][2] != "recompute" else 0
-    assert resp["choices"][0]["token_ids"] == reference_tokens(rt.base, prompt, 8, cached_prefix=cached,
-                                                               writers=[prompt] if cached else None)
-    assert cached in (0, n - 1)
+    assert_fresh_prompt_tokens(rt, prompt, ok.json())
 
 
 def test_client_disconnect_cancels_both_sides_and_frees_blocks(rt):
@@ -237,6 +242,7 @@ def test_instances_file_is_reloaded_on_sighup_and_health_readmits(rt, tmp_path):
             prompt = prompt_ids(32 * 30 + 1, 9501)
             r = rt.complete(prompt, url=url)  # served by P1 or the decode instance meanwhile
             assert r.status_code == 200, r.text
+            assert_fresh_prompt_tokens(rt, prompt, r.json())
         finally:
             os.killpg(rt.p2.proc.pid, signal.SIGCONT)
         assert wait_for(lambda: requests.get(url + "/health", timeout=10).json()["instances"][rt.p2.url]["healthy"], 15)
@@ -302,6 +308,7 @@ def test_prefill_instance_killed_mid_run_is_dropped_and_requests_succeed(rt):
             p = prompt_ids(32 * 20 + 1, 9610 + i)
             r = rt.complete(p, url=url)
             assert r.status_code == 200, r.text
+            assert_fresh_prompt_tokens(rt, p, r.json())
         for e in (rt.p1, rt.d):
             assert wait_for(lambda: e.metric("vllm:num_requests_running") + e.metric("vllm:num_requests_waiting") == 0
                             and e.metric("vllm:kv_cache_usage_perc") <= rt.idle[e.name] + 1e-9, 15, 0.25)
