@@ -31,6 +31,16 @@ logger = get_logger("p2p.bootstrap")
 class BootstrapError(RuntimeError):
     """A bootstrap server could not be reached or refused a call."""
 
+    timed_out = False
+
+
+class BootstrapTimeout(BootstrapError):
+    """No answer within the call's timeout: a busy server (on a TP > 1 prefill instance it
+    shares a process with a rank that holds the GIL through a long forward pass) or a
+    host that drops packets, unlike a refused connection or an HTTP error."""
+
+    timed_out = True
+
 
 class BootstrapServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0):
@@ -125,7 +135,9 @@ def _http(url: str, timeout: float, body: dict | None = None) -> dict:
         detail = e.read().decode(errors="replace")[:500]
         raise BootstrapError(f"{url}: HTTP {e.code}: {detail}") from None
     except (urllib.error.URLError, OSError, TimeoutError) as e:
-        raise BootstrapError(f"{url}: unreachable: {getattr(e, 'reason', e)}") from None
+        reason = getattr(e, "reason", e)
+        cls = BootstrapTimeout if isinstance(reason, TimeoutError) or isinstance(e, TimeoutError) else BootstrapError
+        raise cls(f"{url}: unreachable: {reason}") from None
 
 
 def query(url: str, timeout: float) -> dict[int, EngineEntry]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvcore import platform, shmspin
 from kvcore.log import get_logger
 from kvcore.tier import LoadReport, Tier
 from kvcore.vllm_glue import (
@@ -27,6 +28,10 @@ from p2p.metrics import P2PPromMetrics, P2PStats
 from p2p.scheduler import P2PMetadata, P2PScheduler
 
 logger = get_logger("p2p.connector")
+
+# A step with no tokens to compute, on a TP/PP > 1 CPU engine, waits this long first: at
+# most this much later a new request is scheduled, or an ended pull or hold noticed.
+IDLE_STEP_S = 0.02
 
 
 class P2PConnector(KVConnectorBase_V1, Tier):
@@ -44,9 +49,19 @@ class P2PConnector(KVConnectorBase_V1, Tier):
         self.engine_id = ktc.engine_id
         self.scheduler: P2PScheduler | None = None
         self.worker = None
+        par = vllm_config.parallel_config
+        # Holds and remote waits keep an engine stepping with nothing to compute. With
+        # TP/PP > 1 on CPU each such step wakes every rank, and all of them busy-wait
+        # after it (kvcore.shmspin): paced at IDLE_STEP_S and without the busy-wait, a
+        # waiting engine leaves the cores to its API server and its neighbours.
+        cpu_ranks = par.tensor_parallel_size * par.pipeline_parallel_size > 1 and \
+            platform.current().device_type == "cpu"
+        if cpu_ranks:
+            shmspin.shorten()
         if role == KVConnectorRole.SCHEDULER:
             warn_pipeline_parallel(vllm_config, "p2p P2PConnector", logger)
-            self.scheduler = P2PScheduler(vllm_config, self.cfg, role_name)
+            self.scheduler = P2PScheduler(vllm_config, self.cfg, role_name,
+                                          idle_step_s=IDLE_STEP_S if cpu_ranks else 0.0)
         else:
             from p2p.worker import P2PWorker
 
@@ -74,7 +89,8 @@ class P2PConnector(KVConnectorBase_V1, Tier):
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> P2PMetadata:
-        return self.scheduler.build_connector_meta()
+        return self.scheduler.build_connector_meta(
+            idle=getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0)
 
     def update_connector_output(self, connector_output) -> None:
         self.scheduler.finished_sending(connector_output.finished_sending)

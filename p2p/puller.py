@@ -3,7 +3,8 @@
 One job per request, run on a small thread pool. Phases, each bounded:
 
 1. query     bootstrap ``GET /query`` (cached per bootstrap URL and engine id),
-             ``bootstrap_timeout_s`` per call
+             ``bootstrap_timeout_s`` per call; calls that time out are repeated for up
+             to ``peer_silence_timeout_s``
 2. metadata  side-channel :class:`PullRequest`; the prefill worker answers WAIT
              heartbeats until its request finished, then READY with its regions and
              block ids; silence longer than ``peer_silence_timeout_s`` = dead peer
@@ -15,7 +16,8 @@ One job per request, run on a small thread pool. Phases, each bounded:
 
 The whole job also has the request's deadline (``transfer_timeout_s``). A release job
 (no blocks) only does 1, 2 with ``num_blocks=0``. Results are kept per request
-(:meth:`Puller.take_results`).
+(:meth:`Puller.take_results`). A prefill of another layout (TP size or stage count) fails
+the pull at 1 and is released through all of its workers (:func:`p2p.release.release_hold`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from kvcore.metrics import TierStats
 from kvcore.mooncake_json import P2PHANDSHAKE, metadata_kind
 from p2p import bootstrap
 from p2p.protocol import DoneAck, EngineEntry, PullDone, PullReply, PullRequest, Status, decode_to_decode, encode
+from p2p.release import release_hold
 from p2p.transfer import TransferEngineHandle
 
 logger = get_logger("p2p.puller")
@@ -63,12 +66,13 @@ class PullResult:
     detail: str = ""
     timings: dict | None = None  # seconds per phase (query, metadata, transfer, ack, handoff)
     nbytes: int = 0  # bytes written into block_ids (a successful pull)
+    other_layout: bool = False  # the prefill has another TP size or stage count
 
 
 class PullFailed(Exception):
-    def __init__(self, cause: str, detail: str):
+    def __init__(self, cause: str, detail: str, other_layout: bool = False):
         super().__init__(f"{cause}: {detail}")
-        self.cause, self.detail = cause, detail
+        self.cause, self.detail, self.other_layout = cause, detail, other_layout
 
 
 class Puller:
@@ -138,6 +142,12 @@ class Puller:
         self._finish(res)
         if not res.ok and job.block_ids and res.cause in _RELEASE_AFTER:
             self._release_after_failure(job)
+        elif res.other_layout and self.tp_rank == 0 and self.pp_rank == 0:
+            # Its side channels refuse our pulls (another tp_size), releases included, and
+            # no decode rank of ours maps to each of its ranks: release through all of its
+            # workers as a router does, once per request.
+            n = release_hold(job.bootstrap_url, job.engine_id, job.transfer_id, timeout=_RELEASE_AFTER_S)
+            logger.info("released %s on %d prefill worker(s) of another layout", job.transfer_id, n)
 
     def _release_after_failure(self, job: PullJob) -> None:
         """The prefill side may still finish this request after we gave up on it (a slow or
@@ -158,11 +168,7 @@ class Puller:
         key = (job.bootstrap_url, job.engine_id)
         entry = self._entries.get(key)
         if entry is None:
-            timeout = min(self.bootstrap_timeout_s, max(0.05, job.deadline - time.monotonic()))
-            try:
-                workers = bootstrap.query(job.bootstrap_url, timeout)
-            except bootstrap.BootstrapError as e:
-                raise PullFailed("bootstrap", str(e)) from None
+            workers = self._query(job)
             entry = bootstrap.find_engine(workers, job.engine_id)
             if entry is None:
                 known = sorted(e.engine_id for e in workers.values())
@@ -170,6 +176,21 @@ class Puller:
                                               f"(known: {known})")
             self._entries[key] = entry
         return entry
+
+    def _query(self, job: PullJob) -> dict:
+        """``/query``, each call bounded by ``bootstrap_timeout_s``. A call that times out is
+        repeated while the server has been silent less than ``peer_silence_timeout_s`` (the
+        same rule as the side channel's heartbeats): a busy prefill process answers late,
+        a refused connection or an HTTP error fails at once."""
+        give_up = min(job.deadline, time.monotonic() + max(self.silence_s, self.bootstrap_timeout_s))
+        while True:
+            timeout = min(self.bootstrap_timeout_s, max(0.05, give_up - time.monotonic()))
+            try:
+                return bootstrap.query(job.bootstrap_url, timeout)
+            except bootstrap.BootstrapError as e:
+                if not e.timed_out or time.monotonic() >= give_up - 0.05:
+                    raise PullFailed("bootstrap", str(e)) from None
+                logger.info("bootstrap %s did not answer in %.1fs; asking again", job.bootstrap_url, timeout)
 
     def pull(self, job: PullJob) -> PullResult:
         t0 = time.monotonic()
@@ -182,12 +203,14 @@ class Puller:
             t1 = time.monotonic()
             timings["query"] = t1 - t0
             if len(entry.worker_addr) != self.tp_size:
-                raise PullFailed("protocol", f"prefill has {len(entry.worker_addr)} TP ranks, decode has {self.tp_size}")
+                raise PullFailed("protocol", f"prefill has {len(entry.worker_addr)} TP ranks, decode has "
+                                             f"{self.tp_size}", other_layout=True)
             # Stage s pulls stage s's layers: both sides must split the model the same way
             # (a differing split fails pair_ranges: other layer names in the regions).
             stages = len(entry.worker_addr.get(self.tp_rank, {}))
             if stages != self.pp_size:
-                raise PullFailed("protocol", f"prefill has {stages} pipeline stages, decode has {self.pp_size}")
+                raise PullFailed("protocol", f"prefill has {stages} pipeline stages, decode has {self.pp_size}",
+                                 other_layout=True)
             try:
                 addr = entry.worker_addr[self.tp_rank][self.pp_rank]
             except KeyError:
@@ -247,7 +270,8 @@ class Puller:
                          nbytes, len(lens), {k: round(v * 1e3, 2) for k, v in timings.items()})
             return _ALREADY
         except PullFailed as e:
-            return PullResult(job.req_id, False, job.block_ids, e.cause, e.detail, timings)
+            return PullResult(job.req_id, False, job.block_ids, e.cause, e.detail, timings,
+                              other_layout=e.other_layout)
         finally:
             if sock is not None:
                 if ready:  # P answered READY but we failed: let it free its blocks now

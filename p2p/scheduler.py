@@ -68,8 +68,11 @@ def remote_prefill_params(params: dict | None) -> tuple[dict | None, str]:
 
 
 class P2PScheduler:
-    def __init__(self, vllm_config, cfg: P2PConfig, role_name: str):
+    def __init__(self, vllm_config, cfg: P2PConfig, role_name: str, idle_step_s: float = 0.0):
         self.cfg = cfg
+        # Pause of a step that schedules no tokens (the engine only waits for KV or for
+        # pulls of its holds); see P2PConnector for when it is not 0.
+        self.idle_step_s = idle_step_s
         self.block_size = vllm_config.cache_config.block_size
         self.is_producer = role_name in ("kv_producer", "kv_both")
         self.is_consumer = role_name in ("kv_consumer", "kv_both")
@@ -182,6 +185,9 @@ class P2PScheduler:
         time.sleep(0.002)
         return True
 
-    def build_connector_meta(self) -> P2PMetadata:
+    def build_connector_meta(self, idle: bool = False) -> P2PMetadata:
+        """This step's metadata; ``idle``: the step schedules no tokens."""
+        if idle and self.idle_step_s:
+            time.sleep(self.idle_step_s)
         meta, self._meta = self._meta, P2PMetadata()
         return meta

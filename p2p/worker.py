@@ -49,12 +49,11 @@ class P2PWorker:
         self.dp_rank, self.tp_rank, self.tp_size, self.pp_rank = parallel_ranks(vllm_config)
         self.pp_size = pp_stages()
         if self.tp_size > 1 or self.pp_size > 1:
-            # With TP > 1 each rank is its own process, pinned to one core, whose main thread
-            # spins on vLLM's shm queue while requests wait for KV: our pull threads then got
-            # the GIL so rarely that a bootstrap query to a server answering others in
-            # milliseconds timed out (issue 15). A 0.2 ms switch interval (default 5 ms) lets
-            # them through; TP 2 handoffs still fail on peer silence (see the closing note of
-            # 2026-11-30): a mitigation, not the fix.
+            # With TP > 1 each rank is its own process whose main thread runs Python between
+            # and inside steps: a 0.2 ms switch interval (default 5 ms) gets our pull and
+            # side-channel threads the GIL sooner. It was added while the ranks still
+            # busy-waited (kvcore.shmspin, the actual cause of the failed TP 2 handoffs) and
+            # has not been measured on its own since.
             sys.setswitchinterval(0.0002)
         self.stats = P2PStats()
         self.stats_lock = threading.Lock()

@@ -66,6 +66,20 @@ def master_metric(cluster, name: str) -> float:
     return 0.0
 
 
+def wait_saved(cluster, before: set[str], want: int, timeout: float = 20) -> set[str]:
+    """The store keys new since ``before`` once there are ``want`` of them (saves are
+    asynchronous); AssertionError after ``timeout`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        new = all_keys(cluster) - before
+        if len(new) >= want:
+            return new
+        time.sleep(0.2)
+    raise AssertionError(f"saved {len(all_keys(cluster) - before)} of {want} objects")
+
+
 def all_keys(cluster) -> set[str]:
     r = requests.get(f"http://127.0.0.1:{cluster.metrics_port}/get_all_keys", timeout=5)
     r.raise_for_status()

@@ -31,7 +31,7 @@ from tests.harness import (
     start_engines,
     start_proxy,
 )
-from tests.store_util import all_keys, store_kv
+from tests.store_util import all_keys, store_kv, wait_saved
 
 pytestmark = pytest.mark.e2e
 
@@ -82,16 +82,6 @@ def swa_ref():
     e.stop()
 
 
-def _wait_saved(cluster, before: set[str], want: int) -> set[str]:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        new = all_keys(cluster) - before
-        if len(new) >= want:
-            return new
-        time.sleep(0.2)
-    raise AssertionError(f"saved {len(all_keys(cluster) - before)} of {want} chunks")
-
-
 def test_interleaved_model_store_hit_matches_reference(store_cluster, swa_ref):
     model = model_dir("tiny-swa")
     a = Engine("swa-store-A", 0, kv_config=store_kv(store_cluster.master_addr), model=model)
@@ -102,7 +92,7 @@ def test_interleaved_model_store_hit_matches_reference(store_cluster, swa_ref):
         q = p[:PREFIX] + prompt_ids(100, 42)
         before = all_keys(store_cluster)
         a.complete(p, 4)
-        _wait_saved(store_cluster, before, len(p) // CHUNK)
+        wait_saved(store_cluster, before, len(p) // CHUNK)
         r = b.complete(q, MAX_TOKENS)
         assert cached_tokens(r) == PREFIX
         # The stored prefix KV came from A's pass over p: the reference replays it.

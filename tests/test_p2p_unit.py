@@ -116,6 +116,80 @@ def test_bootstrap_unreachable_is_quick_and_clear():
     assert time.monotonic() - t0 < 2.5
 
 
+class _SlowQueryServer:
+    """A real HTTP server that answers ``/query`` only once ``busy_until`` (monotonic) has
+    passed, like a prefill process busy in a forward pass; one request at a time."""
+
+    def __init__(self, delay: float, body: dict):
+        import http.server
+        import json
+
+        outer = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                while time.monotonic() < outer.busy_until:
+                    time.sleep(0.05)
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *a):
+                pass
+
+        self.busy_until = time.monotonic() + delay
+        self.httpd = http.server.HTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _bare_puller(bootstrap_timeout_s: float, silence_s: float):
+    from p2p.metrics import P2PStats
+    from p2p.puller import Puller
+
+    return Puller(None, None, P2PStats(), threading.Lock(), bootstrap_timeout_s=bootstrap_timeout_s,
+                  peer_silence_timeout_s=silence_s)
+
+
+@pytest.mark.integration
+def test_bootstrap_query_that_times_out_is_asked_again_until_the_silence_limit():
+    """A bootstrap server that answers after 1.2 s, with 0.5 s per call: the query is
+    repeated and succeeds; one that never answers fails at the 2 s silence limit, not at
+    the first call's timeout; a refused connection fails at once."""
+    from kvcore.procs import free_port
+    from p2p.puller import PullFailed, PullJob
+
+    entry = {"0": {"engine_id": "eng-P", "worker_addr": {"0": {"0": "tcp://127.0.0.1:1"}}}}
+    slow = _SlowQueryServer(1.2, entry)
+    puller = _bare_puller(0.5, 2.0)
+    try:
+        job = PullJob("r", "t", slow.url, "eng-P", 0, [1], time.monotonic() + 30)
+        t0 = time.monotonic()
+        workers = puller._query(job)
+        assert bootstrap.find_engine(workers, "eng-P") is not None and 1.0 < time.monotonic() - t0 < 4
+        slow.busy_until = time.monotonic() + 60
+        t0 = time.monotonic()
+        with pytest.raises(PullFailed) as e:
+            puller._query(PullJob("r", "t", slow.url, "eng-P", 0, [1], time.monotonic() + 30))
+        assert e.value.cause == "bootstrap" and "timed out" in e.value.detail
+        assert 1.9 < time.monotonic() - t0 < 3.5
+        t0 = time.monotonic()
+        with pytest.raises(PullFailed) as e:
+            puller._query(PullJob("r", "t", f"http://127.0.0.1:{free_port()}", "eng-P", 0, [1],
+                                  time.monotonic() + 30))
+        assert e.value.cause == "bootstrap" and time.monotonic() - t0 < 0.5
+    finally:
+        puller.close()
+        slow.busy_until = 0
+        slow.close()
+
+
 # ---------------------------------------------------------------- TE pair + side channel
 
 

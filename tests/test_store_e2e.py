@@ -13,7 +13,7 @@ import pytest
 
 from mcstore.worker import trailer as worker_trailer
 from tests.harness import Engine, cached_tokens, prompt_ids, start_engines
-from tests.store_util import all_keys, kill_mid_put, multi_kv, raw_client, store_kv
+from tests.store_util import all_keys, kill_mid_put, multi_kv, raw_client, store_kv, wait_saved
 
 pytestmark = pytest.mark.e2e
 
@@ -47,14 +47,7 @@ def _shared(seed: int, tail_seed: int, n_tail: int = 100) -> tuple[list[int], li
 
 def _serve_and_wait_saved(engine, prompt, cluster, before: set[str], **body) -> set[str]:
     engine.complete(prompt, 4, **body)
-    deadline = time.monotonic() + 20
-    want = len(prompt) // 64
-    while time.monotonic() < deadline:
-        new = all_keys(cluster) - before
-        if len(new) >= want:
-            return new
-        time.sleep(0.2)
-    raise AssertionError(f"{engine.name} saved {len(all_keys(cluster) - before)} of {want} chunks")
+    return wait_saved(cluster, before, len(prompt) // 64)
 
 
 def test_prefix_reuse_across_engines(engines, baseline, store_cluster):

@@ -1,0 +1,53 @@
+"""Shorter busy-waits on vLLM's shared-memory queues, for TP/PP > 1 engines on CPU.
+
+With more than one rank, vLLM's multiprocess executor passes every step to the worker
+processes and their replies back through shared-memory rings
+(``vllm.distributed.device_communicators.shm_broadcast.MessageQueue``). A reader busy-waits
+(``sched_yield`` in a loop) for ``busy_loop_s`` = 1 s after its last read before it sleeps
+on a socket. Our connectors keep an engine stepping while it holds blocks for a pull
+(``has_pending_push_work``) or waits for remote KV, a step every few milliseconds, so
+its engine core and every rank busy-wait for as long as that lasts. On a CPU host those
+processes share the cores with the engine's own API server (and, on a small host, with
+other instances): measured on two cores, a TP 2 prefill instance holding one request's
+blocks did not even parse the next request until the hold ended (30 s, its abort
+timeout), and a TP 2 decode instance waiting for KV froze its co-located prefill.
+
+:func:`shorten` lowers ``busy_loop_s`` of the queues this process reads to a few
+milliseconds: between steps of a busy engine the readers still spin (a step follows
+within microseconds), between the slow steps of a waiting engine they sleep on the
+queue's own notification socket. It reaches into vLLM's internals (the attribute
+names of vLLM 0.32); when they are not there it logs once and changes nothing.
+"""
+
+from __future__ import annotations
+
+import gc
+
+from kvcore.log import get_logger
+
+logger = get_logger("kvcore.shmspin")
+
+BUSY_LOOP_S = 0.005
+
+
+def shorten(busy_loop_s: float = BUSY_LOOP_S) -> int:
+    """Set ``busy_loop_s`` of every shared-memory queue this process reads; how many."""
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+    except ImportError:
+        return 0
+    n = 0
+    for obj in gc.get_objects():
+        if type(obj) is not MessageQueue:  # isinstance would probe every object's __class__
+            continue
+        cond = getattr(obj, "_spin_condition", None)
+        if cond is None or not getattr(cond, "is_reader", False) or not hasattr(cond, "busy_loop_s"):
+            continue
+        cond.busy_loop_s = min(cond.busy_loop_s, busy_loop_s)
+        n += 1
+    if n == 0:
+        logger.info("no vLLM shared-memory queue read in this process (or not vLLM 0.32's layout): "
+                    "busy-wait left as it is")
+    else:
+        logger.info("busy-wait of %d vLLM shared-memory queue(s) shortened to %.0f ms", n, busy_loop_s * 1e3)
+    return n

@@ -1,0 +1,84 @@
+"""Engines that only wait (for KV, or for pulls of held blocks) with TP/PP > 1 on CPU:
+vLLM's shared-memory queue readers sleep instead of busy-waiting once shortened
+(``kvcore.shmspin``, measured in CPU seconds on a real ``MessageQueue``), and the P2P tier
+paces the steps that compute nothing (``p2p.connector.IDLE_STEP_S``) on such engines only.
+The end-to-end effect: ``tests/test_tp2_p2p_e2e.py``."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from tests.harness import model_dir
+
+pytestmark = pytest.mark.unit
+
+
+def _reader_cpu_seconds(wait_s: float, shorten: bool) -> float:
+    """CPU seconds a reader of a real vLLM MessageQueue spends waiting ``wait_s`` for a
+    message that never comes."""
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    from kvcore import shmspin
+
+    writer = MessageQueue(n_reader=1, n_local_reader=1)
+    handle = writer.export_handle()
+    box: dict = {}
+
+    def read():
+        reader = MessageQueue.create_from_handle(handle, 0)
+        reader.wait_until_ready()
+        if shorten:
+            box["n"] = shmspin.shorten()
+        t0 = time.thread_time()
+        try:
+            reader.dequeue(timeout=wait_s)
+        except TimeoutError:
+            pass
+        box["cpu"] = time.thread_time() - t0
+
+    t = threading.Thread(target=read)
+    t.start()
+    writer.wait_until_ready()
+    t.join(timeout=wait_s + 30)
+    assert not t.is_alive()
+    if shorten:
+        assert box["n"] >= 1
+    return box["cpu"]
+
+
+def test_shortened_shm_reader_sleeps_instead_of_spinning():
+    spinning = _reader_cpu_seconds(0.6, shorten=False)
+    sleeping = _reader_cpu_seconds(0.6, shorten=True)
+    # vLLM's reader busy-waits for a second after its last read (less CPU than wall time
+    # only when another process shares the core); the shortened one sleeps on its socket.
+    assert spinning > 0.15 and sleeping < min(0.05, spinning / 5), (spinning, sleeping)
+
+
+def test_p2p_scheduler_pauses_only_steps_that_compute_nothing():
+    from p2p.config import load_config
+    from p2p.scheduler import P2PScheduler
+
+    vc = SimpleNamespace(cache_config=SimpleNamespace(block_size=32))
+    s = P2PScheduler(vc, load_config({}, "kv_consumer"), "kv_consumer", idle_step_s=0.05)
+    t0 = time.monotonic()
+    s.build_connector_meta(idle=False)
+    busy = time.monotonic() - t0
+    t0 = time.monotonic()
+    s.build_connector_meta(idle=True)
+    idle = time.monotonic() - t0
+    assert busy < 0.01 and 0.05 <= idle < 0.5, (busy, idle)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_idle_steps_are_paced_on_tp2_cpu_engines_only(tp):
+    from kvcore.vllm_glue import KVConnectorRole, engine_vllm_config
+    from p2p.connector import IDLE_STEP_S, P2PConnector
+
+    kv = {"kv_connector": "P2PConnector", "kv_connector_module_path": "p2p", "kv_role": "kv_consumer"}
+    vc = engine_vllm_config(str(model_dir("tiny")), kv, block_size=32, dtype="bfloat16", tensor_parallel_size=tp)
+    c = P2PConnector(vc, KVConnectorRole.SCHEDULER)
+    assert c.scheduler.idle_step_s == (IDLE_STEP_S if tp > 1 else 0.0)
