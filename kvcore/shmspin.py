@@ -15,8 +15,10 @@ timeout), and a TP 2 decode instance waiting for KV froze its co-located prefill
 :func:`shorten` lowers ``busy_loop_s`` of the queues this process reads to a few
 milliseconds: between steps of a busy engine the readers still spin (a step follows
 within microseconds), between the slow steps of a waiting engine they sleep on the
-queue's own notification socket. It reaches into vLLM's internals (the attribute
-names of vLLM 0.32); when they are not there it logs once and changes nothing.
+queue's own notification socket. On its own it was not enough (that next request still
+waited 7 to 23 s); with the P2P tier's pacing of steps that compute nothing
+(``p2p.connector.IDLE_STEP_S``) it waited 0.25 s. It reaches into vLLM's internals (the
+attribute names of vLLM 0.32); when they are not there it logs once and changes nothing.
 """
 
 from __future__ import annotations
