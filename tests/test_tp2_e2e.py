@@ -108,6 +108,9 @@ def test_tp2_negative_control_noise_in_rank1_objects_changes_tokens(tp2, cluster
     for k in rank1:
         noise = (rng.standard_normal(raw.get_size(k) // 2) * 3).astype(np.float16).tobytes()
         assert raw.upsert(k, noise) == 0
+        # Read it back before the engine does: in two runs the first reads after these
+        # upserts took 10 to 13 s, past the engine's read lease, and the load was recomputed.
+        assert raw.get(k) == noise
     r = b.complete(q, MAX_TOKENS)
     assert cached_tokens(r) == PREFIX
     want = reference_tokens(ref, q, MAX_TOKENS, cached_prefix=PREFIX, writers=[p])
