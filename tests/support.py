@@ -24,6 +24,17 @@ from tests.harness import LOGS, Engine, model_dir, prompt_ids, start_engines, st
 # -- polling, requests on threads, process stalls -------------------------------------------
 
 
+def wait_metric(fn, pred, timeout: float) -> float:
+    """Poll ``fn()`` (a metric, say) every 0.2 s until ``pred`` holds for its value or
+    ``timeout`` seconds passed; its last value (metrics reach /metrics a step or two late)."""
+    deadline = time.monotonic() + timeout
+    v = fn()
+    while not pred(v) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        v = fn()
+    return v
+
+
 def wait_for(pred, timeout: float = 15.0, step: float = 0.1, what: str | None = None):
     """Poll ``pred`` until it returns something truthy or ``timeout`` seconds passed; return its
     last value. With ``what``, a timeout raises ``AssertionError`` naming it instead."""

@@ -16,6 +16,7 @@ import requests
 
 from kvcore.procs import Proc, free_port
 from tests.harness import BLOCK, Engine, cached_tokens, kv_bytes_per_token, prompt_ids, start_proxy
+from tests.support import wait_metric
 
 pytestmark = pytest.mark.e2e
 
@@ -94,15 +95,6 @@ def _stream_tokens(resp: requests.Response) -> tuple[list[int], dict]:
     return toks, {"usage": usage}
 
 
-def _wait_metric(fn, pred, timeout: float) -> float:
-    deadline = time.monotonic() + timeout
-    v = fn()
-    while not pred(v) and time.monotonic() < deadline:
-        time.sleep(0.2)
-        v = fn()
-    return v
-
-
 def _raw_post(e: Engine, body: dict) -> socket.socket:
     """Send a completion request on a raw socket; closing it is a client disconnect."""
     data = json.dumps(body)
@@ -122,14 +114,14 @@ class Saturated:
     def __enter__(self):
         self.socks = [_raw_post(self.e, {"model": "m", "prompt": prompt_ids(40, 100 + i), "max_tokens": 3000,
                                          "ignore_eos": True, "stream": True}) for i in range(self.n)]
-        got = _wait_metric(lambda: self.e.metric("vllm:num_requests_running"), lambda v: v >= self.n, 30)
+        got = wait_metric(lambda: self.e.metric("vllm:num_requests_running"), lambda v: v >= self.n, 30)
         assert got >= self.n, f"only {got} fillers running"
         return self
 
     def __exit__(self, *exc):
         for s in self.socks:
             s.close()
-        _wait_metric(lambda: self.e.metric("vllm:num_requests_running"), lambda v: v == 0, 30)
+        wait_metric(lambda: self.e.metric("vllm:num_requests_running"), lambda v: v == 0, 30)
 
 
 def _full_block_tokens(n: int) -> int:
@@ -159,8 +151,8 @@ def test_completions_through_proxy_match_baseline(pd, baseline, stream):
     assert toks == want
     # The decode instance computed only the last prompt token: its cache covers the full blocks.
     assert cached_tokens(body) >= _full_block_tokens(len(prompt)), body.get("usage")
-    assert _wait_metric(lambda: _counter(pd.D, "pulls", "ok"), lambda v: v >= ok_before + 1, 10) == ok_before + 1
-    assert _wait_metric(lambda: _counter(pd.P, "holds", "released"), lambda v: v >= held_before + 1, 10) \
+    assert wait_metric(lambda: _counter(pd.D, "pulls", "ok"), lambda v: v >= ok_before + 1, 10) == ok_before + 1
+    assert wait_metric(lambda: _counter(pd.P, "holds", "released"), lambda v: v >= held_before + 1, 10) \
         == held_before + 1
     assert pd.D.metric("vllm:mctier_p2p_bytes_total", kind="pulled") > 0
 
@@ -222,7 +214,7 @@ def test_decode_pulls_only_the_blocks_it_lacks(pd, baseline):
     assert out["choices"][0]["token_ids"] == baseline.tokens(prompt, MAX_TOKENS)
     assert cached_tokens(out) >= _full_block_tokens(len(prompt))
     block_bytes = BLOCK * kv_bytes_per_token(pd.P.model)
-    pulled = _wait_metric(lambda: pd.D.metric("vllm:mctier_p2p_bytes_total", kind="pulled") - before,
+    pulled = wait_metric(lambda: pd.D.metric("vllm:mctier_p2p_bytes_total", kind="pulled") - before,
                           lambda v: v > 0, 10)
     assert pulled == 4 * block_bytes
 
@@ -272,7 +264,7 @@ def test_bootstrap_unreachable_recomputes_within_timeout(pd, baseline):
     took = time.monotonic() - t0
     assert body["choices"][0]["token_ids"] == want
     assert took < BOOT_TIMEOUT + 10, took
-    assert _wait_metric(lambda: _counter(pd.D, "failures", "bootstrap"), lambda v: v > before, 10) == before + 1
+    assert wait_metric(lambda: _counter(pd.D, "failures", "bootstrap"), lambda v: v > before, 10) == before + 1
 
 
 def test_proxy_bootstrap_unreachable_is_502(pd):
@@ -307,20 +299,20 @@ def test_client_abort_releases_prefill_blocks(pd, baseline):
     prompt = prompt_ids(600, 9)
     tid = "xfer-abort-1"
     pd.P.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True, "transfer_id": tid})
-    assert _wait_metric(lambda: _held_now(pd.P), lambda v: v >= 1, 10) >= 1
+    assert wait_metric(lambda: _held_now(pd.P), lambda v: v >= 1, 10) >= 1
     assert pd.P.metric("vllm:kv_cache_usage_perc") > idle_usage  # the blocks really are held
     with Saturated(pd.D):
         s = _raw_post(pd.D, {"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "kv_transfer_params": {
             "do_remote_prefill": True, "transfer_id": tid, "remote_engine_id": eid,
             "remote_bootstrap_addr": pd.boot}})
-        assert _wait_metric(lambda: pd.D.metric("vllm:num_requests_waiting"), lambda v: v >= 1, 10) >= 1
+        assert wait_metric(lambda: pd.D.metric("vllm:num_requests_waiting"), lambda v: v >= 1, 10) >= 1
         s.close()  # the client is gone before the decode started
         t0 = time.monotonic()
-        assert _wait_metric(freed, lambda v: v > freed_before, 30) == freed_before + 1, "prefill blocks not freed"
+        assert wait_metric(freed, lambda v: v > freed_before, 30) == freed_before + 1, "prefill blocks not freed"
         assert time.monotonic() - t0 < 30 < ABORT_TIMEOUT
     assert _counter(pd.D, "pulls", "release") == releases_before + 1  # told by a release, no transfer
     assert _counter(pd.P, "holds", "expired") == 0
-    assert _wait_metric(lambda: pd.P.metric("vllm:kv_cache_usage_perc"), lambda v: v <= idle_usage, 10) <= idle_usage
+    assert wait_metric(lambda: pd.P.metric("vllm:kv_cache_usage_perc"), lambda v: v <= idle_usage, 10) <= idle_usage
 
 
 def test_aborted_prefill_fails_the_pull_promptly(pd, baseline):
@@ -334,9 +326,9 @@ def test_aborted_prefill_fails_the_pull_promptly(pd, baseline):
     with Saturated(pd.P):
         s = _raw_post(pd.P, {"model": "m", "prompt": prompt, "max_tokens": 1,
                              "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}})
-        assert _wait_metric(lambda: pd.P.metric("vllm:num_requests_waiting"), lambda v: v >= 1, 10) >= 1
+        assert wait_metric(lambda: pd.P.metric("vllm:num_requests_waiting"), lambda v: v >= 1, 10) >= 1
         s.close()
-        assert _wait_metric(lambda: _counter(pd.P, "holds", "aborted"), lambda v: v > aborted_before, 20) \
+        assert wait_metric(lambda: _counter(pd.P, "holds", "aborted"), lambda v: v > aborted_before, 20) \
             == aborted_before + 1
     t0 = time.monotonic()
     out = pd.D.complete(prompt, MAX_TOKENS, kv_transfer_params={
@@ -344,7 +336,7 @@ def test_aborted_prefill_fails_the_pull_promptly(pd, baseline):
     assert out["choices"][0]["token_ids"] == baseline.tokens(prompt, MAX_TOKENS)
     assert time.monotonic() - t0 < 5  # an immediate ERROR, not the 30 s transfer deadline
     assert _counter(pd.P, "holds", "opened") == opened_before
-    assert _wait_metric(lambda: _counter(pd.D, "failures", "remote"), lambda v: v >= 1, 10) >= 1
+    assert wait_metric(lambda: _counter(pd.D, "failures", "remote"), lambda v: v >= 1, 10) >= 1
 
 
 # ------------------------------------------------------------------ prefill instance dies (last)
@@ -374,7 +366,7 @@ def test_prefill_killed_during_handoff(pd, baseline):
     fill = Saturated(pd.P).__enter__()
     th = threading.Thread(target=client)
     th.start()
-    assert _wait_metric(lambda: pd.P.metric("vllm:num_requests_waiting"), lambda v: v >= 1, 15) >= 1
+    assert wait_metric(lambda: pd.P.metric("vllm:num_requests_waiting"), lambda v: v >= 1, 15) >= 1
     pd.P.proc.kill()  # SIGKILL the whole prefill process group
     th.join(TRANSFER_TIMEOUT + 30)
     for sock in fill.socks:
@@ -391,8 +383,8 @@ def test_prefill_killed_during_handoff(pd, baseline):
     # The decode side's half of that request does not linger: its pull (or release) to the
     # dead prefill ends at the silence timeout, counted as a failure.
     dead = lambda: _counter(pd.D, "failures", "peer") + _counter(pd.D, "failures", "bootstrap")  # noqa: E731
-    assert _wait_metric(dead, lambda v: v >= dead0 + 1, SILENCE + 15) == dead0 + 1
-    assert _wait_metric(lambda: pd.D.metric("vllm:num_requests_running") + pd.D.metric("vllm:num_requests_waiting"),
+    assert wait_metric(dead, lambda v: v >= dead0 + 1, SILENCE + 15) == dead0 + 1
+    assert wait_metric(lambda: pd.D.metric("vllm:num_requests_running") + pd.D.metric("vllm:num_requests_waiting"),
                         lambda v: v == 0, 10) == 0
 
     before = _counter(pd.D, "failures", "peer") + _counter(pd.D, "failures", "bootstrap")
@@ -402,7 +394,7 @@ def test_prefill_killed_during_handoff(pd, baseline):
         "remote_bootstrap_addr": pd.boot})
     assert out["choices"][0]["token_ids"] == baseline.tokens(prompt, MAX_TOKENS)
     assert time.monotonic() - t0 < SILENCE + BOOT_TIMEOUT + 10
-    assert _wait_metric(lambda: _counter(pd.D, "failures", "peer") + _counter(pd.D, "failures", "bootstrap"),
+    assert wait_metric(lambda: _counter(pd.D, "failures", "peer") + _counter(pd.D, "failures", "bootstrap"),
                         lambda v: v > before, 10) == before + 1
     # the decode engine keeps serving
     p2 = prompt_ids(100, 14)

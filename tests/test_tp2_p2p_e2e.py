@@ -20,6 +20,7 @@ import requests
 from kvcore.procs import free_port
 from tests.harness import BLOCK, Engine, cached_tokens, kv_bytes_per_token, prompt_ids, reference_tokens, \
     start_engines, start_proxy
+from tests.support import wait_metric
 
 pytestmark = pytest.mark.e2e
 
@@ -72,16 +73,6 @@ def _through_proxy(url: str, prompt: list[int]) -> dict:
     return r.json()
 
 
-def _settled(fn, want: float, timeout: float = 10) -> float:
-    """``fn()`` once it reaches ``want`` (stats reach /metrics a step or two later)."""
-    deadline = time.monotonic() + timeout
-    v = fn()
-    while v < want and time.monotonic() < deadline:
-        time.sleep(0.2)
-        v = fn()
-    return v
-
-
 def test_tp2_handoffs_move_the_kv_and_match_tp2_reference(pd2):
     block_bytes = BLOCK * kv_bytes_per_token(pd2.P.model)
     prompts = [prompt_ids(N, 300 + seed) for seed in (1, 2, 3)]
@@ -99,10 +90,12 @@ def test_tp2_handoffs_move_the_kv_and_match_tp2_reference(pd2):
         assert cached_tokens(body) >= N - 1, body.get("usage")
         assert body["choices"][0]["token_ids"] == want
         # Both ranks pulled (each its half of the heads), every block of the prompt in total.
-        assert _settled(lambda: pd2.D.metric("vllm:mctier_p2p_pulls_total", kind="ok") - ok0, 2) == 2
-        assert _settled(lambda: pd2.D.metric("vllm:mctier_p2p_bytes_total", kind="pulled") - pulled0,
-                        BLOCKS * block_bytes) == BLOCKS * block_bytes
-        assert _settled(lambda: pd2.P.metric("vllm:mctier_p2p_holds_total", kind="released") - released0, 2) == 2
+        ok = lambda: pd2.D.metric("vllm:mctier_p2p_pulls_total", kind="ok") - ok0  # noqa: E731
+        pulled = lambda: pd2.D.metric("vllm:mctier_p2p_bytes_total", kind="pulled") - pulled0  # noqa: E731
+        released = lambda: pd2.P.metric("vllm:mctier_p2p_holds_total", kind="released") - released0  # noqa: E731
+        assert wait_metric(ok, lambda v: v >= 2, 10) == 2
+        assert wait_metric(pulled, lambda v: v >= BLOCKS * block_bytes, 10) == BLOCKS * block_bytes
+        assert wait_metric(released, lambda v: v >= 2, 10) == 2
         print(f"TP 2 handoff {i}: {took:.2f}s, {BLOCKS * block_bytes} bytes")
     assert pd2.D.metric("vllm:mctier_p2p_pulls_total", kind="failed") == 0
 
@@ -117,7 +110,8 @@ def test_tp2_negative_control_corrupted_kv_changes_tokens(pd2):
     finally:
         pd2.corrupt_flag.unlink()
     assert cached_tokens(body) >= N - 1  # the corrupted KV was used, not recomputed
-    assert _settled(lambda: pd2.D.metric("vllm:mctier_p2p_pulls_total", kind="ok") - ok0, 2) == 2
+    ok = lambda: pd2.D.metric("vllm:mctier_p2p_pulls_total", kind="ok") - ok0  # noqa: E731
+    assert wait_metric(ok, lambda v: v >= 2, 10) == 2
     assert body["choices"][0]["token_ids"] != want
 
 
@@ -145,10 +139,11 @@ def test_tp2_prefill_to_tp1_decode_is_refused_recomputed_and_released(pd2, basel
         took = time.monotonic() - t0
         assert took < 30, took
         assert body["choices"][0]["token_ids"] == baseline.tokens(prompt, MAX_TOKENS)
-        assert _settled(lambda: d1.metric("vllm:mctier_p2p_failures_total", kind="protocol"), 1) == 1
+        protocol = lambda: d1.metric("vllm:mctier_p2p_failures_total", kind="protocol")  # noqa: E731
+        assert wait_metric(protocol, lambda v: v >= 1, 10) == 1
         assert d1.metric("vllm:mctier_p2p_bytes_total", kind="pulled") == 0
         # Both ranks' holds end within seconds (the abort timeout here is 120 s), not by expiry.
-        assert _settled(lambda: freed() - freed0, 2) == 2
+        assert wait_metric(lambda: freed() - freed0, lambda v: v >= 2, 10) == 2
         assert pd2.P.metric("vllm:mctier_p2p_holds_total", kind="expired") == expired0
         assert "prefill has 2 TP ranks, decode has 1" in d1.proc.tail(200)
     finally:
