@@ -266,7 +266,12 @@ def test_store_server_lost(topo, baseline):
 def test_leader_killed_under_traffic(topo, baseline):
     """Eight clients through the proxy while the leading master is SIGKILLed: every request
     answers with the baseline's tokens, the standby takes over, store hits come back, and no
-    block leaks. A probe measures how long store hits were unavailable."""
+    block leaks. A probe measures how long store hits were unavailable.
+
+    The clients hand off by P2P (``kv_source="p2p"``; P still writes every prompt to the
+    store, so saves run through the failover): D's ``store_loaded_tokens`` then counts the
+    probe's loads only. A client whose decode loaded from the store too would add its tokens
+    to the probe's count (a CI run saw a 138-token probe "load" 256 tokens)."""
     old = topo.leader()
     stop = threading.Event()
     results: list[tuple[list[int], dict | Exception, float]] = []
@@ -279,7 +284,8 @@ def test_leader_killed_under_traffic(topo, baseline):
                 p = prompt_ids(150 + 13 * i, 80_000 + next(seq))
             t = time.monotonic()
             try:
-                results.append((p, topo.complete(p, logprobs=5, return_tokens_as_token_ids=True), t))
+                results.append((p, topo.complete(p, logprobs=5, return_tokens_as_token_ids=True,
+                                                 kv_source="p2p"), t))
             except Exception as e:  # noqa: BLE001 - reported below
                 results.append((p, e, t))
 
@@ -334,6 +340,7 @@ def test_leader_killed_under_traffic(topo, baseline):
     assert not wrong, f"{len(wrong)} of {len(results)} requests with other tokens than the baseline " \
                       f"(seconds after the kill, plan, got, want): {wrong[:10]}"
     for _, loaded, p, r in probes:
+        assert loaded in (0, CHUNK, 2 * CHUNK), f"a {len(p)}-token probe counted {loaded} loaded tokens: not its own"
         assert toks(r) == baseline.tokens(p, MAX_TOKENS, cached_prefix=int(loaded), writers=[p] if loaded else None)
     topo.assert_idle()
     # The killed master comes back as a standby; the leader stays.
