@@ -68,7 +68,9 @@ PREFIXES = {"quick": [512, 2048], "full": [512, 1024, 2048, 4096, 7936]}
 
 
 def store_config(master: str) -> dict:
+    # A failed load is recomputed, as an operator would configure it (vLLM's default fails the request).
     return {"kv_connector": "StoreConnector", "kv_connector_module_path": "mcstore", "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"master": master, "chunk_tokens": CHUNK}}
 
 

@@ -3,12 +3,15 @@ aggregates across workers and steps, and a Prometheus adapter for it.
 
 A tier declares its counters and timed operations once (:class:`MetricSpec`);
 counter keys may carry one label after a colon (``"failures:lease_expired"``),
-which becomes the metric's ``kind`` label.
+which becomes the metric's ``kind`` label. A timed operation named in
+``MetricSpec.op_labels`` takes one the same way (``"phase:load_transfer"`` observes
+``<prefix>_phase_seconds{phase="load_transfer"}``): one histogram family for the
+parts of a whole, so a dashboard can stack them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from statistics import fmean
 from typing import Any
 
@@ -20,6 +23,7 @@ class MetricSpec:
     prefix: str  # e.g. "mctier_store"
     counters: dict[str, str]  # name -> help text
     ops: dict[str, str]  # timed operation -> help text
+    op_labels: dict[str, str] = field(default_factory=dict)  # timed operation -> its label's name
     buckets: tuple[float, ...] = (1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -91,7 +95,7 @@ class TierPromMetrics(KVConnectorPromMetrics):
                 name=f"vllm:{p}_{op}_seconds",
                 documentation=doc,
                 buckets=list(self.spec.buckets),
-                labelnames=labelnames,
+                labelnames=labelnames + ([self.spec.op_labels[op]] if op in self.spec.op_labels else []),
             )
             for op, doc in self.spec.ops.items()
         }
@@ -105,10 +109,11 @@ class TierPromMetrics(KVConnectorPromMetrics):
             counter = self._counters.get(name)
             if counter is not None and n > 0:
                 counter.labels(*base, kind).inc(n)
-        for op, xs in transfer_stats_data.get("ops", {}).items():
+        for key, xs in transfer_stats_data.get("ops", {}).items():
+            op, _, label = key.partition(":")
             hist = self._hists.get(op)
-            if hist is not None:
-                child = hist.labels(*base)
+            if hist is not None and (op in self.spec.op_labels) == bool(label):
+                child = hist.labels(*base, label) if label else hist.labels(*base)
                 for x in xs:
                     child.observe(x)
 

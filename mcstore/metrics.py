@@ -1,6 +1,26 @@
 """Store tier telemetry: one spec shared by the stats record and Prometheus
-(metric names ``vllm:mctier_store_<counter>_total{kind=...}`` and
-``vllm:mctier_store_<op>_seconds``)."""
+(metric names ``vllm:mctier_store_<counter>_total{kind=...}``,
+``vllm:mctier_store_<op>_seconds`` and ``vllm:mctier_store_phase_seconds{phase=...}``).
+
+The phases split a worker's load and save into what each waits on, so that where the
+time goes can be read off any engine's /metrics:
+
+- ``load_queue``: from the step that started the load until the load thread took it;
+- ``load_transfer``: Mooncake's batch get of whole chunks straight into the pages (one
+  call: the master's replica lookup and the data transfer);
+- ``load_staging`` / ``load_copy``: a chunk needed from a later block on, fetched whole
+  into host staging, then its pages copied into place;
+- ``load_recheck``: the master round trip that confirms the loaded objects still exist;
+- ``save_queue``: from the step that queued the save until the save thread took it
+  (includes waiting for the forward pass that writes the pages);
+- ``save_exists``: the master round trip that skips chunks already stored;
+- ``save_transfer``: Mooncake's batch put from the pages (allocation at the master,
+  transfer, commit).
+
+``io_ranges`` / ``io_chunks`` (kind = load or save) count the buffer ranges handed to
+Mooncake for whole chunks and those chunks: their ratio is the descriptors per chunk,
+which grows as a live engine's blocks scatter.
+"""
 
 from __future__ import annotations
 
@@ -17,12 +37,17 @@ SPEC = MetricSpec(
         "saved_bytes": "Bytes saved to the store",
         "save_skipped": "Chunks not saved (kind=exists|unavailable)",
         "failures": "Failed store operations by cause (kind=load_<cause>|save_<cause>)",
+        "io_chunks": "Whole chunks handed to Mooncake in one batch get or put (kind=load|save)",
+        "io_ranges": "Buffer ranges (descriptors) of those chunks (kind=load|save)",
     },
     ops={
         "lookup": "Duration of one request's store lookup",
         "load": "Duration of one request's store load",
         "save": "Duration of one save batch",
+        "phase": "Time in one phase of a load or save (phase=load_queue|load_transfer|load_staging|"
+                 "load_copy|load_recheck|save_queue|save_exists|save_transfer)",
     },
+    op_labels={"phase": "phase"},
 )
 
 

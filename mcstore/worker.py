@@ -4,13 +4,7 @@ Loads and saves run on two background threads, off the forward path, straight
 between the registered KV pages and the store (zero copy). A stored object is one
 chunk of one TP rank: the chunk's pages in canonical order (layer-major, then
 block order; see ``KVGeometry.ranges``), so its bytes do not depend on the block
-ids it was saved from or is loaded into. A chunk needed from block ``first`` on only
-is fetched whole into host staging, its pages copied by :mod:`kvcore.pages`.
-
-A read that outlasts the master's read lease (``--default_kv_lease_ttl``) fails:
-Mooncake's batch get returns LEASE_EXPIRED for it (the object may have been evicted
-and its memory reused while the bytes were in flight). Like an eviction, that is a
-miss: the chunk and the ones after it are recomputed (``failures:load_lease_expired``).
+ids it was saved from or is loaded into. The load path is in :mod:`mcstore.loads`.
 
 With ``verify_checksums`` (opt-in) an object ends in a 12-byte trailer
 (:mod:`mcstore.objects`: xxh3-64 of the pages, magic); a load whose bytes do not match it is a load error, so no
@@ -30,29 +24,30 @@ import queue
 import threading
 import time
 from collections import Counter, deque
+from contextlib import contextmanager
 
-from kvcore.errors import ConfigError, cause_of, is_missing, is_no_space
+from kvcore.errors import ConfigError, cause_of, is_no_space
 from kvcore.geometry import KVGeometry
 from kvcore.log import get_logger
 from kvcore.pages import PageViews
 from kvcore.platform import current as current_platform
 from kvcore.platform import wait_fence
-from kvcore.tier import LoadReport, LoadReports
+from kvcore.tier import LoadReports
 from mcstore.objects import TRAILER as _TRAILER
-from mcstore.objects import pack_trailer, read_cause, trailer, trailer_ok  # noqa: F401  (tests import trailer here)
+from mcstore.objects import pack_trailer, trailer  # noqa: F401  (tests import trailer here)
 from mcstore.client import StoreClient
 from mcstore.config import StoreConfig
 from mcstore.keys import KeySpace
+from mcstore.loads import _TRAILER_SLOTS, Loads, ranged_batches
 from mcstore.metrics import StoreStats
-from mcstore.protocol import ChunkIO, LoadJob, SaveJob, StoreMetadata
+from mcstore.protocol import SaveJob, StoreMetadata
 
 logger = get_logger("mcstore.worker")
 
 _PREEMPT_WAIT_S = 5.0
-_TRAILER_SLOTS = 4096  # chunks per put/get call when verifying
 
 
-class StoreWorker:
+class StoreWorker(Loads):
     def __init__(self, cfg: StoreConfig, keys: KeySpace, block_size: int, num_blocks: int,
                  rank: int, *, load: bool, save: bool):
         self.cfg = cfg
@@ -146,7 +141,7 @@ class StoreWorker:
                     self._pending_saves[job.req_id] += 0
                     continue
                 self._pending_saves[job.req_id] += 1
-                self._save_q.append((job, fence))
+                self._save_q.append((job, fence, time.monotonic()))
                 self._save_q_chunks += n
             self._lock.notify_all()
 
@@ -157,13 +152,13 @@ class StoreWorker:
         gone = set(meta.preempted)
         with self._lock:
             kept = deque()
-            for job, fence in self._save_q:
+            for job, fence, queued in self._save_q:
                 if job.req_id in gone:
                     self._save_q_chunks -= len(job.chunks)
                     self._pending_saves[job.req_id] -= 1
                     self._count("save_skipped:preempted", len(job.chunks))
                 else:
-                    kept.append((job, fence))
+                    kept.append((job, fence, queued))
             self._save_q = kept
             deadline = time.monotonic() + _PREEMPT_WAIT_S
             while self._saving is not None and self._saving.req_id in gone:
@@ -205,114 +200,23 @@ class StoreWorker:
         with self._lock:
             self.stats.inc(key, n)
 
-    # -- loads -----------------------------------------------------------------------
-
-    def _load_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                job, deadline = self._load_q.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            try:
-                failed = self._load(job, deadline)
-            except Exception as e:  # noqa: BLE001 - a load must end, whatever happened
-                logger.exception("mcstore: load of %s failed: %s", job.req_id, e)
-                self._count("failures:load_error")
-                failed = [b for c in job.chunks for b in c.block_ids]
-                self.reports.add(LoadReport("store", job.req_id, 0, 0.0, False))
-            with self._lock:
-                self._done_loads[job.req_id] = failed
-
-    def _load(self, job: LoadJob, deadline: float) -> list[int]:
-        t0 = time.monotonic()
-        n = len(job.chunks)
-        ok = [False] * n
-        gone = False  # the load failed on a chunk no longer there (evicted, lease expired): a miss
-        if t0 > deadline:
-            cause = "timeout"
-        elif not self.client.available:
-            cause = "unavailable"
-        else:
-            cause = None
-            full = [i for i, c in enumerate(job.chunks) if c.first == 0 and len(c.block_ids) == self.chunk_blocks]
-            want = self.chunk_bytes + self.trailer
-            for lo in range(0, len(full), _TRAILER_SLOTS):
-                part = full[lo:lo + _TRAILER_SLOTS]
-                keys, ptrs, sizes = [], [], []
-                for slot, i in enumerate(part):
-                    c = job.chunks[i]
-                    keys.append(self.keys.key(c.link, self.rank))
-                    p, s = self._ptrs(c.block_ids)
-                    if self.verify:
-                        p.append(self._load_trailers.data_ptr() + slot * _TRAILER.size)
-                        s.append(_TRAILER.size)
-                    ptrs.append(p)
-                    sizes.append(s)
-                for slot, (i, rc) in enumerate(zip(part, self.client.get_into(keys, ptrs, sizes))):
-                    ok[i] = rc == want
-                    if not ok[i]:
-                        if cause is None:
-                            cause, gone = read_cause(rc, want), is_missing(rc)
-                    elif self.verify and not trailer_ok(
-                            self._load_trailers.data_ptr() + slot * _TRAILER.size, ptrs[slot][:-1], sizes[slot][:-1]):
-                        ok[i] = False
-                        cause = cause or "checksum"
-            for i, c in enumerate(job.chunks):
-                if i not in full:
-                    ok[i], why = self._load_partial(c)
-                    cause = cause or why
-            # An object evicted while we read it may have had its memory reused by a newer
-            # put (a Mooncake batch get does not always hold a lease): it must still exist.
-            good = [i for i in range(n) if ok[i]]
-            if good:
-                still = self.client.exists([self.keys.key(job.chunks[i].link, self.rank) for i in good])
-                for i, e in zip(good, still):
-                    if e != 1:
-                        ok[i] = False
-                        if cause is None:
-                            cause, gone = "evicted_during_load", True
-            if time.monotonic() > deadline:
-                # Bytes may be in place, but too late to be trusted as on time: recompute.
-                cause, gone, ok = "timeout", False, [False] * n
-        first_bad = next((i for i in range(n) if not ok[i]), n)
-        loaded = job.chunks[:first_bad]
-        nblocks = sum(len(c.block_ids) for c in loaded)
+    def _observe_phase(self, name: str, seconds: float) -> None:
         with self._lock:
-            self.stats.observe("load", seconds := time.monotonic() - t0)
-            if nblocks:
-                self.stats.inc("loaded_tokens", nblocks * self.block_size)
-                self.stats.inc("loaded_bytes", nblocks * self.geo.block_bytes)
-            if first_bad < n:
-                self.stats.inc(f"failures:load_{cause or 'error'}")
-        self.reports.add(LoadReport("store", job.req_id, nblocks * self.geo.block_bytes, seconds, first_bad == n))
-        if first_bad < n:
-            # A chunk evicted (or its lease expired) meanwhile is an ordinary miss; the rest is not.
-            (logger.info if gone else logger.warning)(
-                "mcstore: load of %s failed at chunk %d/%d (%s); those tokens are recomputed",
-                job.req_id, first_bad, n, cause)
-        return [b for c in job.chunks[first_bad:] for b in c.block_ids]
+            self.stats.observe(f"phase:{name}", seconds)
 
-    def _load_partial(self, c: ChunkIO) -> tuple[bool, str | None]:
-        """Blocks ``c.first..`` of a chunk: fetch the whole object into staging, copy the pages."""
-        if self._staging is None:
-            import torch
+    @contextmanager
+    def _phase(self, name: str):
+        """Time the block as ``phase`` ``name`` (:mod:`mcstore.metrics`), raised or not."""
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self._observe_phase(name, time.monotonic() - t0)
 
-            self._staging = torch.empty(self.chunk_bytes + self.trailer, dtype=torch.uint8)
-            self.client.register(self._staging.data_ptr(), self._staging.numel())
-        base = self._staging.data_ptr()
-        want = self.chunk_bytes + self.trailer
-        rc = self.client.get_into([self.keys.key(c.link, self.rank)], [[base]], [[want]])[0]
-        if rc != want:
-            return False, read_cause(rc, want)
-        if self.verify and not trailer_ok(base + self.chunk_bytes, [base], [self.chunk_bytes]):
-            return False, "checksum"
-        # Torch copies, not memmove: on CUDA the pages are device memory (kvcore.pages).
-        k = len(c.block_ids)
-        for i, (r, off) in enumerate(zip(self.geo.regions, self._region_off)):
-            lo = off + c.first * r.page_bytes
-            self.pages.write(i, c.block_ids, self._staging[lo:lo + k * r.page_bytes].view(k, r.page_bytes))
-        self.pages.wait()  # the pages are complete before the load is reported, staging free again
-        return True, None
+    def _count_io(self, kind: str, ptrs: list[list[int]]) -> None:
+        with self._lock:
+            self.stats.inc(f"io_chunks:{kind}", len(ptrs))
+            self.stats.inc(f"io_ranges:{kind}", sum(map(len, ptrs)))
 
     # -- saves -----------------------------------------------------------------------
 
@@ -323,11 +227,12 @@ class StoreWorker:
                     self._lock.wait(0.5)
                 if self._stop.is_set():
                     return
-                job, fence = self._save_q.popleft()
+                job, fence, queued = self._save_q.popleft()
                 self._save_q_chunks -= len(job.chunks)
                 self._saving = job
             try:
                 wait_fence(fence)
+                self._observe_phase("save_queue", time.monotonic() - queued)
                 written = self._save(job)
             except Exception as e:  # noqa: BLE001 - a save must end, whatever happened
                 logger.exception("mcstore: save of %s failed: %s", job.req_id, e)
@@ -349,7 +254,8 @@ class StoreWorker:
             return []
         t0 = time.monotonic()
         keys = [self.keys.key(c.link, self.rank) for c in job.chunks]
-        exists = self.client.exists(keys)
+        with self._phase("save_exists"):
+            exists = self.client.exists(keys)
         todo = [(k, c) for k, c, e in zip(keys, job.chunks, exists) if e != 1]
         if len(todo) < len(keys):
             self._count("save_skipped:exists", len(keys) - len(todo))
@@ -359,7 +265,9 @@ class StoreWorker:
         patient = t0 >= self._full_until
         deadline, delay = t0 + (self.cfg.save_retry_s if patient else 0.0), 0.005
         while todo:
-            todo, later = todo[:_TRAILER_SLOTS], todo[_TRAILER_SLOTS:]
+            # The first batch call's worth (mcstore.loads.ranged_batches: bounded ranges and slots).
+            n = len(ranged_batches([self._ptrs(c.block_ids) for _, c in todo], self.verify)[0])
+            todo, later = todo[:n], todo[n:]
             ptrs, sizes = [], []
             for slot, (_, c) in enumerate(todo):
                 p, sz = self._ptrs(c.block_ids)
@@ -370,7 +278,9 @@ class StoreWorker:
                     sz.append(_TRAILER.size)
                 ptrs.append(p)
                 sizes.append(sz)
-            rcs = self.client.put_from([k for k, _ in todo], ptrs, sizes)
+            self._count_io("save", ptrs)
+            with self._phase("save_transfer"):
+                rcs = self.client.put_from([k for k, _ in todo], ptrs, sizes)
             retry = []
             for (k, c), rc in zip(todo, rcs):
                 if rc == 0:

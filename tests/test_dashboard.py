@@ -232,3 +232,26 @@ def test_exprs_cover_every_target():
     d = load()
     n = sum(len(p.get("targets") or ()) for p in panels(d))
     assert len(exprs(d)) == n > 40
+
+
+@pytest.mark.unit
+def test_phase_histogram_takes_its_label_from_the_key():
+    """``"phase:<name>"`` observes ``vllm:mctier_store_phase_seconds{phase=<name>}``; a phase
+    without its label, or a label on an unlabelled op, is dropped rather than mislabelled."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from mcstore.metrics import StorePromMetrics
+
+    reg = CollectorRegistry()
+    types = {cls: partial(cls, registry=reg) for cls in (Gauge, Counter, Histogram)}
+    m = StorePromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"], {0: ["m", "0"]})
+    m.observe({"ops": {"phase:load_transfer": [0.02, 0.04], "phase:save_exists": [0.001],
+                       "phase": [9.0], "load:x": [9.0], "load": [0.05]},
+               "counters": {"io_ranges:load": 24, "io_chunks:load": 2}})
+    text = generate_latest(reg).decode()
+    assert 'vllm:mctier_store_phase_seconds_count{engine="0",model_name="m",phase="load_transfer"} 2.0' in text
+    assert 'vllm:mctier_store_phase_seconds_count{engine="0",model_name="m",phase="save_exists"} 1.0' in text
+    assert 'vllm:mctier_store_load_seconds_count{engine="0",model_name="m"} 1.0' in text
+    assert 'vllm:mctier_store_io_ranges_total{engine="0",kind="load",model_name="m"} 24.0' in text
+    assert 'vllm:mctier_store_load_seconds_sum{engine="0",model_name="m"} 0.05' in text
+    assert len([ln for ln in text.splitlines() if ln.startswith("vllm:mctier_store_phase_seconds_count")]) == 2

@@ -60,6 +60,12 @@ def test_prefix_reuse_across_engines(engines, baseline, store_cluster):
     assert r["choices"][0]["token_ids"] == baseline.tokens(q, 8, cached_prefix=PREFIX, writers=[p])
     assert b.metric("vllm:mctier_store_loaded_tokens_total") >= PREFIX
     assert b.metric("vllm:mctier_store_lookups_total", kind="hit") >= 1
+    # The phases of that load and of A's save are on /metrics, and the descriptors per chunk.
+    assert b.metric("vllm:mctier_store_phase_seconds_count", phase="load_transfer") >= 1
+    assert b.metric("vllm:mctier_store_phase_seconds_count", phase="load_recheck") >= 1
+    assert a.metric("vllm:mctier_store_phase_seconds_count", phase="save_transfer") >= 1
+    chunks = b.metric("vllm:mctier_store_io_chunks_total", kind="load")
+    assert chunks >= PREFIX // 64 and b.metric("vllm:mctier_store_io_ranges_total", kind="load") >= chunks
     # B (MultiConnector child) saved its new tail chunk: A reuses it the other way round.
     time.sleep(1.0)
     q2 = q[:576] + prompt_ids(40, 3)

@@ -82,8 +82,19 @@ def test_save_then_load_zero_copy_roundtrip(store_cluster):
         # Saving the same chunks again is deduplicated, not rewritten.
         w.wait_for_save(StoreMetadata(saves=[SaveJob("s2", [ChunkIO(links[0], 0, [7, 8])])]))
         _until(lambda: (w.get_finished({"s2"})[0] or set()) == {"s2"})
-        stats = w.take_stats().data["counters"]
+        data = w.take_stats().data
+        stats = data["counters"]
         assert stats["save_skipped:exists"] == 1 and stats["loaded_tokens"] == 5 * BS
+        # Descriptors: a run of consecutive blocks is one range per layer (2 layers). Saved
+        # from [1, 2], [5, 6] (2 each) and [9, 3] (4); loaded into [20, 21] (2) and [30, 40]
+        # (4); the partial chunk goes through staging and is not counted.
+        assert (stats["io_chunks:save"], stats["io_ranges:save"]) == (3, 8)
+        assert (stats["io_chunks:load"], stats["io_ranges:load"]) == (2, 6)
+        # One observation per phase each job went through; the second save put nothing.
+        n = {op: len(xs) for op, xs in data["ops"].items() if op.startswith("phase:")}
+        assert n == {"phase:save_queue": 2, "phase:save_exists": 2, "phase:save_transfer": 1,
+                     "phase:load_queue": 1, "phase:load_transfer": 1, "phase:load_staging": 1,
+                     "phase:load_copy": 1, "phase:load_recheck": 1}, n
     finally:
         w.close()
 
@@ -310,3 +321,48 @@ def test_segment_of_a_dead_engine_ends_in_load_errors_not_hangs(store_cluster):
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout=10)
         w.close()
+
+
+@pytest.mark.parametrize("capped", [True, False], ids=["capped", "uncapped"])
+def test_scattered_blocks_stay_under_mooncakes_range_limit(monkeypatch, capped):
+    """A churned engine's blocks scatter: here 48 KV regions x 8 blocks, every other block, is
+    384 ranges per chunk and 3,072 for 8 chunks. Mooncake 0.3.13 fails the ranges past about
+    the 2,048th of one batch call (TRANSFER_FAIL; measured, deterministic). Capped at
+    ``MAX_RANGES_PER_CALL`` per call, every chunk is saved and loaded into the right pages;
+    uncapped (the control), saves fail, which is why the cap exists. Its own cluster: a
+    segment left by another test's killed engine fails puts placed on it."""
+    import mcstore.loads
+    from mcstore.server import StoreCluster
+    from tests.harness import LOGS
+
+    if not capped:
+        monkeypatch.setattr(mcstore.loads, "MAX_RANGES_PER_CALL", 10**9)
+    layers, blocks, cb = 48, 512, 8
+    c = StoreCluster(LOGS, segment_size=64 << 20).start()
+    cfg = load_config({"master": c.master_addr, "chunk_tokens": cb * BS}, env={})
+    w = StoreWorker(cfg, KeySpace(fingerprint({"t": "scatter"}), cb * BS), BS, blocks, 0, load=True, save=True)
+    buf = torch.randn(layers, blocks, 2, BS, 8).to(torch.bfloat16)  # 1 KiB pages
+    w.register_kv_caches({f"l{i}": buf[i] for i in range(layers)})
+    try:
+        n = 8
+        src = [[1 + 2 * (i * cb + j) for j in range(cb)] for i in range(n)]
+        dst = [[2 + 2 * (i * cb + j) for j in range(cb)] for i in range(n)]
+        links = [f"mct/it/scatter{i}-{time.monotonic_ns()}" for i in range(n)]
+        w.wait_for_save(StoreMetadata(saves=[SaveJob("s", [ChunkIO(l, i, b) for i, (l, b) in
+                                                           enumerate(zip(links, src))])]))
+        _until(lambda: w.get_finished({"s"})[0])
+        saved = w.take_stats().data
+        assert saved["counters"]["io_ranges:save"] == n * layers * cb
+        if not capped:
+            assert saved["counters"].get("failures:save_transfer", 0) >= 1, saved["counters"]
+            return
+        assert not any(k.startswith("failures") for k in saved["counters"]), saved["counters"]
+        assert len(saved["ops"]["phase:save_transfer"]) == 4  # 2 chunks (768 ranges) per call of <= 1,024
+        w.start_load_kv(StoreMetadata(loads=[LoadJob("l", [ChunkIO(l, i, b) for i, (l, b) in
+                                                           enumerate(zip(links, dst))], timeout_s=30)]))
+        assert _finish_load(w, "l") == set()
+        assert torch.equal(buf[:, [b for c in src for b in c]], buf[:, [b for c in dst for b in c]])
+        assert len(w.take_stats().data["ops"]["phase:load_transfer"]) == 4
+    finally:
+        w.close()  # the client before its master
+        c.stop()

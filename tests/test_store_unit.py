@@ -243,3 +243,25 @@ def test_replicate_config_from_settings():
                                        "hard_pin": True, "preferred_segment": "10.0.0.2:12345"}, env={}))
     assert rc.replica_num == 2 and rc.with_hard_pin and rc.soft_pin_action == SoftPinAction.ENABLE
     assert rc.soft_pin_ttl_ms == 60000 and rc.preferred_segment == "10.0.0.2:12345"
+
+
+def test_batch_calls_hold_at_most_the_range_cap():
+    """Chunks go to Mooncake in calls of at most MAX_RANGES_PER_CALL buffer ranges (a trailer
+    is one more per chunk), in order, none lost; a chunk over the cap goes alone."""
+    from mcstore.loads import MAX_RANGES_PER_CALL, ranged_batches
+
+    def chunk(n):
+        return [0] * n, [1] * n
+
+    cap = MAX_RANGES_PER_CALL
+    chunks = [chunk(12)] * 3 + [chunk(96)] * 40 + [chunk(cap + 5)] + [chunk(1)]
+    for trailer in (False, True):
+        calls = ranged_batches(chunks, trailer)
+        assert [j for c in calls for j in c] == list(range(len(chunks)))
+        per_call = [sum(len(chunks[j][0]) + trailer for j in c) for c in calls]
+        assert all(n <= cap for c, n in zip(calls, per_call) if len(c) > 1)
+        assert [len(c) for c in calls if any(len(chunks[j][0]) > cap for j in c)] == [1]
+        # Each call is full: the next chunk would not have fitted.
+        for c, nxt in zip(calls, calls[1:]):
+            assert sum(len(chunks[j][0]) + trailer for j in c) + len(chunks[nxt[0]][0]) + trailer > cap
+    assert ranged_batches([], False) == []

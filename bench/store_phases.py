@@ -1,0 +1,193 @@
+"""Where a store hit's time goes, read from live engines' /metrics (not a test).
+
+    .venv/bin/python -m bench.store_phases [--prefixes 2048,4096,7936] [--reps 3] [--ab KEY=JSON]
+
+A Mooncake master and store server on loopback, a writer engine (core 0) and a reader
+engine (core 1) with ``StoreConnector`` on the ``small`` model; with ``--ab``, a second
+pair with those settings, the pairs taking turns (order rotating) in the same run. Per
+prefix length, each repetition writes a fresh prefix on the writer and reads it on the
+reader (a whole-prefix store hit), then the script takes the difference of both engines'
+store metrics
+(:mod:`mcstore.metrics`): time per phase of the saves and loads, buffer ranges per chunk,
+bytes, and the rate of Mooncake's own transfer call. The reader's tokens are checked
+against the writer's prefix-cache hit on the same prompt. Prints a table and writes
+``store_phases.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.client import ids, stream  # noqa: E402
+from bench.common import Checker, machine, rotated  # noqa: E402
+from bench.suite import SETTLE_S, SUFFIX, store_config  # noqa: E402
+from mcstore.server import StoreCluster  # noqa: E402
+from multi.deploy import Deployment  # noqa: E402
+
+PHASES = ("load_queue", "load_transfer", "load_staging", "load_copy", "load_recheck",
+          "save_queue", "save_exists", "save_transfer")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The store tier's series of one engine, keyed ``name`` or ``name{label}``."""
+    out: dict[str, float] = {}
+    text = requests.get(url + "/metrics", timeout=10).text
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if not s.name.startswith("vllm:mctier_store_") or s.name.endswith("_bucket"):
+                continue
+            label = s.labels.get("phase") or s.labels.get("kind") or ""
+            key = f"{s.name}{{{label}}}" if label else s.name
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
+
+
+def summarise(d: dict[str, float], n_req: int) -> dict:
+    """Per request: seconds per phase, plus ranges per chunk and the transfer rates."""
+    ph = "vllm:mctier_store_phase_seconds"
+    per = {p: d.get(f"{ph}_sum{{{p}}}", 0.0) / n_req for p in PHASES}
+    row = {"phase_s": per,
+           "load_s": d.get("vllm:mctier_store_load_seconds_sum", 0.0) / n_req,
+           "save_s": d.get("vllm:mctier_store_save_seconds_sum", 0.0) / n_req,
+           "lookup_s": d.get("vllm:mctier_store_lookup_seconds_sum", 0.0) / n_req}
+    row["failures"] = {k.split("{", 1)[1].rstrip("}"): v for k, v in d.items()
+                       if k.startswith("vllm:mctier_store_failures_total{")}
+    for kind in ("load", "save"):
+        chunks = d.get(f"vllm:mctier_store_io_chunks_total{{{kind}}}", 0.0)
+        ranges = d.get(f"vllm:mctier_store_io_ranges_total{{{kind}}}", 0.0)
+        row[f"{kind}_ranges_per_chunk"] = ranges / chunks if chunks else None
+        moved = d.get(f"vllm:mctier_store_{'loaded' if kind == 'load' else 'saved'}_bytes_total", 0.0)
+        secs = d.get(f"{ph}_sum{{{kind}_transfer}}", 0.0)
+        row[f"{kind}_bytes"] = moved / n_req
+        row[f"{kind}_transfer_gbps"] = moved / secs / 1e9 if secs else None
+    return row
+
+
+def _settings(pairs: list[str]) -> dict:
+    out = {}
+    for x in pairs:
+        k, sep, v = x.partition("=")
+        if not sep:
+            raise SystemExit(f"--set/--ab takes KEY=JSON, got {x!r}")
+        out[k] = json.loads(v)
+    return out
+
+
+def _print(name: str, n_pfx: int, row: dict) -> None:
+    ld, sv = row["load"], row["save"]
+    print(f"{name:>10} {n_pfx:>6} tokens  TTFT {row['reader_ttft_s'] * 1e3:6.0f} ms | load {ld['load_s'] * 1e3:6.1f} ms: "
+          + " ".join(f"{p[5:]} {ld['phase_s'][p] * 1e3:.1f}" for p in PHASES[:5])
+          + f" | {ld['load_ranges_per_chunk'] or 0:.0f} ranges/chunk, {ld['load_transfer_gbps'] or 0:.2f} GB/s"
+          + f" | save {sv['save_s'] * 1e3:6.1f} ms: " + " ".join(f"{p[5:]} {sv['phase_s'][p] * 1e3:.1f}" for p in PHASES[5:])
+          + f" | {sv['save_ranges_per_chunk'] or 0:.0f} ranges/chunk, {sv['save_transfer_gbps'] or 0:.2f} GB/s"
+          + f" | failures {sum(ld['failures'].values()) + sum(sv['failures'].values()):.0f}", flush=True)
+
+
+def run(a: argparse.Namespace) -> int:
+    from multi.models import build
+
+    out = Path(a.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    model = str(build("small", ROOT / ".cache" / "models" / "small"))
+    rng = random.Random(a.seed)
+    check = Checker()
+    dep = Deployment(out / "logs")
+    common = _settings(a.set)
+    configs = {"default": common}
+    if a.ab:
+        configs["ab"] = {**common, **_settings(a.ab)}
+    rows = []
+    try:
+        dep.cluster = StoreCluster(log_dir=out / "logs", segment_size=4 << 30).start()
+        master = dep.cluster.master_addr
+        pairs = {}
+        for name, extra in configs.items():
+            cfg = store_config(master)
+            cfg["kv_connector_extra_config"].update(extra)
+            pairs[name] = (dep.engine(f"phases-{name}-writer", model, 0, cfg),
+                           dep.engine(f"phases-{name}-reader", model, 1, cfg))
+        for (w_url, w), (r_url, r) in pairs.values():
+            dep.wait_http(w_url, w)
+            dep.wait_http(r_url, r)
+        urls = {name: (w[0], r[0]) for name, (w, r) in pairs.items()}
+        for n_pfx in [int(x) for x in a.prefixes.split(",")]:
+            before, ttft = {}, {name: [] for name in configs}
+            for rep in range(a.reps + 1):
+                for name in rotated(list(configs), rep):
+                    w_url, r_url = urls[name]
+                    pfx, tail = ids(n_pfx, rng), ids(SUFFIX, rng)
+                    stream(w_url, pfx + ids(SUFFIX, rng), 1)
+                    time.sleep(SETTLE_S)
+                    got = stream(r_url, pfx + tail, 4)
+                    want = stream(w_url, pfx + tail, 4)
+                    check.same("store_phases", f"{name}: reader hit vs writer prefix-cache hit", n_pfx + SUFFIX,
+                               got.token_ids, want.token_ids)
+                    check.same("store_phases", f"{name}: reader hit tokens", n_pfx + SUFFIX, [got.cached], [n_pfx])
+                    if rep:
+                        ttft[name].append(got.ttft)
+                    time.sleep(SETTLE_S)  # the other pair's engines go quiet before the next one is timed
+                if rep == 0:  # warm-up: not in the figures
+                    before = {name: (scrape(w), scrape(r)) for name, (w, r) in urls.items()}
+            time.sleep(0.5)
+            for name, (w_url, r_url) in urls.items():
+                dw = delta(scrape(w_url), before[name][0])
+                dr = delta(scrape(r_url), before[name][1])
+                row = {"config": name, "settings": configs[name], "prefix_tokens": n_pfx,
+                       "reader_ttft_s": statistics.median(ttft[name]),
+                       "load": summarise(dr, a.reps), "save": summarise(dw, a.reps)}
+                rows.append(row)
+                _print(name, n_pfx, row)
+    finally:
+        dep.stop()
+    if a.ab:
+        print("\nab / default (same run, same prompts lengths, interleaved):")
+        for d, b in zip([r for r in rows if r["config"] == "default"], [r for r in rows if r["config"] == "ab"]):
+            n_pfx = d["prefix_tokens"]
+
+            def ratio(f):
+                x, y = f(d), f(b)
+                return f"{y / x:.2f}" if x and y else "n/a"
+            print(f"  {n_pfx:>6} tokens ({d['load']['load_ranges_per_chunk'] or 0:.0f} / {b['load']['load_ranges_per_chunk'] or 0:.0f} "
+                  f"ranges per loaded chunk)  reader TTFT x{ratio(lambda r: r['reader_ttft_s'])}  "
+                  f"load x{ratio(lambda r: r['load']['load_s'])}  save x{ratio(lambda r: r['save']['save_s'])}  "
+                  f"save GB/s x{ratio(lambda r: r['save']['save_transfer_gbps'])}")
+    result = {"machine": machine(model), "configs": configs, "reps": a.reps, "rows": rows,
+              "token_checks": check.checked, "token_mismatches": check.mismatches}
+    (out / "store_phases.json").write_text(json.dumps(result, indent=1))
+    print(f"[store_phases] {check.checked} token checks, {len(check.mismatches)} mismatches; wrote "
+          f"{out / 'store_phases.json'}")
+    return 1 if check.mismatches else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prefixes", default="2048,4096,7936", help="prefix lengths in tokens, comma-separated")
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per length (after one warm-up)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                    help="a kv_connector_extra_config setting for every engine, e.g. verify_checksums=true")
+    ap.add_argument("--ab", action="append", default=[], metavar="KEY=JSON",
+                    help="also run a second writer/reader pair with these settings, interleaved with the "
+                         "default pair in the same run, e.g. idle_wait_ms=0")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "store_phases"))
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Store tier, worker side: the load path (a mixin of :class:`mcstore.worker.StoreWorker`,
+whose state it uses: the client, key space, geometry, locks and result sets).
+
+Whole chunks go straight from the store into the registered KV pages, in batch gets of
+at most ``MAX_RANGES_PER_CALL`` buffer ranges (:func:`ranged_batches`). Going through
+host staging instead (one range per chunk, then a copy into the pages) was measured and
+dropped: the transfer ran no faster with 1 range per chunk than with 12 or 33, and the
+copy made loads 1.4 to 1.6 times slower (``bench/store_phases.py``, 2026-11-30). A chunk
+needed from block ``first`` on only is still fetched whole into staging, its pages copied
+by :mod:`kvcore.pages`.
+
+A read that outlasts the master's read lease (``--default_kv_lease_ttl``) fails:
+Mooncake's batch get returns LEASE_EXPIRED for it (the object may have been evicted
+and its memory reused while the bytes were in flight). Like an eviction, that is a
+miss: the chunk and the ones after it are recomputed (``failures:load_lease_expired``).
+An object evicted while we read it may have had its memory reused by a newer put, so
+loaded objects must still exist afterwards (``load_recheck``); a load that ends past
+its deadline is not trusted either.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+
+from kvcore.errors import is_missing
+from kvcore.log import get_logger
+from kvcore.tier import LoadReport
+from mcstore.objects import TRAILER as _TRAILER
+from mcstore.objects import read_cause, trailer_ok
+from mcstore.protocol import ChunkIO, LoadJob
+
+logger = get_logger("mcstore.loads")
+
+_TRAILER_SLOTS = 4096  # chunks per get call when verifying (StoreWorker registers as many trailer slots)
+MAX_RANGES_PER_CALL = 1024  # buffer ranges per Mooncake batch get or put (see ranged_batches)
+
+
+def ranged_batches(per_chunk: list[tuple[list[int], list[int]]], trailer: bool) -> list[list[int]]:
+    """Chunk indices grouped into batch calls of at most ``MAX_RANGES_PER_CALL`` buffer ranges
+    (and ``_TRAILER_SLOTS`` chunks); a chunk with more ranges than that goes alone.
+
+    Why: Mooncake 0.3.13 fails the ranges of one batch call past about the 2,048th
+    (TRANSFER_FAIL; deterministic, ``tests/test_store_integration.py``). A churned engine's
+    blocks scatter to 33 to 96 ranges per chunk, and in ``bench/store_phases.py`` every
+    7,936-token load after that failed from its 21st or 22nd chunk on (8 loads)."""
+    out: list[list[int]] = []
+    part: list[int] = []
+    ranges = 0
+    for j, (p, _) in enumerate(per_chunk):
+        n = len(p) + (1 if trailer else 0)
+        if part and (ranges + n > MAX_RANGES_PER_CALL or len(part) == _TRAILER_SLOTS):
+            out.append(part)
+            part, ranges = [], 0
+        part.append(j)
+        ranges += n
+    if part:
+        out.append(part)
+    return out
+
+
+class Loads:
+    def _load_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                job, deadline = self._load_q.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            try:
+                failed = self._load(job, deadline)
+            except Exception as e:  # noqa: BLE001 - a load must end, whatever happened
+                logger.exception("mcstore: load of %s failed: %s", job.req_id, e)
+                self._count("failures:load_error")
+                failed = [b for c in job.chunks for b in c.block_ids]
+                self.reports.add(LoadReport("store", job.req_id, 0, 0.0, False))
+            with self._lock:
+                self._done_loads[job.req_id] = failed
+
+    def _load(self, job: LoadJob, deadline: float) -> list[int]:
+        t0 = time.monotonic()
+        self._observe_phase("load_queue", max(0.0, t0 - (deadline - job.timeout_s)))
+        n = len(job.chunks)
+        ok = [False] * n
+        gone = False  # the load failed on a chunk no longer there (evicted, lease expired): a miss
+        if t0 > deadline:
+            cause = "timeout"
+        elif not self.client.available:
+            cause = "unavailable"
+        else:
+            cause = None
+            full = [i for i, c in enumerate(job.chunks) if c.first == 0 and len(c.block_ids) == self.chunk_blocks]
+            cause, gone = self._get_direct([job.chunks[i] for i in full], full, ok)
+            for i, c in enumerate(job.chunks):
+                if i not in full:
+                    ok[i], why = self._load_partial(c)
+                    cause = cause or why
+            # An object evicted while we read it may have had its memory reused by a newer
+            # put (a Mooncake batch get does not always hold a lease): it must still exist.
+            good = [i for i in range(n) if ok[i]]
+            if good:
+                with self._phase("load_recheck"):
+                    still = self.client.exists([self.keys.key(job.chunks[i].link, self.rank) for i in good])
+                for i, e in zip(good, still):
+                    if e != 1:
+                        ok[i] = False
+                        if cause is None:
+                            cause, gone = "evicted_during_load", True
+            if time.monotonic() > deadline:
+                # Bytes may be in place, but too late to be trusted as on time: recompute.
+                cause, gone, ok = "timeout", False, [False] * n
+        first_bad = next((i for i in range(n) if not ok[i]), n)
+        loaded = job.chunks[:first_bad]
+        nblocks = sum(len(c.block_ids) for c in loaded)
+        with self._lock:
+            self.stats.observe("load", seconds := time.monotonic() - t0)
+            if nblocks:
+                self.stats.inc("loaded_tokens", nblocks * self.block_size)
+                self.stats.inc("loaded_bytes", nblocks * self.geo.block_bytes)
+            if first_bad < n:
+                self.stats.inc(f"failures:load_{cause or 'error'}")
+        self.reports.add(LoadReport("store", job.req_id, nblocks * self.geo.block_bytes, seconds, first_bad == n))
+        if first_bad < n:
+            # A chunk evicted (or its lease expired) meanwhile is an ordinary miss; the rest is not.
+            (logger.info if gone else logger.warning)(
+                "mcstore: load of %s failed at chunk %d/%d (%s); those tokens are recomputed",
+                job.req_id, first_bad, n, cause)
+        return [b for c in job.chunks[first_bad:] for b in c.block_ids]
+
+    def _get_direct(self, chunks: list[ChunkIO], idx: list[int], ok: list[bool]) -> tuple[str | None, bool]:
+        """Whole chunks straight into their pages (one range per run of consecutive blocks per
+        KV region); ``ok[idx[j]]`` := chunk ``j`` arrived whole. The first failure's (cause, gone)."""
+        cause, gone = None, False
+        want = self.chunk_bytes + self.trailer
+        for part in ranged_batches([self._ptrs(c.block_ids) for c in chunks], self.trailer > 0):
+            keys, ptrs, sizes = [], [], []
+            for slot, j in enumerate(part):
+                keys.append(self.keys.key(chunks[j].link, self.rank))
+                p, s = self._ptrs(chunks[j].block_ids)
+                if self.verify:
+                    p.append(self._load_trailers.data_ptr() + slot * _TRAILER.size)
+                    s.append(_TRAILER.size)
+                ptrs.append(p)
+                sizes.append(s)
+            self._count_io("load", ptrs)
+            with self._phase("load_transfer"):
+                rcs = self.client.get_into(keys, ptrs, sizes)
+            for slot, (j, rc) in enumerate(zip(part, rcs)):
+                i = idx[j]
+                ok[i] = rc == want
+                if not ok[i]:
+                    if cause is None:
+                        cause, gone = read_cause(rc, want), is_missing(rc)
+                elif self.verify and not trailer_ok(
+                        self._load_trailers.data_ptr() + slot * _TRAILER.size, ptrs[slot][:-1], sizes[slot][:-1]):
+                    ok[i] = False
+                    cause = cause or "checksum"
+        return cause, gone
+
+    def _staging_buffer(self):
+        """The registered host staging buffer of one object, allocated at first use."""
+        if self._staging is None:
+            import torch
+
+            self._staging = torch.empty(self.chunk_bytes + self.trailer, dtype=torch.uint8)
+            self.client.register(self._staging.data_ptr(), self._staging.numel())
+        return self._staging
+
+    def _copy_pages(self, at: int, c: ChunkIO) -> None:
+        """Pages ``c.first..`` of the object at staging offset ``at`` into blocks ``c.block_ids``.
+        Torch copies, not memmove: on CUDA the pages are device memory (kvcore.pages)."""
+        k = len(c.block_ids)
+        for i, (r, off) in enumerate(zip(self.geo.regions, self._region_off)):
+            lo = at + off + c.first * r.page_bytes
+            self.pages.write(i, c.block_ids, self._staging[lo:lo + k * r.page_bytes].view(k, r.page_bytes))
+
+    def _load_partial(self, c: ChunkIO) -> tuple[bool, str | None]:
+        """Blocks ``c.first..`` of a chunk: fetch the whole object into staging, copy the pages."""
+        base = self._staging_buffer().data_ptr()
+        want = self.chunk_bytes + self.trailer
+        with self._phase("load_staging"):
+            rc = self.client.get_into([self.keys.key(c.link, self.rank)], [[base]], [[want]])[0]
+        if rc != want:
+            return False, read_cause(rc, want)
+        if self.verify and not trailer_ok(base + self.chunk_bytes, [base], [self.chunk_bytes]):
+            return False, "checksum"
+        with self._phase("load_copy"):
+            self._copy_pages(0, c)
+            self.pages.wait()  # the pages are complete before the load is reported, staging free again
+        return True, None
