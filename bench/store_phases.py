@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="a kv_connector_extra_config setting for every engine, e.g. verify_checksums=true")
     ap.add_argument("--ab", action="append", default=[], metavar="KEY=JSON",
                     help="also run a second writer/reader pair with these settings, interleaved with the "
-                         "default pair in the same run, e.g. idle_wait_ms=0")
+                         "default pair in the same run, e.g. verify_checksums=true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "store_phases"))
     return run(ap.parse_args(argv))
