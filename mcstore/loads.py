@@ -41,9 +41,10 @@ def ranged_batches(per_chunk: list[tuple[list[int], list[int]]], trailer: bool) 
     (and ``_TRAILER_SLOTS`` chunks); a chunk with more ranges than that goes alone.
 
     Why: Mooncake 0.3.13 fails the ranges of one batch call past about the 2,048th
-    (TRANSFER_FAIL; deterministic, ``tests/test_store_integration.py``). A churned engine's
-    blocks scatter to 33 to 96 ranges per chunk, and in ``bench/store_phases.py`` every
-    7,936-token load after that failed from its 21st or 22nd chunk on (8 loads)."""
+    (TRANSFER_FAIL; once a SIGSEGV of the calling process; ``tests/test_store_integration.py``).
+    A churned engine's blocks scatter to 33 to 96 ranges per chunk, and in
+    ``bench/store_phases.py`` every 7,936-token load after that failed from its 21st or 22nd
+    chunk on (8 loads)."""
     out: list[list[int]] = []
     part: list[int] = []
     ranges = 0
