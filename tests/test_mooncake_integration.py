@@ -103,6 +103,47 @@ def test_transfer_engine_pair_moves_bytes():
         target.wait(timeout=10)
 
 
+PATTERN_TARGET = r"""
+import sys, torch
+from mooncake.engine import TransferEngine
+te = TransferEngine()
+assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+buf = (torch.arange(1 << 20, dtype=torch.int64) * 7 % 251).to(torch.uint8)
+assert te.register_memory(buf.data_ptr(), buf.numel()) == 0
+print(te.get_rpc_port(), buf.data_ptr(), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_p2p_read_of_more_descriptors_than_one_call_takes():
+    """``TransferEngineHandle.read`` of 3 x MAX_DESCRIPTORS_PER_CALL descriptors (256 bytes each,
+    in reverse order so that none merge) from a fresh peer process: every byte lands where it
+    should. As one call, the same read failed with INTERNAL_ERROR (p2p.transfer)."""
+    from kvcore.geometry import MemRange
+    from p2p.transfer import MAX_DESCRIPTORS_PER_CALL, TransferEngineHandle
+
+    target = subprocess.Popen([sys.executable, "-c", PATTERN_TARGET], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, **CLIENT_ENV})
+    h = None
+    try:
+        port, remote_base = map(int, target.stdout.readline().split())
+        h = TransferEngineHandle()
+        dst = torch.zeros(1 << 20, dtype=torch.uint8)
+        h.register([MemRange(dst.data_ptr(), dst.numel())])
+        n, size = 3 * MAX_DESCRIPTORS_PER_CALL, 256
+        local = [dst.data_ptr() + i * size for i in range(n)]
+        remote = [remote_base + (n - 1 - i) * size for i in range(n)]
+        h.read(f"127.0.0.1:{port}", local, remote, [size] * n)
+        pattern = (torch.arange(1 << 20, dtype=torch.int64) * 7 % 251).to(torch.uint8)
+        want = pattern[: n * size].view(n, size).flip(0).reshape(-1)
+        assert torch.equal(dst[: n * size], want)
+    finally:
+        if h is not None:
+            h.close()
+        target.kill()
+        target.wait(timeout=10)
+
+
 def test_mctier_master_cli_serves_and_stops(tmp_path):
     from mooncake.store import MooncakeDistributedStore
 
