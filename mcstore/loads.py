@@ -36,9 +36,10 @@ _TRAILER_SLOTS = 4096  # chunks per get call when verifying (StoreWorker registe
 MAX_RANGES_PER_CALL = 1024  # buffer ranges per Mooncake batch get or put (see ranged_batches)
 
 
-def ranged_batches(per_chunk: list[tuple[list[int], list[int]]], trailer: bool) -> list[list[int]]:
+def ranged_batches(ranges: list[int]) -> list[list[int]]:
     """Chunk indices grouped into batch calls of at most ``MAX_RANGES_PER_CALL`` buffer ranges
-    (and ``_TRAILER_SLOTS`` chunks); a chunk with more ranges than that goes alone.
+    (and ``_TRAILER_SLOTS`` chunks); ``ranges[j]``: chunk ``j``'s buffer ranges, its trailer
+    included. A chunk with more ranges than the cap goes alone.
 
     Why: Mooncake 0.3.13 fails the ranges of one batch call past about the 2,048th
     (TRANSFER_FAIL; once a SIGSEGV of the calling process; ``tests/test_store_integration.py``).
@@ -47,14 +48,13 @@ def ranged_batches(per_chunk: list[tuple[list[int], list[int]]], trailer: bool) 
     chunk on (8 loads)."""
     out: list[list[int]] = []
     part: list[int] = []
-    ranges = 0
-    for j, (p, _) in enumerate(per_chunk):
-        n = len(p) + (1 if trailer else 0)
-        if part and (ranges + n > MAX_RANGES_PER_CALL or len(part) == _TRAILER_SLOTS):
+    total = 0
+    for j, n in enumerate(ranges):
+        if part and (total + n > MAX_RANGES_PER_CALL or len(part) == _TRAILER_SLOTS):
             out.append(part)
-            part, ranges = [], 0
+            part, total = [], 0
         part.append(j)
-        ranges += n
+        total += n
     if part:
         out.append(part)
     return out
@@ -90,7 +90,7 @@ class Loads:
         else:
             cause = None
             full = [i for i, c in enumerate(job.chunks) if c.first == 0 and len(c.block_ids) == self.chunk_blocks]
-            cause, gone = self._get_direct([job.chunks[i] for i in full], full, ok)
+            cause, gone = self._get_whole([job.chunks[i] for i in full], full, ok)
             for i, c in enumerate(job.chunks):
                 if i not in full:
                     ok[i], why = self._load_partial(c)
@@ -127,16 +127,17 @@ class Loads:
                 job.req_id, first_bad, n, cause)
         return [b for c in job.chunks[first_bad:] for b in c.block_ids]
 
-    def _get_direct(self, chunks: list[ChunkIO], idx: list[int], ok: list[bool]) -> tuple[str | None, bool]:
+    def _get_whole(self, chunks: list[ChunkIO], idx: list[int], ok: list[bool]) -> tuple[str | None, bool]:
         """Whole chunks straight into their pages (one range per run of consecutive blocks per
         KV region); ``ok[idx[j]]`` := chunk ``j`` arrived whole. The first failure's (cause, gone)."""
         cause, gone = None, False
         want = self.chunk_bytes + self.trailer
-        for part in ranged_batches([self._ptrs(c.block_ids) for c in chunks], self.trailer > 0):
+        per = [self._ptrs(c.block_ids) for c in chunks]
+        for part in ranged_batches([len(p) + self.verify for p, _ in per]):
             keys, ptrs, sizes = [], [], []
             for slot, j in enumerate(part):
                 keys.append(self.keys.key(chunks[j].link, self.rank))
-                p, s = self._ptrs(chunks[j].block_ids)
+                p, s = per[j]  # each chunk's lists are used once: appending to them is safe
                 if self.verify:
                     p.append(self._load_trailers.data_ptr() + slot * _TRAILER.size)
                     s.append(_TRAILER.size)
@@ -166,12 +167,12 @@ class Loads:
             self.client.register(self._staging.data_ptr(), self._staging.numel())
         return self._staging
 
-    def _copy_pages(self, at: int, c: ChunkIO) -> None:
-        """Pages ``c.first..`` of the object at staging offset ``at`` into blocks ``c.block_ids``.
-        Torch copies, not memmove: on CUDA the pages are device memory (kvcore.pages)."""
+    def _copy_pages(self, c: ChunkIO) -> None:
+        """Pages ``c.first..`` of the object in staging into blocks ``c.block_ids``. Torch
+        copies, not memmove: on CUDA the pages are device memory (kvcore.pages)."""
         k = len(c.block_ids)
         for i, (r, off) in enumerate(zip(self.geo.regions, self._region_off)):
-            lo = at + off + c.first * r.page_bytes
+            lo = off + c.first * r.page_bytes
             self.pages.write(i, c.block_ids, self._staging[lo:lo + k * r.page_bytes].view(k, r.page_bytes))
 
     def _load_partial(self, c: ChunkIO) -> tuple[bool, str | None]:
@@ -185,6 +186,6 @@ class Loads:
         if self.verify and not trailer_ok(base + self.chunk_bytes, [base], [self.chunk_bytes]):
             return False, "checksum"
         with self._phase("load_copy"):
-            self._copy_pages(0, c)
+            self._copy_pages(c)
             self.pages.wait()  # the pages are complete before the load is reported, staging free again
         return True, None

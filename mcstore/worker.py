@@ -264,13 +264,14 @@ class StoreWorker(Loads):
         # once until a put succeeds again, so their blocks are not held for a queue of waits.
         patient = t0 >= self._full_until
         deadline, delay = t0 + (self.cfg.save_retry_s if patient else 0.0), 0.005
+        rng = {k: self._ptrs(c.block_ids) for k, c in todo}  # each chunk's ranges, computed once
         while todo:
             # The first batch call's worth (mcstore.loads.ranged_batches: bounded ranges and slots).
-            n = len(ranged_batches([self._ptrs(c.block_ids) for _, c in todo], self.verify)[0])
+            n = len(ranged_batches([len(rng[k][0]) + self.verify for k, _ in todo])[0])
             todo, later = todo[:n], todo[n:]
             ptrs, sizes = [], []
-            for slot, (_, c) in enumerate(todo):
-                p, sz = self._ptrs(c.block_ids)
+            for slot, (k, _) in enumerate(todo):
+                p, sz = list(rng[k][0]), list(rng[k][1])  # copies: a retried chunk is sent again
                 if self.verify:
                     addr = self._save_trailers.data_ptr() + slot * _TRAILER.size
                     ctypes.memmove(addr, pack_trailer(p, sz), _TRAILER.size)

@@ -111,20 +111,23 @@ class TransferEngineHandle:
             self._registered.append(b.addr)
 
     def read(self, peer: str, local: list[int], remote: list[int], lens: list[int]) -> None:
-        """Copy ``remote[i]`` (peer memory) into ``local[i]``, all or error, in synchronous
-        batches of at most ``MAX_DESCRIPTORS_PER_CALL``."""
-        for lo in range(0, len(lens), MAX_DESCRIPTORS_PER_CALL):
-            hi = lo + MAX_DESCRIPTORS_PER_CALL
-            rc = self.te.batch_transfer_sync_read(peer, local[lo:hi], remote[lo:hi], lens[lo:hi])
-            if rc != 0:  # 0 or a negative code (the engine's own -1 for a refused or failed batch)
-                raise error_for(rc, "batch_transfer_sync_read", f"from {peer}, {len(lens)} descriptors")
+        """Copy ``remote[i]`` (peer memory) into ``local[i]``, all or error."""
+        self._batched(self.te.batch_transfer_sync_read, "batch_transfer_sync_read", f"from {peer}",
+                      peer, local, remote, lens)
 
     def write(self, peer: str, local: list[int], remote: list[int], lens: list[int]) -> None:
+        self._batched(self.te.batch_transfer_sync_write, "batch_transfer_sync_write", f"to {peer}",
+                      peer, local, remote, lens)
+
+    @staticmethod
+    def _batched(call, name: str, where: str, peer: str, local: list[int], remote: list[int],
+                 lens: list[int]) -> None:
+        """``call`` in synchronous batches of at most ``MAX_DESCRIPTORS_PER_CALL``; raise at the first failure."""
         for lo in range(0, len(lens), MAX_DESCRIPTORS_PER_CALL):
             hi = lo + MAX_DESCRIPTORS_PER_CALL
-            rc = self.te.batch_transfer_sync_write(peer, local[lo:hi], remote[lo:hi], lens[lo:hi])
-            if rc != 0:
-                raise error_for(rc, "batch_transfer_sync_write", f"to {peer}, {len(lens)} descriptors")
+            rc = call(peer, local[lo:hi], remote[lo:hi], lens[lo:hi])
+            if rc != 0:  # 0 or a negative code (the engine's own -1 for a refused or failed batch)
+                raise error_for(rc, name, f"{where}, {len(lens)} descriptors")
 
     def close(self) -> None:
         for addr in self._registered:

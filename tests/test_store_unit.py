@@ -250,18 +250,15 @@ def test_batch_calls_hold_at_most_the_range_cap():
     is one more per chunk), in order, none lost; a chunk over the cap goes alone."""
     from mcstore.loads import MAX_RANGES_PER_CALL, ranged_batches
 
-    def chunk(n):
-        return [0] * n, [1] * n
-
     cap = MAX_RANGES_PER_CALL
-    chunks = [chunk(12)] * 3 + [chunk(96)] * 40 + [chunk(cap + 5)] + [chunk(1)]
+    chunks = [12] * 3 + [96] * 40 + [cap + 5] + [1]
     for trailer in (False, True):
-        calls = ranged_batches(chunks, trailer)
+        calls = ranged_batches([n + trailer for n in chunks])
         assert [j for c in calls for j in c] == list(range(len(chunks)))
-        per_call = [sum(len(chunks[j][0]) + trailer for j in c) for c in calls]
+        per_call = [sum(chunks[j] + trailer for j in c) for c in calls]
         assert all(n <= cap for c, n in zip(calls, per_call) if len(c) > 1)
-        assert [len(c) for c in calls if any(len(chunks[j][0]) > cap for j in c)] == [1]
+        assert [len(c) for c in calls if any(chunks[j] > cap for j in c)] == [1]
         # Each call is full: the next chunk would not have fitted.
         for c, nxt in zip(calls, calls[1:]):
-            assert sum(len(chunks[j][0]) + trailer for j in c) + len(chunks[nxt[0]][0]) + trailer > cap
-    assert ranged_batches([], False) == []
+            assert sum(chunks[j] + trailer for j in c) + chunks[nxt[0]] + trailer > cap
+    assert ranged_batches([]) == []
