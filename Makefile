@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test setup bench clean
+.PHONY: demo test setup bench sim clean
 
 demo: setup
 	$(VENV)/bin/mctier demo
@@ -15,12 +15,20 @@ setup:
 	@bash scripts/setup.sh
 
 # Benchmarks against the peers (tens of minutes; LMCache goes into its own .venv-lmcache),
-# then the router's (bench/router_bench.py), which runs even when the first one failed.
-# BENCH_ARGS=--quick for the reduced matrix of both; ROUTER_BENCH_ARGS for the router's alone.
+# then the router's (bench/router_bench.py), then a scaled window of Mooncake's conversation
+# trace through the real stack (bench/trace_replay.py) and the cluster simulator checked
+# against it (bench/sim validate); each runs even when one before it failed.
+# BENCH_ARGS=--quick for the reduced versions; ROUTER_BENCH_ARGS for the router's alone.
 bench: setup
 	@status=0; $(PY) -m bench.suite $(BENCH_ARGS) || status=$$?; \
 	$(PY) -m bench.router_bench $(filter --quick,$(BENCH_ARGS)) $(ROUTER_BENCH_ARGS) || status=$$?; \
+	$(PY) -m bench.trace_replay $(filter --quick,$(BENCH_ARGS)) || status=$$?; \
+	$(PY) -m bench.sim validate --replay bench/results/trace_replay || status=$$?; \
 	exit $$status
+
+# The cluster simulator on Mooncake's full conversation trace (a few minutes, no engines).
+sim: setup
+	$(PY) -m bench.sim cluster $(SIM_ARGS)
 
 clean:
 	rm -rf .cache/test-logs .pytest_cache

@@ -140,8 +140,9 @@ def dataset_args(workload: str, sc: Scale, model: str, seed: int, runs: Path, na
 
 
 def bench_serve(url: str, name: str, runs: Path, model: str, seed: int, data: list[str], *,
-                rate: float | None = None, goodput_ms: float | None = None) -> dict:
-    """One ``vllm bench serve`` run through ``url``; its saved result (detailed)."""
+                rate: float | None = None, goodput_ms: float | None = None, env: dict[str, str] | None = None) -> dict:
+    """One ``vllm bench serve`` run through ``url``; its saved result (detailed), plus its
+    command line under ``"command"``. ``env`` adds to the client's environment."""
     argv = [str(Path(sys.executable).parent / "vllm"), "bench", "serve", "--backend", "vllm", "--base-url", url,
             "--endpoint", "/v1/completions", "--model", MODEL_NAME, "--tokenizer", model, *data, "--seed", str(seed),
             "--ignore-eos", "--temperature", "0", "--save-result", "--save-detailed", "--result-dir", str(runs),
@@ -153,7 +154,8 @@ def bench_serve(url: str, name: str, runs: Path, model: str, seed: int, data: li
     argv += ["--request-rate", str(rate)] if rate else ["--request-rate", "inf", "--max-concurrency", str(CONCURRENCY)]
     if goodput_ms:
         argv += ["--goodput", f"ttft:{goodput_ms:.0f}"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false",
+           **(env or {})}
     (runs / f"{name}.json").unlink(missing_ok=True)
     with open(runs / f"{name}.log", "w") as log:
         p = subprocess.run(argv, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -161,7 +163,7 @@ def bench_serve(url: str, name: str, runs: Path, model: str, seed: int, data: li
     if p.returncode != 0 or not (runs / f"{name}.json").exists():
         tail = "\n".join((runs / f"{name}.log").read_text(errors="replace").splitlines()[-15:])
         raise RuntimeError(f"vllm bench serve exited {p.returncode}:\n{tail}")
-    return json.loads((runs / f"{name}.json").read_text())
+    return {**json.loads((runs / f"{name}.json").read_text()), "command": argv}
 
 
 class Bench:

@@ -26,6 +26,9 @@ class OnlineFit:
     - Outliers: after the first 3 samples, a sample more than ``clip`` times off the
       current prediction is clipped to that factor, so one wild sample moves the fit little.
     - Bounds: every coefficient stays within ``[lower, upper]``.
+    - ``floor`` (seconds): samples shorter than it are weighted as if they took ``floor``,
+      for a quantity that is legitimately near 0 (a wait): relative errors would let one
+      0.01 s sample outweigh a hundred 1 s ones.
     """
 
     def __init__(
@@ -37,6 +40,7 @@ class OnlineFit:
         prior_weight: float = 0.3,
         forget: float = 0.97,
         clip: float = 4.0,
+        floor: float = 0.0,
     ):
         self.coef = np.asarray(prior, dtype=float)
         self.lower = np.asarray(lower, dtype=float)
@@ -48,6 +52,7 @@ class OnlineFit:
         self._b = self._A @ (self.coef * self.scale)
         self.forget = forget
         self.clip = clip
+        self.floor = floor
         self.samples = 0
         self.clipped = 0
 
@@ -61,10 +66,10 @@ class OnlineFit:
         if self.samples >= 3 and pred > 0 and not pred / self.clip <= y <= pred * self.clip:
             self.clipped += 1
             y = min(max(y, pred / self.clip), pred * self.clip)
-        w = 1.0 / y  # relative error: (coef . x - y) / y
+        w = 1.0 / max(y, self.floor)  # relative error: (coef . x - y) / y, absolute below the floor
         z = np.asarray(x, dtype=float) / self.scale * w
         self._A = self.forget * self._A + np.outer(z, z)
-        self._b = self.forget * self._b + z  # z * (y * w), and y * w == 1
+        self._b = self.forget * self._b + z * (y * w)
         try:
             sol = np.linalg.solve(self._A, self._b)
         except np.linalg.LinAlgError:

@@ -70,10 +70,20 @@ class Instance(Backend):
     inflight: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def queue_s(self, now: float | None = None) -> float:
-        """Seconds of routed work still ahead on this instance: each in-flight request's
-        predicted compute minus the time it has been running, summed."""
+        """Seconds of routed work still ahead on this instance, worked through one after
+        the other in the order it was sent (``inflight`` keeps that order): each request's
+        predicted compute starts when it was sent or when the one before it is predicted
+        done, whichever is later, and the queue is what remains past ``now``.
+
+        An engine runs its prefills in turn (chunked prefill shares a step's token budget,
+        not its throughput). Counting every request down from its own start instead, as
+        if all ran at once, showed 0 to 3 s of queue where 24 to 38 s were waiting, in
+        the cluster simulator on Mooncake's conversation trace (``bench/sim``)."""
         now = time.monotonic() if now is None else now
-        return sum(max(0.0, s - (now - t0)) for s, t0 in self.inflight.values())
+        t = float("-inf")
+        for s, t0 in self.inflight.values():
+            t = max(t, t0) + s
+        return max(0.0, t - now)
 
 
 class _Entry(msgspec.Struct, forbid_unknown_fields=True):

@@ -8,11 +8,12 @@ wait before a request's first token, ``queue_i``:
 
     queue_i = a_i + b_i * k_i * own_i + c_i * w_i
 
-with ``k_i`` the requests the router has in flight on it (decoding ones included: their
-steps share the engine with a new prefill), ``own_i`` this request's own compute there
-(``compute_i(cached, N)``), and ``w_i`` the routed prefill work still ahead on it (each
-in-flight request's predicted compute minus its elapsed time,
-:meth:`multi.instances.Instance.queue_s`). ``(a, b, c)`` start at ``(0, 1, 1)``: each
+with ``k_i`` the requests the router has in flight on it (on a decode or plain instance,
+decoding ones included: their steps share the engine with a new prefill; a prefill
+instance counts a handoff until its prefill ends, :meth:`Chooser.prefill_done`), ``own_i`` this request's own compute there
+(``compute_i(cached, N)``), and ``w_i`` the routed prefill work still ahead on it (the
+in-flight requests' predicted compute, worked through in the order sent, minus the time
+gone, :meth:`multi.instances.Instance.queue_s`). ``(a, b, c)`` start at ``(0, 1, 1)``: each
 request in flight delays this one by about its own prefill, since they share the
 engine's steps, plus the prefill work ahead. They are fitted online (:class:`multi.calibration.OnlineFit`) to
 the measured wait of every streamed answer: its time to first token minus the estimate
@@ -70,6 +71,7 @@ from multi.policy import CostModel, ForwardSample, Inputs, LoadSample, Plan, Pol
 from p2p.config import LOAD_PRIOR as P2P_PRIOR
 
 POLICIES = ("kv", "least-outstanding", "round-robin")
+WAIT_FLOOR_S = 1.0  # the wait fit's OnlineFit floor (see Chooser.wait_s)
 
 
 @dataclass
@@ -124,9 +126,13 @@ class Chooser:
         if fit is None:
             # Not clipped and quick to forget: a wait swings by orders of magnitude between an
             # idle pool and an overloaded one, and admission must follow it within seconds.
+            # Waits under a second count by their absolute error: most are near 0 and, weighted
+            # relatively, the few that came out shorter than the queue ahead (a request whose
+            # KV was still loading let a later one go first) drove the queue's coefficient to
+            # 0 in the cluster simulator, and TTFTs to 5x their estimates.
             fit = self.waits[inst.url] = OnlineFit([0.0, 1.0, 1.0], lower=[0.0, 0.0, 0.0],
                                                    upper=[30.0, 30.0, 10.0], scale=[1.0, 1.0, 1.0],
-                                                   forget=0.9, clip=float("inf"))
+                                                   forget=0.9, clip=float("inf"), floor=WAIT_FLOOR_S)
         return fit.predict(self.wait_x(inst, now, own_s))
 
     def _store(self, s: int) -> list[TierReach]:
@@ -158,10 +164,13 @@ class Chooser:
 
     # -- the choice ----------------------------------------------------------------------
 
-    def choose(self, pool: Pool, n: int, match, store: int, slo: float | None) -> Route | None:
+    def choose(self, pool: Pool, n: int, match, store: int, slo: float | None,
+               now: float | None = None) -> Route | None:
         """The route of a request of ``n`` prompt tokens; ``match(inst)`` is the index's
-        cached prefix on ``inst`` in tokens. None when no instance is healthy."""
-        now = time.monotonic()
+        cached prefix on ``inst`` in tokens. None when no instance is healthy. ``now``
+        (``time.monotonic()`` unless given) is the clock of :meth:`Instance.queue_s`; the
+        cluster simulator (``bench/sim``) passes its own."""
+        now = time.monotonic() if now is None else now
         n = max(n, 1)
         if pool.disaggregated:
             route = self._choose_pd(pool, n, match, store, now)
@@ -236,6 +245,61 @@ class Chooser:
             "instance's cache" if l_e > 0 else "least queued")
         return Route("direct", None, e, plan.seconds, plan.name, reason, cached_target=l_e, store=store,
                      own_s=plan.parts["own_s"])
+
+    # -- bookkeeping (the router and bench/sim both call these) ---------------------------
+
+    def begin(self, route: Route, inst: Instance, n: int, cached: int, rid: str, now: float) -> bool:
+        """A routed request starts on ``inst`` (the prefill instance of a handoff, else the
+        target): its predicted work is queued there and it counts as outstanding on ``inst``
+        and, for a handoff, on the decode instance. Returns whether ``inst`` had nothing
+        else in flight (a sample taken alone teaches speed, not queueing)."""
+        alone = not inst.inflight
+        inst.inflight[rid] = (self.prefill_work(inst, n, cached), now)
+        inst.outstanding += 1
+        if route.kind == "pd":
+            route.target.outstanding += 1
+        return alone
+
+    def prefill_done(self, inst: Instance, rid: str) -> bool:
+        """A handoff's prefill on ``inst`` succeeded: its work there is over, so it leaves
+        ``inst``'s queue and outstanding count now, not when the decode instance's answer
+        ends (the decode runs elsewhere). Returns whether nothing else was in flight on
+        ``inst`` (with :meth:`begin`'s answer: the prefill ran alone)."""
+        if inst.inflight.pop(rid, None) is None:
+            return False
+        inst.outstanding -= 1
+        return not inst.inflight
+
+    def end(self, route: Route, inst: Instance, rid: str) -> None:
+        """The request's answer is over (its last token, or a failure)."""
+        if inst.inflight.pop(rid, None) is not None:
+            inst.outstanding -= 1
+        if route.kind == "pd":
+            route.target.outstanding -= 1
+
+    def learn_request(self, route: Route, inst: Instance, n: int, cached: int, alone: bool,
+                      ttft_s: float | None, prefill_s: float | None) -> None:
+        """What one answered request teaches: a handoff's prefill time (``prefill_s``, the
+        prefill request's own duration) is a forward sample of ``inst`` and the rest of its
+        time to first token a ``p2p`` load sample; a direct request's time to first token is
+        a forward sample; and the time to first token teaches the wait fit. ``ttft_s`` is
+        None for an answer that was not streamed (no first token seen)."""
+        # The instance's store load ([its cache, S), before its compute) is inside the time it
+        # took; its predicted share is taken out so that the forward fit learns compute only.
+        # Left in, the cluster simulator's prefill fits learned a fixed step cost 6 to 10
+        # times the true one and a per-token cost 30% low (bench/sim, conversation trace).
+        own = route.cached_prefill if route.kind == "pd" else route.cached_target
+        loaded = 0.0
+        if route.store > own and (route.kind == "pd" or "store" in route.plan):
+            loaded = self.model(inst).load_s(self._store(route.store)[0], (route.store - own) * self.bytes_per_token)
+        if route.kind == "pd" and prefill_s is not None:
+            self.learn_prefill(inst, n, cached, prefill_s - loaded, alone)
+            if ttft_s is not None:
+                self.learn_transfer(inst, n - max(route.cached_target, route.store), ttft_s - prefill_s)
+        elif route.kind != "pd" and ttft_s is not None:
+            self.learn_prefill(inst, n, cached, ttft_s - loaded, alone)
+        if ttft_s is not None:
+            self.learn_wait(route, ttft_s)
 
     # -- learning ------------------------------------------------------------------------
 

@@ -73,6 +73,7 @@ class Router(Proxy):
         self.subscribers: dict[str, EventSubscriber] = {}
         self._first: dict[str, float] = {}
         self._prefill_s: dict[str, float] = {}
+        self._alone_after: dict[str, bool] = {}  # a handoff: nothing else in flight on P when its prefill ended
         self._tasks: list[asyncio.Task] = []
         # Store lookups get threads of their own: a slow master must not hold up the
         # default executor (tokenization, hold releases).
@@ -320,25 +321,17 @@ class Router(Proxy):
         """Run ``call(rid)`` with ``inst``'s bookkeeping: outstanding counts, queued work,
         then what it teaches the index and the cost model."""
         rid = str(uuid.uuid4())
-        d = route.target
-        work = self.chooser.prefill_work(inst, n, cached)
-        alone = not inst.inflight
-        inst.inflight[rid] = (work, time.monotonic())
-        inst.outstanding += 1
-        if pd:
-            d.outstanding += 1
+        alone = self.chooser.begin(route, inst, n, cached, rid, time.monotonic())
         try:
             resp = await call(rid)
         finally:
-            inst.inflight.pop(rid, None)
-            inst.outstanding -= 1
-            if pd:
-                d.outstanding -= 1
+            self.chooser.end(route, inst, rid)
             first, prefill_s = self._first.pop(rid, None), self._prefill_s.pop(rid, None)
+            alone_after = self._alone_after.pop(rid, not inst.inflight)
         if resp.status == 200:
             # Only a streamed answer's first chunk is a first token; a whole answer is not.
             first = first if stream else None
-            self._learn(inst, route, n, cached, hashes, t0, first, prefill_s, alone and not inst.inflight, pd)
+            self._learn(inst, route, n, cached, hashes, t0, first, prefill_s, alone and alone_after, pd)
         return resp
 
     def _learn(self, inst, route, n, cached, hashes, t0, first, prefill_s, alone, pd) -> None:
@@ -349,16 +342,10 @@ class Router(Proxy):
             # A prefill instance's (or a plain engine's) store tier saved the prompt; a decode
             # instance saves only with write_back, which the router cannot see.
             self.index.record(STORE, hashes)
-        if pd and prefill_s is not None:
-            self.chooser.learn_prefill(inst, n, cached, prefill_s, alone)
-            if first is not None:
-                self.chooser.learn_transfer(inst, n - max(route.cached_target, route.store),
-                                            (first - t0) - prefill_s)
-        elif not pd and first is not None:
-            self.chooser.learn_prefill(inst, n, cached, first - t0, alone)
+        self.chooser.learn_request(route, inst, n, cached, alone, None if first is None else first - t0,
+                                   prefill_s if pd else None)
         if first is not None:
             actual = first - t0
-            self.chooser.learn_wait(route, actual)
             self.metrics.ttft.labels("predicted").observe(route.seconds)
             self.metrics.ttft.labels("actual").observe(actual)
             if route.seconds > 0:
@@ -373,4 +360,5 @@ class Router(Proxy):
 
     def _prefill_done(self, p, rid: str, seconds: float) -> None:
         self._prefill_s[rid] = seconds
+        self._alone_after[rid] = self.chooser.prefill_done(p, rid)
 

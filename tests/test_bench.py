@@ -116,3 +116,39 @@ def test_router_bench_quick_reports_every_row(tmp_path):
     assert "Every run" in md and "Side by side" in md and "Admission above capacity" in md
     assert len(r["pids"]) >= 2 + 3 + 2 + 7  # store pair, A's engines, B's engines, a router per run
     assert [p for p in r["pids"] if not _gone(p)] == []
+
+
+def test_trace_replay_quick_runs_both_deployments_and_feeds_the_simulator(tmp_path):
+    """``python -m bench.trace_replay --quick`` on 8 requests of the scaled conversation
+    trace: both deployments served every request, the token accounting adds up, the speeds
+    the simulator needs were measured, every process is gone; then ``bench.sim validate``
+    reads that run and compares both deployments (its verdict is a measurement: not asserted)."""
+    import math
+
+    proc = subprocess.run([sys.executable, "-m", "bench.trace_replay", "--quick", "--count", "8",
+                           "--time-factor", "0.02", "--out", str(tmp_path)],
+                          cwd=str(ROOT), capture_output=True, text=True, timeout=900)
+    (tmp_path / "stdout.txt").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((tmp_path / "trace_replay.json").read_text())
+    assert len((tmp_path / "trace.jsonl").read_text().splitlines()) == 8
+    for name in ("tiered", "plain"):
+        d = r["deployments"][name]
+        assert not d.get("error") and d["completed"] == d["requests"] == 8, d
+        assert all(math.isfinite(d[f"{p}_ttft_ms"]) and d[f"{p}_ttft_ms"] > 0 for p in ("p50", "p90", "p99"))
+        t = d["tokens"]
+        assert t["recomputed"] == t["prompt"] - t["local_hit"] - t["store"] - t["p2p"]
+    plain = r["deployments"]["plain"]["tokens"]
+    assert plain["store"] == plain["p2p"] == 0 and plain["prompt"] == plain["client_prompt"]
+    s = json.loads((tmp_path / "speeds.json").read_text())
+    assert s["prefill"]["token_s"] > 0 and s["decode"]["step_s"] > 0 and s["bytes_per_token"] > 0
+    assert s["prefix_cache_tokens_per_engine"] > 0 and set(s["overhead"]) == {"plain", "tiered"}
+    assert s["contention"]["factor"] >= 0 and s["tiered"]["prefill"]["token_s"] > 0
+    assert [p for p in r["pids"] if not _gone(p)] == []
+    v = subprocess.run([sys.executable, "-m", "bench.sim", "validate", "--replay", str(tmp_path)],
+                       cwd=str(ROOT), capture_output=True, text=True, timeout=300)
+    assert v.returncode in (0, 1), v.stdout[-2000:] + v.stderr[-2000:]  # 1: a target missed, a measurement
+    rec = json.loads((tmp_path / "validation.json").read_text())
+    assert set(rec["deployments"]) == {"tiered", "plain"}
+    for d in rec["deployments"].values():
+        assert d["sim"]["served"] == 8 and d["compare"]["ttft_p50"]["sim"] > 0

@@ -63,6 +63,60 @@ def test_queue_ahead_outweighs_a_cache_hit():
     assert r.prefill is a and r.seconds < 30
 
 
+def test_queued_work_is_worked_through_in_the_order_sent():
+    inst = make("plain", "http://127.0.0.1:8300")
+    inst.inflight["a"] = (10.0, 100.0)
+    inst.inflight["b"] = (10.0, 100.0)  # sent at the same time: it waits for a
+    assert inst.queue_s(105.0) == pytest.approx(15.0)  # not 5 + 5: one engine, one prefill at a time
+    assert inst.queue_s(125.0) == 0.0
+    inst.inflight["c"] = (1.0, 130.0)  # sent after both were predicted done: starts at once
+    assert inst.queue_s(130.5) == pytest.approx(0.5)
+
+
+def test_handoff_leaves_the_prefill_instance_when_its_prefill_ends():
+    pool, c = pd_pool(), chooser()
+    p, d = pool.role("prefill")[0], pool.role("decode")[0]
+    route = c.choose(pool, 2000, lambda i: 0, 0, None)
+    assert (route.kind, route.prefill, route.target) == ("pd", p, d)
+    assert c.begin(route, p, 2000, 0, "r1", time.monotonic()) is True  # nothing else in flight
+    assert (p.outstanding, d.outstanding, list(p.inflight)) == (1, 1, ["r1"])
+    assert c.prefill_done(p, "r1") is True  # ran alone
+    # The decode goes on elsewhere: P has nothing queued and nothing outstanding.
+    assert (p.outstanding, d.outstanding, p.inflight) == (0, 1, {})
+    c.end(route, p, "r1")
+    assert (p.outstanding, d.outstanding) == (0, 0)
+    # A failed handoff (no prefill_done) is cleared by end alone.
+    c.begin(route, p, 2000, 0, "r2", time.monotonic())
+    c.begin(route, p, 2000, 0, "r3", time.monotonic())
+    assert c.prefill_done(p, "r2") is False  # r3 still in flight: not alone
+    c.end(route, p, "r3")
+    c.end(route, p, "r2")
+    assert (p.outstanding, d.outstanding, p.inflight) == (0, 0, {})
+
+
+def test_prefill_samples_leave_out_the_predicted_store_load():
+    # A handoff whose prefill instance loaded [512, 1536) from the store before computing:
+    # the forward sample is the prefill's time minus the store tier's predicted load.
+    class Recorder(Chooser):
+        def learn_prefill(self, inst, n, cached, seconds, alone):
+            got.append((n, cached, seconds, alone))
+
+    got: list = []
+    pool = pd_pool()
+    c = Recorder("kv", BPT, PolicyConfig(calibrate=False))
+    route = c.choose(pool, 2000, lambda i: 512 if i.role == "prefill" else 0, 1536, None)
+    p = route.prefill
+    load = c.model(p).load_s(c._store(1536)[0], 1024 * BPT)
+    assert load > 0.02  # the store prior's latency at least
+    c.learn_request(route, p, 2000, 1536, True, ttft_s=2.5, prefill_s=2.0)
+    assert got == [(2000, 1536, pytest.approx(2.0 - load), True)]
+    # Without a store part (the store reaches no further than the instance's cache) nothing is taken out.
+    got.clear()
+    route = c.choose(pool, 2000, lambda i: 512 if i.role == "prefill" else 0, 256, None)
+    c.learn_request(route, route.prefill, 2000, 512, True, ttft_s=2.5, prefill_s=2.0)
+    assert got == [(2000, 512, 2.0, True)]
+
+
 def test_decode_and_store_covering_the_prompt_skip_the_prefill():
     pool, index = pd_pool(), BlockIndex(BS)
     tokens = prompt(32 * 64 + 1, 2)

@@ -1,0 +1,5 @@
+import sys
+
+from bench.sim.cli import main
+
+sys.exit(main())

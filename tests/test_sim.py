@@ -1,0 +1,195 @@
+"""bench.sim: the cluster simulator on tiny traces whose answers are computed by hand in
+the comments, with the product's own router deciding (multi.route.Chooser)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from bench.sim.cluster import Cluster, Store
+from bench.sim.report import summarize
+from bench.sim.router import simulate
+from bench.sim.speeds import Decode, Link, Prefill, Speeds, a800x8
+from bench.trace import Request
+from multi.policy import PolicyConfig
+from kvcore.tier import LoadPrior
+
+# 0.1 s a prompt token, nothing else; a decode step 0.01 s whatever the batch.
+PREFILL = Prefill(step_s=0.0, token_s=0.1, attn_s=0.0)
+
+
+def speeds(bytes_per_token: float) -> Speeds:
+    return Speeds(prefill=PREFILL, decode=Decode(step_s=0.01, per_seq_s=0.0), bytes_per_token=bytes_per_token,
+                  p2p=Link(1.0), store=Link(1.0), ssd=Link(0.5), chunk_tokens=1000, max_seqs=8)
+
+
+def true_cfg() -> PolicyConfig:
+    """The router's model started at the true speeds, not learning: its choices are exact."""
+    return PolicyConfig(prefill_step_s=0.0, prefill_token_s=0.1, prefill_attn_s=0.0, calibrate=False,
+                        tiers={"store": LoadPrior(latency_s=0.0, bandwidth_gbps=1.0),
+                               "p2p": LoadPrior(latency_s=0.0, bandwidth_gbps=1.0)})
+
+
+# Blocks of 4 tokens. B shares A's first two blocks (8 tokens); its usable prefix is 3
+# blocks ((16 - 1) // 4: the last token is always computed).
+A = Request(0.0, 16, 3, (1, 2, 3, 4))
+B = Request(10_000.0, 16, 2, (1, 2, 5, 6))
+
+
+def test_handoff_times_by_hand():
+    # 1P1D, round-robin, 1e7 bytes a token (a P2P token takes 0.01 s).
+    # A: P computes 16 tokens (1.6 s); D pulls [0, 15): 0.15 s, ready at 1.75; it computes
+    #    the last prompt token (0.1 s): first token at 1.85, then 1.86 and 1.87 (3 tokens).
+    # B at 10 s: P holds A's 4 blocks, B matches 2 (8 tokens): computes 8 (0.8 s, 10.8);
+    #    D received A's blocks too, so it pulls [8, 15) only: 0.07 s; first token 10.97.
+    res = simulate([A, B], speeds(1e7), Cluster(prefill=1, decode=1, cache_blocks=100, block=4), "round-robin")
+    a, b = res
+    assert (a.kind, b.kind) == ("pd", "pd")
+    assert a.ttft == pytest.approx(1.85) and a.done == pytest.approx(1.87) and a.tpot == pytest.approx(0.01)
+    assert b.ttft == pytest.approx(0.97) and b.done == pytest.approx(10.98)
+    assert (a.local, a.computed, a.p2p) == (0, 16, 15)
+    assert (b.local, b.computed, b.p2p) == (8, 8, 7)
+    s = summarize(res, [A, B], 4, slo=1.0)
+    assert s["hit_local"] == pytest.approx(8 / 32) and s["computed"] == pytest.approx(24 / 32)
+    assert s["slo_attainment"] == 0.5 and s["ttft_p50"] == pytest.approx((1.85 + 0.97) / 2)
+    assert s["reuse_of_ideal"] == pytest.approx(1.0)  # the ideal is B's 8 tokens too
+
+
+def test_kv_router_follows_the_cache_round_robin_does_not():
+    # 2 prefill instances, 1 decode. The router's model has the true speeds.
+    # The router's estimates weigh compute on D by 1.5 (its decode batch), the last token too.
+    # A: handoff via P0 (1.6 + 0.15 + 1.5 x 0.1 = 1.9 s) beats recomputing on D (1.5 x 1.6).
+    # B: via P0 (its cache: 0.8 + 0.07 + 0.15 = 1.02) beats P1 (1.6 + 0.07 + 0.15) and D
+    #    (1.5 x 0.8 = 1.2); actual: 0.8 + 0.07 + 0.1 = 0.97. Round-robin sends B to P1:
+    #    1.6 + 0.07 + 0.1 = 1.77 s.
+    cl = Cluster(prefill=2, decode=1, cache_blocks=100, block=4)
+    kv = simulate([A, B], speeds(1e7), cl, "kv", policy_cfg=true_cfg())
+    rr = simulate([A, B], speeds(1e7), cl, "round-robin", policy_cfg=true_cfg())
+    assert [r.kind for r in kv] == ["pd", "pd"]
+    assert kv[1].ttft == pytest.approx(0.97) and kv[1].local == 8
+    assert kv[0].predicted == pytest.approx(1.9) and kv[1].predicted == pytest.approx(1.02)
+    assert rr[1].ttft == pytest.approx(1.77) and rr[1].local == 0
+
+
+def test_store_hit_from_ssd_by_hand():
+    # One plain instance without a prefix cache; the store's DRAM holds 2 blocks, its SSD
+    # 100. 5e7 bytes a token.
+    # A (1 output token): computes 16 tokens, first (and last) token at 1.6; saves its 4
+    #    blocks: DRAM keeps the newest two (3, 4), blocks 1 and 2 go to SSD.
+    # B: the store reaches 2 blocks (8 tokens), both on SSD. The router estimates the
+    #    store plan at 0.4 (load at 1 GB/s) + 0.8 = 1.2 s against 1.6 s recomputing, so it
+    #    loads; from SSD at 0.5 GB/s the load takes 0.8 s, then 8 tokens: TTFT 1.6 s.
+    a1 = Request(0.0, 16, 1, (1, 2, 3, 4))
+    b1 = Request(10_000.0, 16, 1, (1, 2, 5, 6))
+    cl = Cluster(plain=1, cache_blocks=0, store_dram_blocks=2, store_ssd_blocks=100, block=4)
+    a, b = simulate([a1, b1], speeds(5e7), cl, "kv", policy_cfg=true_cfg())
+    assert a.ttft == pytest.approx(1.6) and a.done == pytest.approx(1.6)
+    assert b.plan == "store" and b.predicted == pytest.approx(1.2)
+    assert (b.local, b.store, b.store_ssd, b.computed) == (0, 8, 8, 8)
+    assert b.ttft == pytest.approx(1.6)
+    # Without the store, B recomputes everything: the same 1.6 s here, but 16 tokens.
+    _, b0 = simulate([a1, b1], speeds(5e7), Cluster(plain=1, cache_blocks=0, block=4), "kv", policy_cfg=true_cfg())
+    assert (b0.plan, b0.store, b0.computed) == ("recompute", 0, 16)
+
+
+def test_admission_rejects_what_cannot_meet_the_target():
+    # Both at once on one plain instance: A's 1.6 s is queued ahead of B, whose estimate
+    # (queue 1.6 + wait prior 1 x 1 request x 1.6 + own 1.6) passes a 2 s target: rejected.
+    a1 = Request(0.0, 16, 1, (1, 2, 3, 4))
+    b1 = Request(0.0, 16, 1, (7, 8, 9, 10))
+    cl = Cluster(plain=1, cache_blocks=0, block=4)
+    a, b = simulate([a1, b1], speeds(5e7), cl, "kv", slo=2.0, policy_cfg=true_cfg())
+    assert a.kind == "direct" and a.ttft == pytest.approx(1.6)
+    assert b.kind == "reject" and b.first is None and b.predicted == pytest.approx(4.8)
+    s = summarize([a, b], [a1, b1], 4, slo=2.0)
+    assert (s["served"], s["rejected"], s["slo_attainment"]) == (1, 1, 0.5)
+    # Without a target both are served, one after the other: B's first token at 3.2 s.
+    a, b = simulate([a1, b1], speeds(5e7), cl, "kv", policy_cfg=true_cfg())
+    assert b.ttft == pytest.approx(3.2)
+
+
+def test_decode_steps_slow_with_the_batch_and_the_context():
+    # A step of b sequences holding T context tokens: 0.01 + 0.001 b + 1e-5 T seconds.
+    sp = Speeds(prefill=PREFILL, decode=Decode(step_s=0.01, per_seq_s=0.001, per_ctx_s=1e-5), bytes_per_token=1.0,
+                p2p=Link(1.0), store=Link(1.0), ssd=Link(1.0), chunk_tokens=1000)
+    assert sp.step_s(2, 100, 0, 0) == pytest.approx(0.01 + 0.002 + 0.001)
+    # With a prefill chunk of 10 after 6 cached: one forward, the prefill's terms added.
+    assert sp.step_s(2, 100, 10, 6) == pytest.approx(0.013 + 1.0)
+    # One plain instance, 1-token prompts, 3 output tokens each, both arrive at 0.
+    # A prefills (0.1 s), then A decodes alone... the sum of step times is what TPOT reports.
+    reqs = [Request(0.0, 1, 3, (1,)), Request(0.0, 1, 3, (2,))]
+    a, b = simulate(reqs, sp, Cluster(plain=1, cache_blocks=0, block=4), "round-robin")
+    # t=0.1: A's prefill ends (first token). Step 2: A decodes (ctx 1) + B's prefill:
+    # 0.01 + 0.001 + 1e-5 + 0.1 = 0.11101 -> 0.21101 (B's first token, A's second).
+    # Step 3: A and B (ctx 2 + 1): 0.01 + 0.002 + 3e-5 = 0.01203 -> 0.22304 (A done).
+    # Step 4: B alone (ctx 2): 0.01 + 0.001 + 2e-5 = 0.01102 -> 0.23406 (B done).
+    assert a.ttft == pytest.approx(0.1) and a.done == pytest.approx(0.22304)
+    assert b.ttft == pytest.approx(0.21101) and b.done == pytest.approx(0.23406)
+
+
+def test_store_lru_moves_dram_evictions_to_ssd_and_drops_ssd_evictions():
+    s = Store(dram_blocks=2, ssd_blocks=2)
+    s.save([1, 2, 3])
+    assert list(s.dram.d) == [2, 3] and list(s.ssd.d) == [1]
+    s.save([4, 5])
+    assert list(s.dram.d) == [4, 5] and list(s.ssd.d) == [2, 3]  # 1 fell off the SSD
+    assert s.reach([2, 3, 4]) == (3, 2) and s.reach([1, 2]) == (0, 0)
+    # Chunks of 2 blocks: a partial chunk is not saved, and a reach ends on a chunk.
+    c = Store(dram_blocks=10, ssd_blocks=0, chunk=2)
+    c.save([1, 2, 3])
+    assert list(c.dram.d) == [1, 2]
+    c.save([1, 2, 3, 4, 5, 6])
+    assert c.reach([1, 2, 3, 4, 5, 9]) == (4, 0) and c.reach([1, 2, 3, 9]) == (2, 0)
+
+
+def test_a800_preset_is_in_the_range_of_its_sources():
+    sp = a800x8()
+    # 12K-token prefill on 8 A800 at 50% MFU: 1 to 3 s; a decode step of 64 x 12K context: 20 to 80 ms.
+    assert 1.0 < sp.prefill.seconds(0, 12_000) < 3.0
+    assert 0.02 < sp.step_s(64, 64 * 12_000, 0, 0) < 0.08
+    assert sp.bytes_per_token == 327_680 and set(sp.sources) >= {"gpu", "model", "p2p", "store", "mfu"}
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="known: kv, least-outstanding, round-robin, prefix-affinity"):
+        simulate([A], speeds(1.0), Cluster(plain=1), "fastest")
+
+
+def test_router_estimates_stay_honest_under_load_with_the_wait_floor(monkeypatch):
+    """The first 1,500 requests of the conversation trace on 8P8D with a store: with the
+    wait fit weighting waits under a second by absolute error (multi.route.WAIT_FLOOR_S),
+    few handoffs take more than twice the router's estimate; with purely relative errors
+    (floor 0, the control) the queue's coefficient collapses and many do."""
+    import multi.route as route
+    from bench import trace as T
+    from bench.sim.cli import policy_cfg
+
+    reqs, sp = T.load("conversation", 1500), a800x8()
+    cl = Cluster(prefill=8, decode=8, cache_blocks=1800, store_dram_blocks=100_000, block=512)
+
+    def run(floor: float) -> tuple[int, int]:
+        monkeypatch.setattr(route, "WAIT_FLOOR_S", floor)
+        res = simulate(reqs, sp, cl, "kv", policy_cfg=policy_cfg(sp))
+        return (sum(r.kind == "pd" and r.ttft > 2 * r.predicted for r in res),
+                sum(r.ttft > 10 for r in res))
+
+    (off, miss), (off0, miss0) = run(1.0), run(0.0)
+    assert off < 100 and off0 > 2 * off, (off, off0)
+    assert miss < miss0, (miss, miss0)
+
+
+def test_host_contention_slows_a_step_by_the_other_busy_engines():
+    # Two plain instances on one host, contention 0.5, prefill chunks of 4 tokens (0.4 s).
+    # A step's length is fixed when it starts, from the engines busy then. Both arrive at 0:
+    # A's first chunk starts while B's engine is idle (0.4 s), every later chunk of either
+    # while the other is busy (0.6 s): A 0.4 + 3 x 0.6 = 2.2 s, B 4 x 0.6 = 2.4 s.
+    sp = replace(speeds(1.0), contention=0.5, chunk_tokens=4)
+    cl = Cluster(plain=2, cache_blocks=0, block=4)
+    together = simulate([Request(0.0, 16, 1, (1, 2, 3, 4)), Request(0.0, 16, 1, (5, 6, 7, 8))], sp, cl, "round-robin")
+    assert [r.ttft for r in together] == pytest.approx([2.2, 2.4])
+    apart = simulate([Request(0.0, 16, 1, (1, 2, 3, 4)), Request(5_000.0, 16, 1, (5, 6, 7, 8))], sp, cl, "round-robin")
+    assert [r.ttft for r in apart] == pytest.approx([1.6, 1.6])
+    # The router's overhead delays everything by its amount.
+    late = simulate([Request(0.0, 16, 1, (1, 2, 3, 4))], replace(speeds(1.0), overhead_s=0.25), cl, "round-robin")
+    assert late[0].ttft == pytest.approx(1.85)
