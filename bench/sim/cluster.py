@@ -7,7 +7,8 @@ Time is in seconds from the first arrival. One run (:func:`bench.sim.router.simu
 - **instances**: ``plain`` (serve whole requests), or ``prefill`` and ``decode`` (P/D).
   Each is an engine stepping as vLLM's scheduler does (:class:`Engine`): a step runs every
   decoding sequence (at most ``max_seqs``) and at most ``chunk_tokens`` of the prefill at
-  the head of its queue; its length is :meth:`bench.sim.speeds.Speeds.step_s`. A
+  the head of its queue; its length is :meth:`bench.sim.speeds.Speeds.step_s`, times
+  ``1 + contention`` per other busy engine of the host when they share one. A
   request's KV loads (store, P2P) happen off the engine, as vLLM's asynchronous
   connectors do: the request joins the engine's queue when they are done.
 - **prefix caches**: per instance an LRU of full blocks, ``cache_blocks`` long. A
@@ -22,20 +23,21 @@ Time is in seconds from the first arrival. One run (:func:`bench.sim.router.simu
 - **links**: each decode instance receives one transfer at a time (its NIC), at
   ``p2p`` speed; store loads run at ``store``/``ssd`` speed, unshared.
 
-Routing mirrors :mod:`multi.router` step by step: ``Chooser.choose`` with the cached
-prefixes and the store's reach, then the same bookkeeping (``inflight`` work,
-``outstanding`` on both instances of a handoff, until the request's last token) and the
-same learning when it ends (``learn_prefill`` with the prefill's time, ``learn_transfer``
-with the time from the prefill's end to the first token, ``learn_wait`` with the time to
-first token). A rejected request (``slo``) is counted and never served. Policies:
+Routing mirrors :mod:`multi.router` step by step, through the same methods: a request
+reaches the router ``overhead_s`` after it arrives; ``Chooser.choose`` with the cached
+prefixes and the store's reach, then ``Chooser.begin`` (``inflight`` work and
+``outstanding`` counts), ``Chooser.prefill_done`` when a handoff's prefill ends,
+``Chooser.end`` at the last token and ``Chooser.learn_request`` (the prefill's time, the
+time from its end to the first token, the time to first token). A rejected request (``slo``) is counted and never served. Policies:
 ``kv``, ``least-outstanding``, ``round-robin`` (the product's) and ``prefix-affinity``
 (a baseline of this module: the prefill or plain instance with the longest cached
 prefix, ties in turn, load ignored).
 
 Plans: a handoff's prefill instance loads ``[C_p, S)`` from the store and computes
-``[max(C_p, S), N)``; the decode instance receives ``[max(L_d, S), N - 1)`` from it
-and, when the chosen plan includes the store, ``[L_d, S)`` from the store at the same
-time. A direct request's instance loads ``[L, S)`` and computes the rest. Its first token
+``[max(C_p, S), N)``; the decode instance receives ``[L_d, N - 1)`` from it or, when
+the chosen plan includes the store, ``[L_d, S)`` from the store and ``[max(L_d, S), N - 1)``
+from it at the same time. A direct request's instance loads ``[L, S)`` when its plan
+includes the store and computes the rest. Its first token
 comes at the end of the step that finishes its prefill; a handed-off request's at the end
 of the decode instance's step that computes its last prompt token (vLLM schedules a
 received request as a prefill of that one token).

@@ -2,7 +2,9 @@
 
 Reads ``--replay``'s ``trace.jsonl`` (the window as the client replayed it),
 ``speeds.json`` (this machine's engines, measured in that run) and ``trace_replay.json``
-(what the real deployments did), simulates both deployments with those speeds and sizes:
+(what the real deployments did), simulates both deployments with those speeds and sizes
+(each deployment's own measured router overhead, and the tiered engines' own prefill and
+decode fits when the replay measured them, :func:`bench.sim.speeds.from_measured`):
 
 - ``tiered``: 1 prefill + 1 decode instance, the router's ``kv`` policy starting from the
   product's default :class:`multi.policy.PolicyConfig` (as the real router did), prefix
