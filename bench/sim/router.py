@@ -120,6 +120,14 @@ class Runner:
         seconds = max(self.sp.store.seconds(dram_part * bs * bpt), self.sp.ssd.seconds(ssd_part * bs * bpt))
         return reach * bs, seconds
 
+    @staticmethod
+    def _decode_rest(eng: Engine, r: Request, finish, t: float) -> None:
+        """The first token is out at ``t``: the request decodes its other tokens on ``eng``."""
+        if r.output_length > 1:
+            eng.decode(Seq(r.input_length, r.output_length - 1, lambda _t: None, finish))
+        else:
+            finish(t)
+
     def _direct(self, r: Request, res: Result, route: Route, usable, finish, timing) -> None:
         eng = self.engines[route.target.url]
         n = r.input_length
@@ -133,10 +141,7 @@ class Runner:
             if saves:
                 self.store.save(full)
             res.first = t
-            if r.output_length > 1:
-                eng.decode(Seq(n, r.output_length - 1, lambda _t: None, finish))
-            else:
-                finish(t)
+            self._decode_rest(eng, r, finish, t)
 
         self.sim.at(self.sim.now + load_s, lambda: eng.prefill(Job(start, n, prefilled)))
 
@@ -147,10 +152,7 @@ class Runner:
         start, load_s = self._load(pe, usable, True, res)
         res.computed = n - start
         full = r.hash_ids[:n // bs]
-        t0 = self.sim.now
-
-        def first(t: float) -> None:
-            res.first = t
+        t0 = timing["t0"]
 
         def prefilled(t: float) -> None:
             pe.cache.insert(full)
@@ -180,11 +182,8 @@ class Runner:
                 de.prefill(Job(n - 1, n, decoded))
 
             def decoded(t2: float) -> None:
-                first(t2)
-                if r.output_length > 1:
-                    de.decode(Seq(n, r.output_length - 1, lambda _t: None, finish))
-                else:
-                    finish(t2)
+                res.first = t2
+                self._decode_rest(de, r, finish, t2)
 
             self.sim.at(ready, join)
 
