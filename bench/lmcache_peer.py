@@ -4,7 +4,7 @@ LMCache's in-process ``LMCacheConnectorV1`` has no CPU branch and silently runs 
 "degraded mode (recompute)" on CPU engines (shared/notes/lmcache-cpu.md), so the
 peer is ``lmcache server`` plus vLLM's ``LMCacheMPConnector``, as LMCache documents
 for multi-process deployments. LMCache lives in its own virtualenv
-(``scripts/setup_lmcache.sh``): its pins (numpy, protobuf, prometheus_client)
+(``scripts/setup_lmcache.sh``, under ``~/.cache/mctier/venv-lmcache`` unless ``LMCACHE_VENV``): its pins (numpy, protobuf, prometheus_client)
 must not touch the project's.
 """
 
@@ -17,7 +17,9 @@ from pathlib import Path
 from kvcore.procs import Proc, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-VENV = Path(os.environ.get("LMCACHE_VENV", ROOT / ".venv-lmcache"))
+# Shared by every clone on the machine (scripts/setup_lmcache.sh says why).
+VENV = Path(os.environ.get("LMCACHE_VENV") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+            / "mctier" / "venv-lmcache")
 CHUNK_TOKENS = 256  # same chunk as the store tier's default, so both store whole 256-token chunks
 # LMCache's usage telemetry would phone home every 600 s.
 ENV = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1", "PYTHONPATH": str(ROOT)}

