@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import machine  # noqa: E402
+from bench.sim.report import pct  # noqa: E402
 from bench.suite import p2p_config  # noqa: E402
 from kvcore.procs import Proc, free_port  # noqa: E402
 from multi.deploy import Deployment  # noqa: E402
@@ -60,17 +61,6 @@ ARRIVAL_OUTPUT = 4
 VOCAB_LOW, VOCAB_HIGH = 10, 2000  # the small model's vocabulary is 2,048
 REQUEST_TIMEOUT_S = 600
 START_TIMEOUT_S = 300
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    """Linear-interpolation quantile (numpy's default); None when empty."""
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def prompts(seed: int, n: int, length: int) -> list[list[int]]:
