@@ -27,7 +27,8 @@ ENV = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1", "PYTHONPAT
 
 def ensure_venv() -> Path:
     """Create or reuse the LMCache virtualenv; the python to run LMCache engines with."""
-    subprocess.run(["bash", str(ROOT / "scripts" / "setup_lmcache.sh")], check=True)
+    subprocess.run(["bash", str(ROOT / "scripts" / "setup_lmcache.sh")], check=True,
+                   env={**os.environ, "LMCACHE_VENV": str(VENV)})  # the script and this module agree
     return VENV / "bin" / "python"
 
 
