@@ -27,6 +27,22 @@ class Completion:
     prompt_tokens: int = 0
 
 
+async def sse_events(session, url: str, body: dict):
+    """The JSON events of one streamed ``/v1/completions`` on an ``aiohttp`` session (the
+    async benchmarks' client); an HTTP error status or an error event raises."""
+    async with session.post(url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
+        async for raw in r.content:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("error"):
+                raise RuntimeError(f"stream error: {ev['error']}")
+            yield ev
+
+
 def ids(n: int, rng: random.Random) -> list[int]:
     """``n`` random token ids of the bench model's vocabulary (no specials)."""
     return [rng.randrange(4, 2048) for _ in range(n)]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import sys
@@ -31,6 +30,7 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.client import sse_events  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
 from multi.deploy import Deployment, metrics, tiered_config  # noqa: E402
@@ -75,22 +75,13 @@ async def one(session: aiohttp.ClientSession, url: str, prompt: list[int], max_t
     t0 = time.monotonic()
     first = last = None
     n = 0
-    async with session.post(url + "/v1/completions", json=body) as r:
-        if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
-        async for raw in r.content:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            if ev.get("error"):
-                raise RuntimeError(f"stream error: {ev['error']}")
-            for ch in ev.get("choices") or []:
-                if ch.get("text"):
-                    now = time.monotonic()
-                    first = first or now
-                    last = now
-                    n += 1
+    async for ev in sse_events(session, url, body):
+        for ch in ev.get("choices") or []:
+            if ch.get("text"):
+                now = time.monotonic()
+                first = first or now
+                last = now
+                n += 1
     if first is None:
         raise RuntimeError("no token streamed")
     return {"ttft": first - t0, "tpot": (last - first) / (n - 1) if n > 1 else None, "tokens": n}

@@ -49,6 +49,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.client import sse_events  # noqa: E402
 from bench.common import machine  # noqa: E402
 from bench.sim.report import pct  # noqa: E402
 from bench.suite import p2p_config  # noqa: E402
@@ -73,18 +74,11 @@ async def stream(session: aiohttp.ClientSession, url: str, prompt: list[int], ma
     """One streamed completion; ``ticks`` gets (time, completion tokens so far) per chunk."""
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    async with session.post(url + "/v1/completions", json=body) as r:
-        if r.status != 200:
-            raise RuntimeError(f"stream: HTTP {r.status}: {(await r.text())[:300]}")
-        async for line in r.content:
-            line = line.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            usage = json.loads(line[6:]).get("usage") or {}
-            n = usage.get("completion_tokens")
-            if n:
-                ticks.append((time.monotonic(), n))
-                first.set()
+    async for ev in sse_events(session, url, body):
+        n = (ev.get("usage") or {}).get("completion_tokens")
+        if n:
+            ticks.append((time.monotonic(), n))
+            first.set()
 
 
 async def arrival(session: aiohttp.ClientSession, url: str, prompt: list[int]) -> dict:
@@ -92,12 +86,9 @@ async def arrival(session: aiohttp.ClientSession, url: str, prompt: list[int]) -
             "ignore_eos": True, "stream": True}
     t0 = time.monotonic()
     ttft = None
-    async with session.post(url + "/v1/completions", json=body) as r:
-        if r.status != 200:
-            raise RuntimeError(f"arrival: HTTP {r.status}: {(await r.text())[:300]}")
-        async for line in r.content:
-            if ttft is None and line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
-                ttft = time.monotonic() - t0
+    async for ev in sse_events(session, url, body):
+        if ttft is None and ev.get("choices"):
+            ttft = time.monotonic() - t0
     return {"sent": t0, "ttft": ttft, "end": time.monotonic()}
 
 
