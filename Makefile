@@ -15,13 +15,15 @@ setup:
 	@bash scripts/setup.sh
 
 # Benchmarks against the peers (tens of minutes; LMCache goes into its own virtualenv,
-# ~/.cache/mctier/venv-lmcache), then the router's (bench/router_bench.py), decode streams under arriving long prefills on one
+# ~/.cache/mctier/venv-lmcache), then the composite's decision quality (bench/tiered_bench.py), the router's
+# (bench/router_bench.py), decode streams under arriving long prefills on one
 # instance, two and 1P1D (bench/pd_load.py), then a scaled window of Mooncake's conversation
 # trace through the real stack (bench/trace_replay.py) and the cluster simulator checked
 # against it (bench/sim validate); each runs even when one before it failed.
 # BENCH_ARGS=--quick for the reduced versions; ROUTER_BENCH_ARGS for the router's alone.
 bench: setup
 	@status=0; $(PY) -m bench.suite $(BENCH_ARGS) || status=$$?; \
+	$(PY) -m bench.tiered_bench $(filter --quick,$(BENCH_ARGS)) || status=$$?; \
 	$(PY) -m bench.router_bench $(filter --quick,$(BENCH_ARGS)) $(ROUTER_BENCH_ARGS) || status=$$?; \
 	$(PY) -m bench.pd_load $(filter --quick,$(BENCH_ARGS)) || status=$$?; \
 	$(PY) -m bench.trace_replay $(filter --quick,$(BENCH_ARGS)) || status=$$?; \

@@ -19,14 +19,20 @@ shared and no prefix cache helps):
 1. ``--streams`` streaming completions of 64-token prompts start together, ``ignore_eos``,
    with a ``max_tokens`` that outlasts the phase below;
 2. once every stream has its first token: ``--arrivals`` prompts of ``--prompt-len``
-   tokens, 4 output tokens each, one every ``--interval`` seconds;
+   tokens, 4 output tokens each, one every ``--intervals`` seconds (one run per interval,
+   2 s then 1 s by default: the share of the instance's time the arrivals' prefills take
+   is what decides how much P/D pays, so the benchmark shows two such loads);
 3. when every arrival has ended, the streams are cancelled (the client closes the
    connection; the engine aborts them: part of what is checked is that nothing is left).
 
-Measured per repetition, from the client: each stream's time per output token from the
-``continuous_usage_stats`` of every chunk (a chunk's gap over the tokens it added), split
-into the window where arrivals are in flight (first arrival sent to last arrival ended)
-and before it; TPOT p50 and p99 over the window's tokens; the arrivals' TTFT p50 and p90.
+Measured from the client, from the ``continuous_usage_stats`` of every chunk (a chunk's gap
+over the tokens it added, :func:`gaps`), in the window where arrivals are in flight (first
+arrival sent to last arrival ended) and before it: each stream's TPOT over the window
+(its time there over its tokens there, as vLLM's benchmark defines a request's TPOT), p50
+and p99 over the streams of all repetitions; ITL p99 and max over the window's tokens (a
+prefill that shares a step with the decodes shows as one long gap, which is under 1% of
+the tokens when the decode steps are fast, so ITL p99 alone can miss it); the arrivals'
+TTFT p50 and p90.
 Writes ``pd_load.json`` and ``pd_load.md`` to ``--out`` (default ``bench/results/pd_load``).
 Everything started is stopped at the end, also on failure. Exit status 1 if a deployment
 or a request failed. Not a test: nothing here asserts a speed.
@@ -130,12 +136,28 @@ async def workload(url: str, a: argparse.Namespace, seed: int) -> dict:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
     w0, w1 = arr[0]["sent"], max(x["end"] for x in arr)
-    inside = [g for t in ticks for g in gaps(t, w0, w1)]
-    before = [g for t in ticks for g in gaps(t, t_stream, w0)]
-    ttfts = [x["ttft"] for x in arr]
-    return {"tpot_p50": pct(inside, 0.5), "tpot_p99": pct(inside, 0.99), "tokens_in_window": len(inside),
-            "tpot_p50_before": pct(before, 0.5), "window_s": w1 - w0,
-            "arrival_ttft_p50": pct(ttfts, 0.5), "arrival_ttft_p90": pct(ttfts, 0.9)}
+    inside = [gaps(t, w0, w1) for t in ticks]
+    before = [gaps(t, t_stream, w0) for t in ticks]
+    return {"tpot": [tpot(g) for g in inside], "tpot_before": [tpot(g) for g in before],
+            "itl": [x for g in inside for x in g], "window_s": w1 - w0, "arrival_ttft": [x["ttft"] for x in arr]}
+
+
+def tpot(stream_gaps: list[float]) -> float | None:
+    """A stream's time per output token over a span: the span's time over its tokens (the
+    mean of its per-token gaps), as vLLM's benchmark defines TPOT for a request."""
+    return sum(stream_gaps) / len(stream_gaps) if stream_gaps else None
+
+
+def summary(reps: list[dict]) -> dict:
+    """Percentiles over every stream (TPOT), token (ITL) and arrival (TTFT) of all
+    repetitions together."""
+    pool = {k: [x for r in reps for x in r[k] if x is not None] for k in ("tpot", "tpot_before", "itl",
+                                                                          "arrival_ttft")}
+    return {"tpot_p50": pct(pool["tpot"], 0.5), "tpot_p99": pct(pool["tpot"], 0.99),
+            "tpot_p50_before": pct(pool["tpot_before"], 0.5), "itl_p50": pct(pool["itl"], 0.5),
+            "itl_p99": pct(pool["itl"], 0.99), "itl_max": max(pool["itl"], default=None),
+            "streams": len(pool["tpot"]), "tokens_in_window": len(pool["itl"]),
+            "arrival_ttft_p50": pct(pool["arrival_ttft"], 0.5), "arrival_ttft_p90": pct(pool["arrival_ttft"], 0.9)}
 
 
 class Bench:
@@ -169,51 +191,66 @@ class Bench:
                                        p2p_config("kv_consumer", free_port()), boot)
         return proxy
 
-    def deployment(self, name: str) -> dict:
-        row: dict = {"deployment": name, "reps": []}
+    def deployment(self, name: str) -> list[dict]:
+        """One row per arrival interval, on one start of the deployment."""
+        rows = [{"deployment": name, "interval": iv, "reps": []} for iv in self.a.intervals]
+        row = rows[0]
         try:
             url = self.url(name)
             # Untimed: each engine's (and the P -> D pair's) first requests set things up.
             asyncio.run(workload(url, argparse.Namespace(**{**vars(self.a), "arrivals": 2, "prompt_len": 256,
-                                                              "interval": 0.2}), seed=999))
-            for rep in range(self.a.reps):
-                r = asyncio.run(workload(url, self.a, seed=self.a.seed + 10 * rep))
-                row["reps"].append(r)
-                print(f"[pd_load] {name} rep {rep}: TPOT p50 {r['tpot_p50'] * 1e3:.0f} ms p99 "
-                      f"{r['tpot_p99'] * 1e3:.0f} ms in the window ({r['tokens_in_window']} tokens; "
-                      f"{r['tpot_p50_before'] * 1e3:.0f} ms before), arrivals TTFT p50 "
-                      f"{r['arrival_ttft_p50']:.2f} s", flush=True)
-            for k in ("tpot_p50", "tpot_p99", "tpot_p50_before", "arrival_ttft_p50", "arrival_ttft_p90"):
-                row[k] = pct([r[k] for r in row["reps"]], 0.5)  # median over repetitions
+                                                              "interval": 0.2}), seed=10**6))
+            for k, row in enumerate(rows):
+                a = argparse.Namespace(**{**vars(self.a), "interval": row["interval"]})
+                for rep in range(self.a.reps):
+                    # Prompts of their own per interval and repetition: a repeated one would be
+                    # a prefix-cache hit on the engines that saw it (the same seeds in every
+                    # deployment, so each runs the same prompts).
+                    seed = self.a.seed + 10 * rep + 1000 * (k + 1)
+                    row["reps"].append(asyncio.run(workload(url, a, seed=seed)))
+                    r = summary(row["reps"][-1:])
+                    print(f"[pd_load] {name} every {a.interval:g} s, rep {rep}: streams' TPOT p50 "
+                          f"{r['tpot_p50'] * 1e3:.1f} ms, worst {max(row['reps'][-1]['tpot']) * 1e3:.1f} ms in the "
+                          f"window ({r['tpot_p50_before'] * 1e3:.1f} before); ITL p99 {r['itl_p99'] * 1e3:.0f} ms, "
+                          f"max {r['itl_max'] * 1e3:.0f} ms; arrivals TTFT p50 {r['arrival_ttft_p50']:.2f} s",
+                          flush=True)
+                row.update(summary(row["reps"]))
         except Exception as e:  # noqa: BLE001 - one broken deployment must not lose the others
-            row["error"] = f"{type(e).__name__}: {e}"[:2000]
-            print(f"[pd_load] {name} FAILED: {row['error']}", flush=True)
+            err = f"{type(e).__name__}: {e}"[:2000]
+            for r in rows[rows.index(row):]:
+                r["error"] = err
+            print(f"[pd_load] {name} FAILED: {err}", flush=True)
         finally:
             self.dep.stop()
-        return row
+        return rows
 
 
 def render(rec: dict) -> str:
     a = rec["args"]
-    lines = [f"{a['streams']} decode streams while {a['arrivals']} prompts of {a['prompt_len']} tokens arrive one "
-             f"every {a['interval']:g} s; medians of {a['reps']} repetitions ({rec['date']}, "
-             f"{rec['machine']['cpu']}, {rec['machine']['dtype']}).", "",
-             "| deployment | TPOT p50 (ms) | TPOT p99 (ms) | TPOT p50 before arrivals (ms) | arrivals TTFT p50 (s) "
-             "| arrivals TTFT p90 (s) | p99 / one's |", "|---|---|---|---|---|---|---|"]
-    one = next((r for r in rec["rows"] if r["deployment"] == "one" and "error" not in r), None)
+    lines = [f"{a['streams']} decode streams while prompts of {a['prompt_len']} tokens arrive, {a['arrivals']} "
+             f"at each interval; {a['reps']} repetitions pooled ({rec['date']}, {rec['machine']['cpu']}, "
+             f"{rec['machine']['dtype']}). TPOT: each stream's time per output token while arrivals were in "
+             "flight (percentiles over streams); ITL: the gaps between its tokens (percentiles over tokens).", "",
+             "| deployment | arrival every (s) | TPOT p50 (ms) | TPOT p99 (ms) | TPOT p50 before arrivals (ms) "
+             "| ITL p99 (ms) | ITL max (ms) | arrivals TTFT p50 (s) | arrivals TTFT p90 (s) | TPOT p99 / one's |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    ok_rows = [r for r in rec["rows"] if "error" not in r]
+    one = {r["interval"]: r for r in ok_rows if r["deployment"] == "one"}
     f = lambda v, s=1e3, d=0: "-" if v is None else f"{v * s:.{d}f}"  # noqa: E731
     for r in rec["rows"]:
         if "error" in r:
-            lines.append(f"| {r['deployment']} | failed: {r['error'][:120]} |  |  |  |  |  |")
+            lines.append(f"| {r['deployment']} | {r['interval']:g} | failed: {r['error'][:120]} |" + "  |" * 7)
             continue
-        ratio = f"{r['tpot_p99'] / one['tpot_p99']:.2f}" if one else "-"
-        lines.append(f"| {r['deployment']} | {f(r['tpot_p50'])} | {f(r['tpot_p99'])} | {f(r['tpot_p50_before'])} | "
+        base = one.get(r["interval"])
+        ratio = f"{r['tpot_p99'] / base['tpot_p99']:.2f}" if base else "-"
+        lines.append(f"| {r['deployment']} | {r['interval']:g} | {f(r['tpot_p50'], d=1)} | {f(r['tpot_p99'], d=1)} | "
+                     f"{f(r['tpot_p50_before'], d=1)} | {f(r['itl_p99'])} | {f(r['itl_max'])} | "
                      f"{f(r['arrival_ttft_p50'], 1, 2)} | {f(r['arrival_ttft_p90'], 1, 2)} | {ratio} |")
-    pd = next((r for r in rec["rows"] if r["deployment"] == "pd" and "error" not in r), None)
-    if one and pd:
-        ok = pd["tpot_p99"] <= 0.5 * one["tpot_p99"]
-        lines += ["", f"Target (1P1D TPOT p99 at most half of one instance doing both): "
-                      f"{pd['tpot_p99'] / one['tpot_p99']:.2f}x, {'met' if ok else 'missed'}."]
+    lines.append("")
+    for pd in (r for r in ok_rows if r["deployment"] == "pd" and r["interval"] in one):
+        x = pd["tpot_p99"] / one[pd["interval"]]["tpot_p99"]
+        lines.append(f"- Target (1P1D TPOT p99 at most half of one instance doing both), arrivals every "
+                     f"{pd['interval']:g} s: {x:.2f}x, {'met' if x <= 0.5 else 'missed'}.")
     return "\n".join(lines) + "\n"
 
 
@@ -224,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--arrivals", type=int, help="default 8 (4 with --quick)")
     ap.add_argument("--prompt-len", type=int, help="default 2048 (1024 with --quick)")
-    ap.add_argument("--interval", type=float, default=2.0, help="seconds between arrivals")
+    ap.add_argument("--intervals", default="2,1", help="seconds between arrivals, one run of each (default 2,1)")
     ap.add_argument("--stream-tokens", type=int, default=3000, help="max_tokens of a stream (cancelled earlier)")
     ap.add_argument("--reps", type=int, help="default 3 (1 with --quick)")
     ap.add_argument("--deployments", default="one,two,pd")
@@ -234,6 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     a.arrivals = a.arrivals or (4 if a.quick else 8)
     a.prompt_len = a.prompt_len or (1024 if a.quick else 2048)
     a.reps = a.reps or (1 if a.quick else 3)
+    try:
+        a.intervals = [float(x) for x in a.intervals.split(",")]
+    except ValueError:
+        ap.error(f"--intervals takes seconds separated by commas, got {a.intervals!r}")
+    if not a.intervals or min(a.intervals) <= 0:
+        ap.error("--intervals must be positive")
 
     from multi.models import build
 
@@ -252,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
            "args": {k: v for k, v in vars(a).items() if k != "out"}, "rows": []}
     try:
         for name in a.deployments.split(","):
-            rec["rows"].append(b.deployment(name))
+            rec["rows"] += b.deployment(name)
     except KeyboardInterrupt:
         rec["error"] = "interrupted"
     finally:

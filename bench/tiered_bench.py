@@ -1,13 +1,34 @@
 """Decision quality of the composite (not a test): is ``auto`` as fast as the best forced source?
 
-    .venv/bin/python bench/tiered_bench.py [--quick] [--reps N] [--out bench/out]
+    .venv/bin/python -m bench.tiered_bench [--quick] [--reps N] [--lengths 64,256,...] [--out DIR]
+    (``make bench`` runs it after ``bench.suite``)
 
-For prompt lengths 64..8K tokens and store-hit fractions 0, 50%, 100%, TTFT through
-the proxy with each forced source (recompute, store, p2p) and with ``auto``, on the
-``small`` model, engines pinned one per core; medians of interleaved repetitions.
-Reports the share of cells where auto is within 10% of the best forced source
-(target >= 90%), prints a table and writes JSON and a PNG. TieredConnector against
-the stock MultiConnector is part of ``bench/suite.py`` (``make bench``).
+A 1P1D ``TieredConnector`` deployment (``small`` model, prefill on core 0, decode on core
+1, a Mooncake master and store server) answers prompts of ``--lengths`` tokens (64 to 16K;
+past the model's 8,192 positions the engines get ``--hf-overrides`` for more, which a
+random-weight model with rotary positions takes as it is) whose leading 0%, 50% or 100%
+(rounded down to whole 256-token chunks; a fraction that rounds to the same chunks as
+one before it is not run again) the prefill instance stored just before, in two layouts:
+
+- ``with prefill``: through ``mctier proxy`` (every request handed off: the decode
+  instance's composite chooses, range by range, between the store, the prefill instance
+  and recomputing); sources ``recompute``, ``store``, ``p2p``, ``auto``;
+- ``decode only``: straight to the decode instance (no handoff to draw on); sources
+  ``recompute``, ``store``, ``auto``.
+
+A forced source is ``kv_transfer_params.kv_source``; ``auto`` is the product's default.
+Every prompt is fresh (random ids, its own prefix), so no request hits a prefix cache
+the cell did not set up. Repetitions are interleaved: each repetition runs every source
+of a cell once, in an order that rotates. Per cell: TTFT median and min-max per source;
+the best forced source (lowest median); the per-request oracle, the fastest forced
+source within each repetition (it knows the outcome; its median is what a perfect
+chooser gets); the plan ``auto`` chose (the decode engine's
+``vllm:mctier_tiered_decisions_total`` across each ``auto`` request). Targets (the
+issue's): ``auto`` within 10% of the best forced source's median in at least 90% of the
+cells, and never more than 5% slower than always recomputing.
+
+Writes ``decisions.json`` and ``decisions.md`` to ``--out`` (default
+``bench/results/decisions``). Stops everything it started, also on failure.
 """
 
 from __future__ import annotations
@@ -16,19 +37,26 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 from bench.client import complete, ids, stream  # noqa: E402
+from bench.common import machine, rotated, spread  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
-from multi.deploy import Deployment, tiered_config  # noqa: E402
+from multi.deploy import Deployment, metrics, tiered_config  # noqa: E402
 
-SOURCES = ("recompute", "store", "p2p", "auto")
+LAYOUTS = {"with prefill": ("recompute", "store", "p2p", "auto"), "decode only": ("recompute", "store", "auto")}
+CHUNK = 256
+MODEL_POSITIONS = 8192  # the small model's max_position_embeddings
+DECISIONS = "vllm:mctier_tiered_decisions_total"
+WITHIN_BEST, WITHIN_RECOMPUTE = 1.10, 1.05
 
 
 def store_prefix(p_url: str, prefix: list[int]) -> None:
@@ -38,85 +66,149 @@ def store_prefix(p_url: str, prefix: list[int]) -> None:
         time.sleep(0.3)  # saves run off the forward path
 
 
-def decision_quality(p_url, proxy, lengths, fractions, reps, rng) -> list[dict]:
-    rows = []
-    for n in lengths:
-        for f in fractions:
-            times: dict[str, list[float]] = {s: [] for s in SOURCES}
-            for _ in range(reps):
-                for src in SOURCES:  # interleaved
-                    hit = int(n * f) // 256 * 256
-                    prefix = ids(hit, rng)
-                    store_prefix(p_url, prefix)
-                    prompt = prefix + ids(n - hit, rng)
-                    times[src].append(stream(proxy, prompt, 2, {"kv_source": src}).ttft)
-            med = {s: statistics.median(v) for s, v in times.items()}
-            best = min(med[s] for s in SOURCES if s != "auto")
-            row = {"tokens": n, "store_fraction": f, **{f"ttft_{s}": med[s] for s in SOURCES},
-                   "auto_vs_best": med["auto"] / best}
-            rows.append(row)
-            print(f"  n={n:>5} f={f:.0%}  " + "  ".join(f"{s} {med[s] * 1e3:7.0f}ms" for s in SOURCES)
-                  + f"  auto/best {row['auto_vs_best']:.2f}", flush=True)
-    return rows
+def decisions(d_url: str) -> dict[str, float]:
+    return {kind: v for (_, kind), v in metrics(d_url, (DECISIONS,)).items()}
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fractions = sorted({r["store_fraction"] for r in rows})
-    fig, axes = plt.subplots(1, len(fractions), figsize=(5 * len(fractions), 4), squeeze=False)
-    for ax, f in zip(axes[0], fractions):
-        rs = [r for r in rows if r["store_fraction"] == f]
-        for s in SOURCES:
-            ax.plot([r["tokens"] for r in rs], [r[f"ttft_{s}"] * 1e3 for r in rs], marker="o", label=s)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"store holds {f:.0%} of the prompt")
-        ax.set_xlabel("prompt tokens")
-        ax.set_ylabel("TTFT (ms)")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+def auto_plan(d_url: str, before: dict[str, float], deadline_s: float = 5.0) -> str:
+    """The plan the decode engine's composite counted since ``before`` (its stats reach
+    /metrics a step late); ``?`` when none showed up in time."""
+    end = time.monotonic() + deadline_s
+    while True:
+        now = decisions(d_url)
+        moved = [k for k, v in now.items() if v > before.get(k, 0.0)]
+        if moved or time.monotonic() > end:
+            return "+".join(sorted(moved)) or "?"
+        time.sleep(0.2)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default="bench/out")
-    ap.add_argument("--reps", type=int)
-    a = ap.parse_args()
-    lengths = [256, 2048] if a.quick else [64, 256, 1024, 2048, 4096, 8000]
-    fractions = [0.0, 1.0] if a.quick else [0.0, 0.5, 1.0]
-    reps = a.reps or (1 if a.quick else 2)
+def cell(urls: dict[str, str], layout: str, n: int, f: float, reps: int, rng: random.Random, k0: int) -> dict:
+    sources = LAYOUTS[layout]
+    target = urls["proxy"] if layout == "with prefill" else urls["decode"]
+    times: dict[str, list[float]] = {s: [] for s in sources}
+    plans: list[str] = []
+    hit = int(n * f) // CHUNK * CHUNK
+    for rep in range(reps):
+        for src in rotated(list(sources), k0 + rep):
+            prefix = ids(hit, rng)
+            store_prefix(urls["prefill"], prefix)
+            before = decisions(urls["decode"]) if src == "auto" else None
+            times[src].append(stream(target, prefix + ids(n - hit, rng), 2, {"kv_source": src}).ttft)
+            if before is not None:
+                plans.append(auto_plan(urls["decode"], before))
+    forced = [s for s in sources if s != "auto"]
+    med = {s: statistics.median(v) for s, v in times.items()}
+    best = min(forced, key=lambda s: med[s])
+    oracle = [min(times[s][r] for s in forced) for r in range(reps)]
+    return {"layout": layout, "tokens": n, "store_fraction": f, "stored_tokens": hit,
+            "ttft": {s: spread(v) for s, v in times.items()}, "best_forced": best,
+            "oracle_median": statistics.median(oracle), "auto_plans": plans,
+            "auto_vs_best": med["auto"] / med[best], "auto_vs_oracle": med["auto"] / statistics.median(oracle),
+            "auto_vs_recompute": med["auto"] / med["recompute"]}
+
+
+def render(rec: dict) -> str:
+    rows = rec["cells"]
+    lines = [f"Decision quality ({rec['date']}, {rec['machine']['cpu']}, {rec['machine']['dtype']}, `small`): TTFT "
+             f"median (min-max) in ms over {rec['args']['reps']} interleaved repetitions per source.", "",
+             "| layout | prompt | stored | recompute | store | p2p | auto | auto chose | best forced | auto/best "
+             "| auto/oracle | auto/recompute |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def t(r, s):
+        x = r["ttft"].get(s)
+        return "-" if x is None else f"{x['median'] * 1e3:.0f} ({x['min'] * 1e3:.0f}-{x['max'] * 1e3:.0f})"
+
+    for r in rows:
+        chose = ", ".join(sorted(set(r["auto_plans"])))
+        lines.append(f"| {r['layout']} | {r['tokens']} | {r['stored_tokens']} | {t(r, 'recompute')} | {t(r, 'store')} "
+                     f"| {t(r, 'p2p')} | {t(r, 'auto')} | {chose} | {r['best_forced']} | {r['auto_vs_best']:.2f} "
+                     f"| {r['auto_vs_oracle']:.2f} | {r['auto_vs_recompute']:.2f} |")
+    s = rec["summary"]
+    lines += ["", f"- `auto` within 10% of the best forced source in {s['within_best']}/{s['cells']} cells "
+                  f"({s['within_best_share']:.0%}; target 90%): {'met' if s['within_best_share'] >= 0.9 else 'missed'}",
+              f"- `auto` at most 5% slower than always recomputing in {s['within_recompute']}/{s['cells']} cells "
+              f"(target: all): {'met' if s['within_recompute'] == s['cells'] else 'missed'}",
+              f"- `auto` chose the plan of the fastest forced source in {s['same_plan']}/{s['cells']} cells"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.tiered_bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="256 and 2048 tokens, 0 and 100%%, 1 repetition")
+    ap.add_argument("--lengths", help="prompt lengths (default 64,256,1024,2048,4096,8192,16384)")
+    ap.add_argument("--fractions", help="stored fractions (default 0,0.5,1)")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="with prefill, decode only (default both)")
+    ap.add_argument("--reps", type=int, help="interleaved repetitions per cell (default 3; 1 with --quick)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "decisions"))
+    a = ap.parse_args(argv)
+    lengths = [int(x) for x in (a.lengths or ("256,2048" if a.quick else "64,256,1024,2048,4096,8192,16384")).split(",")]
+    fractions = [float(x) for x in (a.fractions or ("0,1" if a.quick else "0,0.5,1")).split(",")]
+    layouts = [x.strip() for x in a.layouts.split(",")]
+    if unknown := [x for x in layouts if x not in LAYOUTS]:
+        ap.error(f"unknown layout(s) {unknown}; known: {', '.join(LAYOUTS)}")
+    reps = a.reps or (1 if a.quick else 3)
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
     from multi.models import build
 
-    model = str(build("small", Path(os.environ.get("MCTIER_CACHE", ".cache")) / "models" / "small"))
-    rng = random.Random(0)
+    model = str(build("small", Path(os.environ.get("MCTIER_CACHE", ROOT / ".cache")) / "models" / "small"))
+    longest = max(lengths) + 64
+    extra = ["--max-model-len", str(max(longest, MODEL_POSITIONS))]
+    if longest > MODEL_POSITIONS:
+        extra += ["--hf-overrides", json.dumps({"max_position_embeddings": longest})]
+    rng = random.Random(a.seed)
     dep = Deployment(out / "logs")
-    result: dict = {"machine": os.uname().nodename, "date": time.strftime("%Y-%m-%d %H:%M"), "model": "small"}
+    rec: dict = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(model),
+                 "args": {"lengths": lengths, "fractions": fractions, "layouts": layouts, "reps": reps,
+                          "engine_extra": extra}, "cells": []}
+    t0 = time.monotonic()
+
+    def on_signal(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
     try:
-        dep.cluster = StoreCluster(log_dir=out / "logs", segment_size=4 << 30).start()
-        master = dep.cluster.master_addr
-        boot = free_port()
-        p_url, _, proxy = dep.pd_pair(model, tiered_config("kv_producer", master, boot),
-                                      tiered_config("kv_consumer", master, free_port()), boot)
-        print("decision quality (TTFT medians through the proxy):", flush=True)
-        result["decision_quality"] = decision_quality(p_url, proxy, lengths, fractions, reps, rng)
-        ok = sum(r["auto_vs_best"] <= 1.10 for r in result["decision_quality"])
-        result["auto_within_10pct"] = ok / max(1, len(result["decision_quality"]))
+        dep.cluster = StoreCluster(log_dir=out / "logs", segment_size=8 << 30).start()
+        master, boot = dep.cluster.master_addr, free_port()
+        p_url, d_url, proxy = dep.pd_pair(model, tiered_config("kv_producer", master, boot),
+                                          tiered_config("kv_consumer", master, free_port()), boot, extra=extra)
+        urls = {"prefill": p_url, "decode": d_url, "proxy": proxy}
+        cell(urls, "with prefill", 512, 0.5, 1, rng, 0)  # untimed: the first handoff and loads set things up
+        for n in lengths:
+            seen = set()
+            for f in fractions:
+                if (hit := int(n * f) // CHUNK * CHUNK) in seen:
+                    continue  # a fraction that stores the same whole chunks as one before it: the same cell
+                seen.add(hit)
+                for layout in layouts:
+                    r = cell(urls, layout, n, f, reps, rng, len(rec["cells"]))
+                    rec["cells"].append(r)
+                    print(f"[decisions] {layout:<12} n={n:>5} stored={r['stored_tokens']:>5}  " + "  ".join(
+                        f"{s} {x['median'] * 1e3:.0f}" for s, x in r["ttft"].items()) +
+                        f" ms; auto chose {','.join(sorted(set(r['auto_plans'])))}; auto/best "
+                        f"{r['auto_vs_best']:.2f}", flush=True)
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - the cells measured so far are still written
+        rec["error"] = "interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"[:2000]
+        print(f"[decisions] FAILED: {rec['error']}", flush=True)
     finally:
         dep.stop()
-    (out / "tiered_bench.json").write_text(json.dumps(result, indent=1))
-    if result["decision_quality"]:
-        plot(result["decision_quality"], out / "tiered_decisions.png")
-    print(f"\nauto within 10% of the best forced source in {result['auto_within_10pct']:.0%} of cases "
-          f"(target >= 90%)")
-    print(f"wrote {out / 'tiered_bench.json'} and {out / 'tiered_decisions.png'}")
-    return 0
+    cells = rec["cells"]
+    rec["summary"] = {"cells": len(cells), "within_best": sum(r["auto_vs_best"] <= WITHIN_BEST for r in cells),
+                      "within_recompute": sum(r["auto_vs_recompute"] <= WITHIN_RECOMPUTE for r in cells)}
+    rec["summary"]["within_best_share"] = rec["summary"]["within_best"] / max(1, len(cells))
+    # Whether auto took the plan of the fastest forced source, whatever the clock said (at
+    # 30 ms a few ms of noise decide auto/best).
+    # (A forced store with nothing stored is recomputation: the composite falls back.)
+    rec["summary"]["same_plan"] = sum(set(c["auto_plans"]) == {"recompute" if c["best_forced"] == "store" and
+                                                               not c["stored_tokens"] else c["best_forced"]}
+                                      for c in cells)
+    rec["seconds"], rec["pids"] = round(time.monotonic() - t0), sorted(set(dep.started))
+    (out / "decisions.json").write_text(json.dumps(rec, indent=1))
+    md = render(rec)
+    (out / "decisions.md").write_text(md)
+    print("\n" + md + f"\n[decisions] wrote {out / 'decisions.json'}, {out / 'decisions.md'} ({rec['seconds']} s)")
+    return 1 if "error" in rec else 0
 
 
 if __name__ == "__main__":

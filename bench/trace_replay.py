@@ -45,7 +45,8 @@ tokens after c cached (a step per 2048-token chunk; the chunks' attention sums t
 term). ``decode``: TPOT of b = 1, 2, 4, 8 streams started together (256-token prompts, 64
 tokens): step_s + per_seq_s * b. The first pass of each is untimed (new shapes are slower).
 Both on plain engine 0, and again on the tiered decode engine (``tiered``: its connector's
-own cost per step).
+own cost per step), and the prefill fit on the tiered prefill engine too
+(``tiered.prefill_instance``: it saves every prompt to the store, on its own core).
 ``store`` and ``p2p``: from A's histograms over its replay (sums over both engines),
 GB/s (1e9 B/s) = bytes / seconds in the transfer phases (store: ``load_transfer``,
 ``load_staging``, ``load_copy``; P2P: ``transfer``) and latency_s = the rest per load (store:
@@ -62,8 +63,9 @@ router's tokenization and store lookup). Plus KV bytes per token,
 the prefix-cache capacity per engine (``vllm:cache_config_info``) and the store's DRAM.
 
 Writes ``trace_replay.json`` (all of it, with the trace's ``describe`` and every command),
-``trace_replay.md``, ``speeds.json``, the scaled trace (``trace.jsonl``) and the client's raw
-results (``runs/``) to ``--out`` (default ``bench/results/trace_replay/``); prints the table.
+``trace_replay.md``, ``speeds.json``, the scaled trace (``trace.jsonl``), each router's
+decisions over the replay in the order routed (``decisions-{tiered,plain}.jsonl``, from
+``mctier proxy --decision-log``) and the client's raw results (``runs/``) to ``--out`` (default ``bench/results/trace_replay/``); prints the table.
 Everything started is stopped at the end, also on failure and Ctrl-C (clients before the
 master). Exit status 1 if a deployment or a request failed.
 """
@@ -75,6 +77,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -184,6 +187,21 @@ def transfers(per_engine: dict[str, dict[Key, float]]) -> dict:
     return {"store": st, "p2p": p2p}
 
 
+def handoff_overhead(log: list[dict], bpt: int, gbps: float | None) -> dict:
+    """What a handoff costs beyond moving its bytes, from the router's decision log of the
+    idle probe's handoffs (each alone; the decode instance held nothing of the prompt):
+    ``ttft_s - prefill_s`` is the time from the prefill's answer to the decode's first token
+    (bootstrap query, the pull, the acknowledgement, the decode engine noticing the pulled
+    request and computing its last token); less ``(n - 1) * bpt / gbps`` it is the fixed
+    part, whose median is ``overhead_s``. The Transfer Engine's own phases on ``/metrics``
+    (``latency_s``) see only the query and acknowledgement inside it."""
+    gaps = [(x["n"], x["ttft_s"] - x["prefill_s"]) for x in log
+            if x.get("kind") == "pd" and x.get("ttft_s") is not None and x.get("prefill_s") is not None]
+    fixed = [g - (n - 1) * bpt / (gbps * 1e9) for n, g in gaps] if gbps else []
+    return {"gaps": [{"n": n, "gap_s": round(g, 5)} for n, g in gaps],
+            "overhead_s": statistics.median(fixed) if fixed else None}
+
+
 def probe(d_url: str, send, kind: str) -> dict:
     """One forced load on D per prompt size, each with its own /metrics delta; the load's
     (handoff's) seconds fitted as latency_s + bytes / (gbps * 1e9)."""
@@ -218,12 +236,15 @@ class Replay(Bench):
     def replay(self, name: str, engines: dict[str, str], router_args: list[str], commands: dict,
                direct: str) -> None:
         res = self.results[name] = {"commands": commands}
-        url, proc = self.router(f"{name}-router", router_args)
+        log = self.runs / f"{name}-router-decisions.jsonl"
+        log.unlink(missing_ok=True)
+        url, proc = self.router(f"{name}-router", [*router_args, "--decision-log", str(log)])
         commands["router"] = proc.argv
         self.warm(url, f"{name}-router")
         if not self.a.skip_speeds:  # the router's own share of a TTFT, for the simulator
             self.speeds.setdefault("overhead", {})[name] = overhead(url, direct, random.Random(f"oh-{name}"))
         before = {e: settled(u) for e, u in engines.items()}
+        skip = len(log.read_text().splitlines()) if log.exists() else 0  # the warm-up's and overhead's requests
         data = ["--dataset-name", "timed_trace", "--dataset-path", str(self.trace_file),
                 "--timed-trace-chunk-hash-size", str(trace.BLOCK // self.a.len_factor),
                 "--timed-trace-sec-multiplier", "0.001", "--num-prompts", str(len(self.timestamps))]
@@ -256,6 +277,10 @@ class Replay(Bench):
                    cache_tokens_per_engine={e: cache_tokens(after[e]) for e in engines},
                    metrics_delta={e: keyed(d) for e, d in per.items()})
         res["router_view"] = router_view(requests.get(url + "/metrics", timeout=5).text)
+        # The replay's own routing decisions in the order routed (the router writes each when
+        # its answer ends); bench.sim.validate compares them with the simulator's one by one.
+        lines = sorted(log.read_text().splitlines(True)[skip:], key=lambda x: json.loads(x)["t"])
+        (self.out / f"decisions-{name}.jsonl").write_text("".join(lines))
         print(f"[replay] {name}: {res['completed']}/{res['requests']} ok, TTFT p50 {res['p50_ttft_ms']:.0f} "
               f"p90 {res['p90_ttft_ms']:.0f} ms, SLO {res['slo_attainment']:.0%}, {res['wall_s']} s", flush=True)
 
@@ -299,12 +324,18 @@ class Replay(Bench):
             # one run its TPOT was 1.22x the plain engines' under the same trace).
             rng, t0 = random.Random(f"speeds-tiered-{self.a.seed}"), time.monotonic()
             self.speeds["tiered"] = {"prefill": prefill_speeds(d_url, self.a.quick, rng),
-                                     "decode": decode_speeds(d_url, self.a.quick, rng)}
+                                     "decode": decode_speeds(d_url, self.a.quick, rng),
+                                     # The prefill engine's own: it saves every prompt to the
+                                     # store, and each save shares its core with the next prefill.
+                                     "prefill_instance": prefill_speeds(p_url, self.a.quick, rng)}
             print(f"[replay] speeds on tiered-decode ({time.monotonic() - t0:.0f} s)", flush=True)
         self.replay("tiered", {"tiered-prefill": p_url, "tiered-decode": d_url},
                     ["--prefill", prefill, "--decode", d_url, "--policy", "kv", "--store", master], commands, d_url)
         rng = random.Random(self.a.seed)
-        rr = self.router("tiered-probe", ["--prefill", prefill, "--decode", d_url, "--policy", "round-robin"])[0]
+        probe_log = self.runs / "tiered-probe-decisions.jsonl"
+        probe_log.unlink(missing_ok=True)
+        rr = self.router("tiered-probe", ["--prefill", prefill, "--decode", d_url, "--policy", "round-robin",
+                                          "--decision-log", str(probe_log)])[0]
 
         def via_store(n: int) -> None:
             prompt = ids(n, rng)
@@ -321,6 +352,10 @@ class Replay(Bench):
                 x["probe"] = probe(d_url, send, kind)
             except Exception as e:  # noqa: BLE001 - the replay's numbers stand without it
                 x["probe"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        if probe_log.exists():
+            x = self.speeds["p2p"]
+            gbps = x.get("gbps") or (x.get("probe") or {}).get("gbps")  # the replay may have handed nothing off
+            x["handoff"] = handoff_overhead([json.loads(r) for r in probe_log.read_text().splitlines()], self.bpt, gbps)
 
 def window(a: argparse.Namespace, path: Path, positions: int) -> tuple[list[trace.Request], list[str], int]:
     """The scaled trace, written to ``path``; the ``bench.trace`` command that writes it

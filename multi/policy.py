@@ -37,7 +37,9 @@ The loads of one plan run concurrently; recomputation follows them:
 
 Learning: workers measure :class:`ForwardSample` (one forward pass: new tokens and
 context per scheduled request) and :class:`LoadSample` (one finished load: bytes
-and seconds of one tier); they travel on the stats record through
+and seconds of one tier; for a ``remote_prefill`` tier the scheduler replaces the
+seconds with the whole handoff less the remote compute it estimated,
+:meth:`multi.scheduler.TieredScheduler.handoff_seconds`); they travel on the stats record through
 :func:`encode_samples` / :func:`decode_samples`, and :meth:`CostModel.learn`
 updates the fits with them.
 """
@@ -109,11 +111,13 @@ class ForwardSample(msgspec.Struct, tag="forward", array_like=True):
 
 
 class LoadSample(msgspec.Struct, tag="load", array_like=True):
-    """One successful load: ``bytes`` from tier ``tier`` in ``seconds`` (a ``kvcore.tier.LoadReport``)."""
+    """One successful load: ``bytes`` from tier ``tier`` in ``seconds`` (a ``kvcore.tier.LoadReport``),
+    for request ``req_id`` (the scheduler times a handoff whole by it)."""
 
     tier: str
     bytes: int
     seconds: float
+    req_id: str = ""
 
 
 Sample = ForwardSample | LoadSample
@@ -193,7 +197,9 @@ class CostModel:
                 # The prefill instance computes what the tiers before this one could not give it.
                 before = max((min(u.tokens, N - 1) for u in x.tiers[:i]), default=0)
                 before = max(before, min(t.remote_cached, N - 1))
-                seconds += t.remote_queue_s + max(0.0, self.compute_s(before, N) - x.prefill_elapsed_s)
+                remote = t.remote_queue_s + max(0.0, self.compute_s(before, N) - x.prefill_elapsed_s)
+                parts[f"{t.tier}_remote_s"] = remote  # what the scheduler takes off a whole handoff's time
+                seconds += remote
             parts[f"{t.tier}_s"] = seconds
             t_load = max(t_load, seconds)
             end = reach[i]

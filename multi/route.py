@@ -92,6 +92,9 @@ class Route:
     base_s: float = 0.0
     wait_x: list[float] = field(default_factory=list)
     own_s: float = 0.0  # this request's compute on the waiting instance (a wait feature)
+    # The kv policy's estimate of every route it weighed (seconds), by "direct URL" or
+    # "pd PREFILL_URL": what the decision log (``mctier proxy --decision-log``) records.
+    candidates: dict[str, float] = field(default_factory=dict)
 
 
 class Chooser:
@@ -184,7 +187,8 @@ class Chooser:
         if slo is not None and route.seconds > slo:
             return Route("reject", route.prefill, route.target, route.seconds, route.plan,
                          f"estimate {route.seconds:.3f}s > target {slo:.3f}s",
-                         retry_after=max(1, math.ceil(route.seconds - slo)), store=store)
+                         retry_after=max(1, math.ceil(route.seconds - slo)), store=store,
+                         candidates=route.candidates)
         return route
 
     def _choose_pd(self, pool: Pool, n: int, match, store: int, now: float) -> Route | None:
@@ -225,7 +229,9 @@ class Chooser:
                 cands.append((plan.seconds, p.outstanding, j + 1,
                               Route("pd", p, d, plan.seconds, plan.name, reason, cached_prefill=c_p,
                                     cached_target=l_d, store=store, own_s=plan.parts["own_s"])))
-        return min(cands, key=lambda c: c[:3])[3]
+        best = min(cands, key=lambda c: c[:3])[3]
+        best.candidates = {f"{c[3].kind} {(c[3].prefill or c[3].target).url}": c[0] for c in cands}
+        return best
 
     def _choose_plain(self, pool: Pool, n: int, match, store: int, now: float) -> Route | None:
         plain = pool.role("plain")
@@ -238,13 +244,17 @@ class Chooser:
         else:
             turn = next(self._turn)
             order = [plain[(turn + j) % len(plain)] for j in range(len(plain))]
-            e = min(order, key=lambda i: (self.direct_estimate(n, i, match(i), store, now).seconds, i.outstanding))
+            est = {i.url: self.direct_estimate(n, i, match(i), store, now).seconds for i in order}
+            e = min(order, key=lambda i: (est[i.url], i.outstanding))
         l_e = match(e)
         plan = self.direct_estimate(n, e, l_e, store, now)
         reason = self.policy if self.policy != "kv" else (
             "instance's cache" if l_e > 0 else "least queued")
-        return Route("direct", None, e, plan.seconds, plan.name, reason, cached_target=l_e, store=store,
-                     own_s=plan.parts["own_s"])
+        route = Route("direct", None, e, plan.seconds, plan.name, reason, cached_target=l_e, store=store,
+                      own_s=plan.parts["own_s"])
+        if self.policy == "kv":
+            route.candidates = {f"direct {u}": s for u, s in est.items()}
+        return route
 
     # -- bookkeeping (the router and bench/sim both call these) ---------------------------
 

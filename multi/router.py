@@ -60,7 +60,8 @@ SLO_PARAM = "ttft_slo_s"  # the same, as a kv_transfer_params key (removed befor
 class Router(Proxy):
     def __init__(self, pool: Pool, chooser: Chooser, index: BlockIndex, prompts: Prompts, *, timeout: float,
                  connect_timeout: float, slo: float | None = None, store_view=None, store_approx: bool = False,
-                 health_interval: float = 2.0, instances_file: str | None = None, store_timeout: float = 0.5):
+                 health_interval: float = 2.0, instances_file: str | None = None, store_timeout: float = 0.5,
+                 decision_log: str | None = None):
         super().__init__(timeout, connect_timeout)
         self.pool, self.chooser, self.index, self.prompts = pool, chooser, index, prompts
         # The exact view (KV events) lives apart from the router's own record: a stale
@@ -78,6 +79,9 @@ class Router(Proxy):
         # Store lookups get threads of their own: a slow master must not hold up the
         # default executor (tokenization, hold releases).
         self._store_pool = ThreadPoolExecutor(2, thread_name_prefix="store-view")
+        # One JSON line per routed request (see _log_decision); line-buffered, so a reader
+        # (bench/trace_replay) sees every answered request without a flush.
+        self.decision_log = open(decision_log, "a", buffering=1) if decision_log else None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -105,6 +109,8 @@ class Router(Proxy):
         if self.store_view is not None:
             await asyncio.get_running_loop().run_in_executor(self._store_pool, self.store_view.close)
         self._store_pool.shutdown(wait=False, cancel_futures=True)
+        if self.decision_log is not None:
+            self.decision_log.close()
         await super().stop(app)
 
     async def _discover_events(self, inst: Instance) -> None:
@@ -274,26 +280,54 @@ class Router(Proxy):
             self.metrics.rejections.inc()
             resp = _error(429, f"time-to-first-token target cannot be met: {route.reason}")
             resp.headers["Retry-After"] = str(route.retry_after)
+            self._log_decision(t0, len(tokens), route, resp.status, None)
             return self._answer(resp)
+        ttft: dict[str, float] = {}
         try:
-            resp = await asyncio.wait_for(self._execute(request, path, body, route, tokens, hashes, t0),
+            resp = await asyncio.wait_for(self._execute(request, path, body, route, tokens, hashes, t0, ttft),
                                           self.timeout)
         except ProxyError as e:
             logger.warning("%s: %s", path, e.message)
             resp = _error(e.status, e.message)
         except asyncio.TimeoutError:
             resp = _error(504, f"no complete answer within the router's deadline ({self.timeout:.0f}s)")
+        except asyncio.CancelledError:  # the client went away: logged with nginx's 499
+            self._log_decision(t0, len(tokens), route, 499, ttft.get("s"), ttft.get("prefill_s"))
+            raise
+        self._log_decision(t0, len(tokens), route, resp.status, ttft.get("s"), ttft.get("prefill_s"))
         return self._answer(resp)
+
+    def _log_decision(self, t0: float, n: int, route: Route, status: int, ttft_s: float | None,
+                      prefill_s: float | None = None) -> None:
+        """``--decision-log``: what the router knew, chose and weighed for one request, and
+        how it came out (``ttft_s``: from arrival to the first streamed token, None when the
+        answer was not streamed or failed; ``prefill_s``: a handoff's prefill request from
+        sent to answered). Times in seconds, ``t`` on the monotonic clock."""
+        if self.decision_log is None:
+            return
+        rec = {"t": round(t0, 6), "n": n, "kind": route.kind, "plan": route.plan, "reason": route.reason,
+               "prefill": route.prefill.url if route.prefill else None,
+               "target": route.target.url if route.target else None,
+               "cached_prefill": route.cached_prefill, "cached_target": route.cached_target, "store": route.store,
+               "predicted_s": round(route.seconds, 6), "wait_s": round(route.seconds - route.base_s, 6),
+               "candidates": {k: round(v, 6) for k, v in route.candidates.items()},
+               "status": status, "ttft_s": None if ttft_s is None else round(ttft_s, 6),
+               "prefill_s": None if prefill_s is None else round(prefill_s, 6)}
+        try:
+            self.decision_log.write(json.dumps(rec) + "\n")
+        except OSError as e:  # a full disk must not fail requests
+            logger.warning("decision log write failed: %s", e)
 
     def _answer(self, resp: web.StreamResponse) -> web.StreamResponse:
         self.metrics.requests.labels(str(resp.status)).inc()
         return resp
 
-    async def _execute(self, request, path, body, route: Route, tokens, hashes, t0) -> web.StreamResponse:
+    async def _execute(self, request, path, body, route: Route, tokens, hashes, t0, ttft: dict) -> web.StreamResponse:
         n, stream = len(tokens), bool(body.get("stream"))
         if route.kind == "direct":
             return await self._on(route.target, route, n, max(route.cached_target, route.store), hashes, t0,
-                                  lambda rid: self._direct(request, path, body, route.target, rid), stream=stream)
+                                  lambda rid: self._direct(request, path, body, route.target, rid), stream=stream,
+                                  ttft=ttft)
         tried: set[str] = set()
         p = route.prefill
         while True:
@@ -301,7 +335,7 @@ class Router(Proxy):
             try:
                 return await self._on(p, route, n, max(route.cached_prefill, route.store), hashes, t0,
                                       lambda rid: self._run(request, path, body, p, route.target, rid), pd=True,
-                                      stream=stream)
+                                      stream=stream, ttft=ttft)
             except ProxyError as e:
                 if not e.prefill_failed:
                     raise
@@ -317,9 +351,10 @@ class Router(Proxy):
                 route.prefill, route.wait_x = p, []
 
     async def _on(self, inst: Instance, route: Route, n: int, cached: int, hashes, t0: float, call,
-                  pd: bool = False, stream: bool = False) -> web.StreamResponse:
+                  pd: bool = False, stream: bool = False, ttft: dict | None = None) -> web.StreamResponse:
         """Run ``call(rid)`` with ``inst``'s bookkeeping: outstanding counts, queued work,
-        then what it teaches the index and the cost model."""
+        then what it teaches the index and the cost model; a streamed answer's time to first
+        token goes into ``ttft["s"]``."""
         rid = str(uuid.uuid4())
         alone = self.chooser.begin(route, inst, n, cached, rid, time.monotonic())
         try:
@@ -331,6 +366,11 @@ class Router(Proxy):
         if resp.status == 200:
             # Only a streamed answer's first chunk is a first token; a whole answer is not.
             first = first if stream else None
+            if ttft is not None:
+                if first is not None:
+                    ttft["s"] = first - t0
+                if pd and prefill_s is not None:
+                    ttft["prefill_s"] = prefill_s
             self._learn(inst, route, n, cached, hashes, t0, first, prefill_s, alone and alone_after, pd)
         return resp
 

@@ -64,6 +64,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--timeout", type=float, default=600.0, help="deadline of one client request (504 after)")
     ap.add_argument("--connect-timeout", type=float, default=5.0, help="connect / bootstrap query timeout (502 after)")
+    ap.add_argument("--decision-log", metavar="FILE",
+                    help="append one JSON line per routed request: what the router knew, the route, every "
+                         "estimate it weighed, the status and the time to first token")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return ap.parse_args(argv)
 
@@ -138,10 +141,14 @@ def build_app(a: argparse.Namespace) -> web.Application:
 
         url = (pool.role("decode", False) or pool.role("plain", False) or pool.all)[0].url
         store_view = StoreView(a.store, url)
-    router = Router(pool, Chooser(a.policy, bytes_per_token(a, root), cfg), BlockIndex(a.block_size, a.index_blocks),
-                    Prompts(a.tokenizer, a.connect_timeout), timeout=a.timeout, connect_timeout=a.connect_timeout,
-                    slo=a.ttft_slo, store_view=store_view, store_approx=bool(a.store),
-                    health_interval=a.health_interval, instances_file=a.instances)
+    try:
+        router = Router(pool, Chooser(a.policy, bytes_per_token(a, root), cfg),
+                        BlockIndex(a.block_size, a.index_blocks), Prompts(a.tokenizer, a.connect_timeout),
+                        timeout=a.timeout, connect_timeout=a.connect_timeout, slo=a.ttft_slo, store_view=store_view,
+                        store_approx=bool(a.store), health_interval=a.health_interval, instances_file=a.instances,
+                        decision_log=a.decision_log)
+    except OSError as e:  # the decision log cannot be opened
+        raise SystemExit(f"mctier proxy: --decision-log: {e}") from None
     app = web.Application(client_max_size=64 << 20)
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)

@@ -23,7 +23,8 @@ from kvcore.log import get_logger
 from kvcore.tier import Tier, blocks_of
 from kvcore.vllm_glue import first_group_block_ids
 from multi.metrics import TieredStats
-from multi.policy import CostModel, Inputs, Plan, PolicyConfig, TierReach, decode_samples, requested_source
+from multi.policy import (CostModel, Inputs, LoadSample, Plan, PolicyConfig, TierReach, decode_samples,
+                          requested_source)
 from multi.protocol import TieredMetadata
 
 logger = get_logger("multi.scheduler")
@@ -57,6 +58,9 @@ class TieredScheduler:
         self._decisions: dict[str, _Decision] = {}
         self._loads: dict[str, dict[str, list[int]]] = {}
         self._sends: dict[str, list[str]] = {}
+        # Handoffs in flight: request -> (when their load was planned, the plan's estimate of
+        # the prefill instance's compute for it), see handoff_seconds.
+        self._handoffs: dict[str, tuple[float, float]] = {}
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         for tier in self.tiers.values():
@@ -113,6 +117,8 @@ class TieredScheduler:
                 # The plan's estimate for this tier sets how long the load may take.
                 self.tiers[name].plan_load(request, start, end, ids, expected_s=d.plan.parts.get(f"{name}_s"))
                 loads[name] = blocks_of(start, end, self.block_size, ids)
+                if self.tiers[name].remote_prefill:
+                    self._handoffs[rid] = (time.monotonic(), d.plan.parts.get(f"{name}_remote_s", 0.0))
                 d.loads.append(name)
             self._loads[rid] = loads
         for name, tier in self.tiers.items():
@@ -153,13 +159,28 @@ class TieredScheduler:
             logger.warning("calibration samples not understood (%s); ignored", e)
             return
         for sample in samples:
+            if isinstance(sample, LoadSample) and sample.req_id in self._handoffs:
+                sample = msgspec.structs.replace(sample, seconds=self.handoff_seconds(sample))
             kind, est, seconds = self.model.learn(sample)
             if seconds > 0:
                 self.stats.own_inc(f"estimate_error:{kind}", abs(est - seconds) / seconds)
                 self.stats.own_inc(f"estimate_samples:{kind}")
 
+    def handoff_seconds(self, sample: LoadSample, now: float | None = None) -> float:
+        """What a handoff cost beyond the prefill instance's compute: from its load being
+        planned until the scheduler learns it finished, less the plan's estimate of the
+        remote compute, and at least the transfer the worker timed. The worker times only the
+        Transfer Engine's read; the rest (the prefill request's own overhead, the wait for
+        its READY after its compute, the acknowledgement, the step that reports the pull)
+        is what made ``auto`` pick a handoff of 256 tokens over a store load 3x faster
+        (bench/tiered_bench.py, 2026-12-01): the p2p fit's latency must learn it."""
+        t0, remote = self._handoffs.pop(sample.req_id)
+        now = time.monotonic() if now is None else now
+        return max(sample.seconds, now - t0 - remote)
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        self._handoffs.pop(rid, None)
         d = self._decisions.pop(rid, None)
         holders, params = [], {}
         for name, tier in self.tiers.items():

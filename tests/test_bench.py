@@ -144,6 +144,7 @@ def test_trace_replay_quick_runs_both_deployments_and_feeds_the_simulator(tmp_pa
     assert s["prefill"]["token_s"] > 0 and s["decode"]["step_s"] > 0 and s["bytes_per_token"] > 0
     assert s["prefix_cache_tokens_per_engine"] > 0 and set(s["overhead"]) == {"plain", "tiered"}
     assert s["contention"]["factor"] >= 0 and s["tiered"]["prefill"]["token_s"] > 0
+    assert len(s["p2p"]["handoff"]["gaps"]) == 6 and s["p2p"]["handoff"]["overhead_s"] is not None  # the probe's
     assert [p for p in r["pids"] if not _gone(p)] == []
     v = subprocess.run([sys.executable, "-m", "bench.sim", "validate", "--replay", str(tmp_path)],
                        cwd=str(ROOT), capture_output=True, text=True, timeout=300)
@@ -152,3 +153,31 @@ def test_trace_replay_quick_runs_both_deployments_and_feeds_the_simulator(tmp_pa
     assert set(rec["deployments"]) == {"tiered", "plain"}
     for d in rec["deployments"].values():
         assert d["sim"]["served"] == 8 and d["compare"]["ttft_p50"]["sim"] > 0
+    # Each router's decision log over the replay (not the warm-up's requests): 8 streamed
+    # answers, each timed to its first token, paired one by one with the simulator's routes.
+    for name in ("tiered", "plain"):
+        log = [json.loads(x) for x in (tmp_path / f"decisions-{name}.jsonl").read_text().splitlines()]
+        assert len(log) == 8 and all(x["status"] == 200 and x["ttft_s"] > 0 for x in log), log
+        assert rec["deployments"][name]["decisions"]["paired"] == 8
+    assert all(len(x["candidates"]) == 2 for x in map(json.loads, (tmp_path / "decisions-tiered.jsonl").open()))
+
+
+def test_decision_bench_quick_measures_every_cell(tmp_path):
+    """``python -m bench.tiered_bench --quick --lengths 256``: both layouts at 0% and 100%
+    stored, every source timed, the plan ``auto`` chose read from the decode engine, every
+    process gone. No assertion on which source wins."""
+    proc = subprocess.run([sys.executable, "-m", "bench.tiered_bench", "--quick", "--lengths", "256",
+                           "--out", str(tmp_path)], cwd=str(ROOT), capture_output=True, text=True, timeout=900)
+    (tmp_path / "stdout.txt").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((tmp_path / "decisions.json").read_text())
+    got = sorted((c["layout"], c["store_fraction"], sorted(c["ttft"])) for c in r["cells"])
+    assert got == [("decode only", 0.0, ["auto", "recompute", "store"]), ("decode only", 1.0, ["auto", "recompute", "store"]),
+                   ("with prefill", 0.0, ["auto", "p2p", "recompute", "store"]),
+                   ("with prefill", 1.0, ["auto", "p2p", "recompute", "store"])]
+    for c in r["cells"]:
+        assert all(x["n"] == 1 and x["median"] > 0 for x in c["ttft"].values()), c
+        assert len(c["auto_plans"]) == 1 and "?" not in c["auto_plans"], c
+        assert c["oracle_median"] == min(x["median"] for s, x in c["ttft"].items() if s != "auto")
+    assert "within 10% of the best forced source" in (tmp_path / "decisions.md").read_text()
+    assert len(r["pids"]) >= 5 and [p for p in r["pids"] if not _gone(p)] == []

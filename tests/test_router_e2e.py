@@ -66,7 +66,8 @@ class Routed:
                         extra_args=ev["d"])
         self.base = Engine("router-baseline", core=0, dev_mode=True)
         start_engines(self.p1, self.p2, self.d, self.base)
-        self.proxy, self.url = self.router("router")
+        self.decision_log = os.path.join(IPC_DIR, "decisions.jsonl")
+        self.proxy, self.url = self.router("router", extra=["--decision-log", self.decision_log])
         self.idle = {e.name: e.metric("vllm:kv_cache_usage_perc") for e in self.engines()}
 
     def engines(self) -> list[Engine]:
@@ -91,6 +92,10 @@ class Routed:
         text = requests.get((url or self.url) + "/metrics", timeout=10).text
         return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
                    if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    def decisions(self) -> list[dict]:
+        with open(self.decision_log) as f:
+            return [json.loads(x) for x in f]
 
     def served(self) -> dict[str, float]:
         """Prompt tokens each engine has been asked to process so far."""
@@ -143,6 +148,15 @@ def test_prefix_only_in_one_prefill_cache_goes_to_that_instance(rt):
     assert after[rt.p2.name] - before[rt.p2.name] == n and after[rt.p1.name] == before[rt.p1.name]
     assert rt.p2.metric("vllm:prefix_cache_hits_total") - hits2 == 6 * 32
     assert rt.router_metric("mctier_router_decisions_total", route="pd", reason="prefill instance's cache") >= 1
+    # The decision log says what the router knew and weighed: P2's 192 tokens, both prefill
+    # instances and the decode instance alone as candidates, the handoff through P2 the cheapest.
+    d = rt.decisions()[-1]
+    assert (d["n"], d["kind"], d["prefill"], d["target"], d["cached_prefill"], d["status"]) == \
+        (n, "pd", rt.p2.url, rt.d.url, 192, 200)
+    assert set(d["candidates"]) == {f"direct {rt.d.url}", f"pd {rt.p1.url}", f"pd {rt.p2.url}"}
+    assert d["predicted_s"] == min(d["candidates"].values()) == d["candidates"][f"pd {rt.p2.url}"]
+    assert d["ttft_s"] is None  # not streamed: no first token seen
+    assert d["prefill_s"] > 0  # the handoff's prefill request, sent to answered
     resp = r.json()
     assert plan(resp) == [(0, n - 1, "p2p"), (n - 1, n, "recompute")]
     # P2 computed warm, then the prompt after its 192 cached tokens; D computed the last token.
@@ -188,12 +202,32 @@ def test_request_that_cannot_meet_its_target_gets_429_before_any_engine(rt):
     time.sleep(0.5)
     assert rt.served() == before  # no engine saw either request
     assert rt.router_metric("mctier_router_rejections_total") - rejected == 2
+    assert [(d["kind"], d["status"]) for d in rt.decisions()[-2:]] == [("reject", 429)] * 2
     bad = rt.complete(prompt, headers={"X-TTFT-SLO": "soon"})
     assert bad.status_code == 400 and "seconds" in bad.json()["error"]["message"]
     # A target the estimate meets: served, with the right tokens.
     ok = rt.complete(prompt, headers={"X-TTFT-SLO": "60"})
     assert ok.status_code == 200, ok.text
     assert_fresh_prompt_tokens(rt, prompt, ok.json())
+
+
+def test_decision_log_times_a_streamed_answer_to_its_first_token(rt):
+    prompt = prompt_ids(64 + 1, 9351)
+    body = {"model": "m", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True}
+    t0 = time.monotonic()
+    with requests.post(rt.url + "/v1/completions", json=body, stream=True, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(x for x in lines if x.startswith(b"data:"))
+        client_ttft = time.monotonic() - t0
+        rest = [x for x in lines if x]
+    assert b'"text"' in first and rest[-1] == b"data: [DONE]"
+    d = rt.decisions()[-1]
+    assert (d["n"], d["status"]) == (len(prompt), 200)
+    # From the router's arrival to its first streamed chunk: inside the client's own TTFT;
+    # a handoff's prefill answered before it.
+    assert 0 < d["ttft_s"] <= client_ttft
+    assert d["prefill_s"] is None if d["kind"] == "direct" else 0 < d["prefill_s"] < d["ttft_s"]
 
 
 def test_client_disconnect_cancels_both_sides_and_frees_blocks(rt):

@@ -246,6 +246,15 @@ def test_command_line_keeps_the_old_proxy_flags():
         Pool(_instances(parse_args(["--prefill", "http://127.0.0.1:1"]))).validate()
 
 
+def test_a_decision_log_that_cannot_be_opened_is_a_clear_error(tmp_path):
+    from multi.router_cli import build_app
+
+    a = parse_args(["--plain", "http://127.0.0.1:9", "--kv-bytes-per-token", "1",
+                    "--decision-log", str(tmp_path / "missing" / "decisions.jsonl")])
+    with pytest.raises(SystemExit, match=r"--decision-log: .*No such file or directory"):
+        build_app(a)
+
+
 def test_wait_fit_learns_what_a_request_in_flight_costs():
     # Each request already in flight on the instance delays the next first token by 0.5 s
     # (decode steps sharing the engine): the fitted wait follows, and admission with it.

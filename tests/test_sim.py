@@ -69,7 +69,35 @@ def test_kv_router_follows_the_cache_round_robin_does_not():
     assert [r.kind for r in kv] == ["pd", "pd"]
     assert kv[1].ttft == pytest.approx(0.97) and kv[1].local == 8
     assert kv[0].predicted == pytest.approx(1.9) and kv[1].predicted == pytest.approx(1.02)
+    assert kv[1].candidates == pytest.approx({"pd http://sim-prefill-0": 1.02, "pd http://sim-prefill-1": 1.82,
+                                              "direct http://sim-decode-0": 1.2})
     assert rr[1].ttft == pytest.approx(1.77) and rr[1].local == 0
+    assert rr[1].candidates == {}  # round-robin weighs nothing
+
+
+def test_decisions_pair_real_and_simulated_routes_by_order_and_length():
+    # The simulated kv routes of A and B (as above: both pd, B's margin 1.02 - 1.2 = -0.18 s)
+    # against a real log that sent B direct (margin +0.3 s) and has a third request the
+    # simulator did not see. A pairs and agrees, B pairs and disagrees.
+    from bench.sim import decisions
+
+    kv = simulate([A, B], speeds(1e7), Cluster(prefill=2, decode=1, cache_blocks=100, block=4), "kv",
+                  policy_cfg=true_cfg())
+    real = [{"n": 16, "kind": "pd", "candidates": {"pd p": 1.0, "direct d": 2.0}, "cached_target": 0,
+             "cached_prefill": 0, "wait_s": 0.0, "ttft_s": 1.9},
+            {"n": 16, "kind": "direct", "candidates": {"pd p": 1.5, "pd q": 1.4, "direct d": 1.1},
+             "cached_target": 8, "cached_prefill": 8, "wait_s": 0.1, "ttft_s": 1.0},
+            {"n": 99, "kind": "direct", "candidates": {}, "cached_target": 0, "cached_prefill": 0, "wait_s": 0.0,
+             "ttft_s": 1.0}]
+    c = decisions.compare(real, kv)
+    assert (c["real"], c["sim"], c["paired"], c["length_mismatch"]) == (3, 2, 2, 0)
+    assert c["agree"] == 0.5 and c["table"] == {"real pd, sim pd": 1, "real direct, sim pd": 1}
+    g = c["groups"]["real direct, sim pd"]
+    assert g["real_margin_p50_s"] == pytest.approx(0.3) and g["sim_margin_p50_s"] == pytest.approx(-0.18)
+    # Both decode instances held B's first 8 tokens (the simulated D received A's blocks).
+    assert (g["real_cached_target_p50"], g["sim_cached_target_p50"], g["sim_cached_prefill_p50"]) == (8, 8, 8)
+    assert g["sim_ttft_p50_s"] == pytest.approx(0.97)
+    assert "50% took the same kind of route" in decisions.markdown(c)[0]
 
 
 def test_store_hit_from_ssd_by_hand():
@@ -214,3 +242,51 @@ def test_capacity_search_brackets_then_bisects_to_the_last_rate_that_met_the_tar
     c = capacity(lambda r: 1.0)
     assert c["rate"] == MAX_RATE and c["bound"] == "above_max"
     assert min(r for r, _ in capacity(lambda r: 0.0)["runs"]) == MIN_RATE
+
+
+def test_handoff_overhead_from_the_routers_log_sets_the_simulated_p2p_latency(tmp_path):
+    # Two idle handoffs of 1,001 and 2,001 tokens at 1e6 bytes a token and 1 GB/s: their
+    # bytes take 1.0 and 2.0 s; the router saw 1.15 and 2.25 s from the prefill's answer to
+    # the first token: fixed parts 0.15 and 0.25, median 0.2. A direct request and a
+    # handoff without a first token (not streamed) are not handoff samples.
+    import json
+
+    from bench.sim.speeds import from_measured
+    from bench.trace_replay import handoff_overhead
+
+    log = [{"kind": "pd", "n": 1001, "prefill_s": 0.5, "ttft_s": 1.65},
+           {"kind": "pd", "n": 2001, "prefill_s": 1.0, "ttft_s": 3.25},
+           {"kind": "direct", "n": 10, "prefill_s": None, "ttft_s": 0.1},
+           {"kind": "pd", "n": 10, "prefill_s": 0.1, "ttft_s": None}]
+    h = handoff_overhead(log, 1_000_000, 1.0)
+    assert h["overhead_s"] == pytest.approx(0.2) and [g["n"] for g in h["gaps"]] == [1001, 2001]
+    assert handoff_overhead(log, 1_000_000, None)["overhead_s"] is None
+    # The simulator's P2P link: that fixed part less the decode step it simulates itself.
+    m = {"prefill": {"step_s": 0.0, "token_s": 1e-4, "attn_s": 0.0}, "decode": {"step_s": 0.01, "per_seq_s": 0.0},
+         "bytes_per_token": 1_000_000, "p2p": {"gbps": 1.0, "latency_s": 0.001, "handoff": h}}
+    (tmp_path / "speeds.json").write_text(json.dumps(m))
+    assert from_measured(tmp_path / "speeds.json").p2p.latency_s == pytest.approx(0.19)
+    del m["p2p"]["handoff"]
+    (tmp_path / "speeds.json").write_text(json.dumps(m))
+    assert from_measured(tmp_path / "speeds.json").p2p.latency_s == pytest.approx(0.001)
+
+
+def test_a_roles_own_prefill_speed_applies_to_that_role_only():
+    # As test_handoff_times_by_hand, with the prefill instance at 0.2 s a token: A's 16
+    # tokens take 3.2 s there, the pull 0.15 s, the decode instance's last token 0.1 s at
+    # the common speed: first token at 3.45 s.
+    sp = replace(speeds(1e7), role_prefill={"prefill": Prefill(step_s=0.0, token_s=0.2, attn_s=0.0)})
+    a, = simulate([A], sp, Cluster(prefill=1, decode=1, cache_blocks=100, block=4), "round-robin")
+    assert a.kind == "pd" and a.ttft == pytest.approx(3.45)
+
+
+def test_sensitivity_reruns_the_simulation_with_the_prefill_speed_scaled():
+    # 1P1D round-robin on A alone (test_handoff_times_by_hand: first token at 1.85 s, of
+    # which 1.6 s are the prefill instance's 16 tokens): at x1.1 the prefill takes 1.76 s.
+    from bench.sim.validate import SPEED_FACTORS, sensitivity
+
+    rows = sensitivity([A], speeds(1e7), Cluster(prefill=1, decode=1, cache_blocks=100, block=4), "round-robin", 4, 10.0)
+    assert [r["factor"] for r in rows] == list(SPEED_FACTORS)
+    by = {r["factor"]: r for r in rows}
+    assert by[1.0]["ttft_p50"] == pytest.approx(1.85) and by[1.1]["ttft_p50"] == pytest.approx(2.01)
+    assert by[1.0]["share_p2p"] == pytest.approx(15 / 16) and by[1.0]["routes"]["pd"] == 1

@@ -171,7 +171,7 @@ def test_worker_joins_tiers_and_keeps_what_arrived():
     stats = w.take_stats()
     samples = decode_samples(stats.data["samples"])
     assert samples[0] == ForwardSample([64], [0], samples[0].seconds)
-    assert samples[1:] == [LoadSample("disk", 1 << 20, 0.002)]
+    assert samples[1:] == [LoadSample("disk", 1 << 20, 0.002, "r")]
     assert stats.data["own"]["counters"]["load_failures:p2p"] == 1
 
 
@@ -183,6 +183,31 @@ def test_samples_round_trip_and_learning():
     assert kind == "disk" and seconds == 0.5 and est > 0
     assert m.learn(decoded[1])[0] == "forward"
     assert m.load_fit("disk").samples == 1 and m.prefill.samples == 1
+
+
+def test_a_handoff_is_learned_whole_less_the_remote_compute():
+    # A forced p2p plan of 4096 tokens: the plan says what it expects the prefill instance
+    # to compute; the worker timed the read alone (0.01 s). Learned: from the load being
+    # planned to the sample's arrival (0.5 s later) less that remote compute estimate.
+    tiers = three_tiers()
+    s = TieredScheduler(tiers, PolicyConfig(), BS, 8192.0)
+    req = request("r3", 4096, kv_source="p2p")
+    s.get_num_new_matched_tokens(req, 0)
+    s.update_state_after_alloc(req, blocks(4096), 4095)
+    t0, remote = s._handoffs["r3"]
+    assert remote == s._decisions["r3"].plan.parts["p2p_remote_s"] > 0
+    sample = LoadSample("p2p", 4095 * 8192, 0.01, "r3")
+    assert s.handoff_seconds(sample, now=t0 + remote + 0.5) == pytest.approx(0.5)
+    # Consumed once; a sample of no pending handoff (another tier, another request) keeps its seconds.
+    s._handoffs["r3"] = (t0, remote)
+    s._learn(encode_samples([sample, LoadSample("store", 10**6, 0.02, "r9")]))
+    assert "r3" not in s._handoffs and s.model.load_fit("p2p").samples == 1
+    # Never less than the read itself (a remote compute estimate above what it took).
+    s._handoffs["r4"] = (t0, 10.0)
+    assert s.handoff_seconds(LoadSample("p2p", 1, 0.01, "r4"), now=t0 + 1.0) == 0.01
+    s._handoffs["r5"] = (t0, 0.0)
+    s.request_finished(request("r5", 10), [])
+    assert "r5" not in s._handoffs  # a failed pull sends no sample: the entry goes with the request
 
 
 def test_config_generic_tiers_and_short_form():

@@ -149,6 +149,11 @@ class Result:
     p2p: int = 0  # tokens handed to the decode instance
     d_local: int = 0  # a handoff: the decode instance's own prefix-cache hit
     d_store: int = 0  # a handoff: what the decode instance loaded from the store
+    # What the router knew and weighed (multi.route.Route's fields of the same names).
+    cached_prefill: int = 0
+    cached_target: int = 0
+    store_view: int = 0
+    candidates: dict[str, float] = field(default_factory=dict)
 
     @property
     def ttft(self) -> float | None:
@@ -225,7 +230,7 @@ class Engine:
         if not self.running and job is None:
             self.busy = False
             return
-        dt = sp.step_s(len(self.running), self.ctx, k, job.start + job.done if job else 0)
+        dt = sp.step_s(len(self.running), self.ctx, k, job.start + job.done if job else 0, self.inst.role)
         if sp.contention:
             dt *= 1 + sp.contention * sum(1 for e in self.sim.engines if e is not self and e.busy)
         self.sim.at(self.sim.now + dt, lambda: self._end(fresh, job, k))

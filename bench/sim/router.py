@@ -79,6 +79,8 @@ class Runner:
         self._refresh()
         route = self._route(n, match, store)
         res.kind, res.plan, res.predicted = route.kind, route.plan, route.seconds
+        res.cached_prefill, res.cached_target, res.store_view = route.cached_prefill, route.cached_target, route.store
+        res.candidates = route.candidates
         if route.kind == "reject":
             return
         res.instances = tuple(i.url for i in (route.prefill, route.target) if i is not None)

@@ -77,9 +77,12 @@ class Speeds:
     contention: float = 0.0
     max_seqs: int = 256  # decoding sequences per instance
     sources: dict = field(default_factory=dict)
+    # A role's own prefill speed where it differs (role -> Prefill): a prefill instance that
+    # saves every prompt to the store computes more slowly than the decode instance.
+    role_prefill: dict = field(default_factory=dict)
 
-    def step_s(self, b: int, ctx: int, k: int, c: int) -> float:
-        p, d = self.prefill, self.decode
+    def step_s(self, b: int, ctx: int, k: int, c: int, role: str | None = None) -> float:
+        p, d = self.role_prefill.get(role, self.prefill), self.decode
         fixed = max(d.step_s if b else 0.0, p.step_s if k else 0.0)
         return (fixed + d.per_seq_s * b + d.per_ctx_s * ctx + p.token_s * k
                 + p.attn_s * k * (c + k / 2))
@@ -123,10 +126,13 @@ def a800x8() -> Speeds:
 def from_measured(path: str | Path, deployment: str | None = None) -> Speeds:
     """This machine's engines from ``speeds.json`` (``bench.trace_replay``): the prefill
     and decode fits, the store's and P2P's GB/s and per-load latency from the replay's own
-    transfers (SSD: not measured, taken as half the store's rate), and ``deployment``'s
+    transfers (a handoff's latency: its fixed cost seen from the router when measured,
+    ``p2p.handoff.overhead_s``, less a decode step; SSD: not measured, taken as half the
+    store's rate), and ``deployment``'s
     measured request overhead (``overhead``: the router's path, 0 when not measured). The
     prefill and decode fits are ``deployment``'s own when measured (``m[deployment]``, the
-    tiered engines: their connector costs every step something), else the plain engine's."""
+    tiered engines: their connector costs every step something), else the plain engine's;
+    ``m[deployment]["prefill_instance"]``, when measured, is the prefill role's own."""
     m = json.loads(Path(path).read_text())
     missing = [k for k in ("prefill", "decode", "bytes_per_token") if k not in m]
     if missing:
@@ -142,14 +148,27 @@ def from_measured(path: str | Path, deployment: str | None = None) -> Speeds:
         lat = x["rtt_s"] if "rtt_s" in x else x.get("latency_s")
         return Link(x.get("gbps") or 1.0, lat or 0.0)
 
-    store = link("store")
+    # The tiered prefill instance's own fit, when measured (it saves every prompt, on its own
+    # core): the simulated router's handoffs are sensitive to it (bench/sim validate, replay
+    # of 2026-12-01: 40 of 145 at this fit, 26 at 1.075 times it, 36 at 1.03 times it).
+    pi = own.get("prefill_instance") if own else None
+    roles = {"prefill": Prefill(pi["step_s"], pi["token_s"], pi["attn_s"])} if pi else {}
+    store, p2p = link("store"), link("p2p")
+    handoff = ((m.get("p2p") or {}).get("handoff") or {}).get("overhead_s")
+    if handoff is not None:
+        # Measured from the router's side (bench.trace_replay.handoff_overhead): everything
+        # between a prefill's answer and the decode's first token except the bytes (31 to
+        # 44 ms here, where the Transfer Engine's own phases see about 1 ms). The simulator
+        # adds the decode instance's step for the last token itself, so one decode step
+        # comes off.
+        p2p = replace(p2p, latency_s=max(p2p.latency_s, handoff - d["step_s"]))
     overhead = (m.get("overhead") or {}).get(deployment, 0.0) if deployment else 0.0
     return Speeds(prefill=Prefill(p["step_s"], p["token_s"], p["attn_s"]),
                   decode=Decode(d["step_s"], d["per_seq_s"], d.get("per_ctx_s", 0.0)),
-                  bytes_per_token=m["bytes_per_token"], p2p=link("p2p"), store=store,
+                  bytes_per_token=m["bytes_per_token"], p2p=p2p, store=store,
                   ssd=replace(store, gbps=store.gbps / 2), chunk_tokens=p.get("chunk_tokens", 2048),
                   max_seqs=m.get("max_seqs", 256), overhead_s=overhead,
-                  contention=(m.get("contention") or {}).get("factor", 0.0),
+                  contention=(m.get("contention") or {}).get("factor", 0.0), role_prefill=roles,
                   sources={"measured": str(path)})
 
 

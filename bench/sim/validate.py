@@ -13,16 +13,21 @@ decode fits when the replay measured them, :func:`bench.sim.speeds.from_measured
 
 and compares, per deployment, median TTFT (target: within 25%) and prompt tokens by source
 counted per engine (local prefix-cache hits, store loads, P2P pulls, recomputed; target:
-within 5 points of the client's prompt tokens). Writes ``validation.json`` and
+within 5 points of the client's prompt tokens), and, where the replay kept its router's
+decision log, the routes request by request (:mod:`bench.sim.decisions`), and for a
+deployment with a prefill instance the shares again with its speed scaled by a few
+percent (:func:`sensitivity`). Writes ``validation.json`` and
 ``validation.md`` and returns 0 when every target is met, 1 otherwise.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from bench import trace as T
+from bench.sim import decisions
 from bench.sim.cluster import Cluster
 from bench.sim.report import summarize
 from bench.sim.router import simulate
@@ -61,6 +66,25 @@ def compare(real: dict, sim: dict) -> dict:
     return out
 
 
+SPEED_FACTORS = (0.95, 1.0, 1.03, 1.05, 1.1)
+
+
+def sensitivity(reqs, sp, cl: Cluster, policy: str, block: int, slo: float) -> list[dict]:
+    """The same simulation with the prefill instance's speed scaled by each of
+    ``SPEED_FACTORS`` (its prefill taking that many times as long): how far the token
+    shares move for a few percent of speed, i.e. how much of a share's error the
+    measured speeds' own uncertainty can explain."""
+    base = sp.role_prefill.get("prefill", sp.prefill)
+    out = []
+    for f in SPEED_FACTORS:
+        p = replace(base, step_s=base.step_s * f, token_s=base.token_s * f, attn_s=base.attn_s * f)
+        s = summarize(simulate(reqs, replace(sp, role_prefill={**sp.role_prefill, "prefill": p}), cl, policy),
+                      reqs, block, slo)
+        out.append({"factor": f, "ttft_p50": s["ttft_p50"], "share_p2p": s["engine_p2p"],
+                    "share_local": s["engine_local"], "routes": s["routes"]})
+    return out
+
+
 def validate(replay: Path, out: Path | None = None) -> int:
     out = out or replay
     run = json.loads((replay / "trace_replay.json").read_text())
@@ -77,10 +101,16 @@ def validate(replay: Path, out: Path | None = None) -> int:
             ok = False
             continue
         sp = from_measured(replay / "speeds.json", name)
-        sim = summarize(simulate(reqs, sp, cl, policy), reqs, block, slo)
+        results = simulate(reqs, sp, cl, policy)
+        sim = summarize(results, reqs, block, slo)
         cmp = compare(real, sim)
         rec["deployments"][name] = {"cluster": vars(cl), "policy": policy, "overhead_s": sp.overhead_s, "sim": sim,
                                     "compare": cmp}
+        log = replay / f"decisions-{name}.jsonl"
+        if log.exists():
+            rec["deployments"][name]["decisions"] = decisions.compare(decisions.load(log), results)
+        if cl.prefill:
+            rec["deployments"][name]["sensitivity"] = sensitivity(reqs, sp, cl, policy, block, slo)
         ok &= all(v.get("ok", True) for v in cmp.values())
     rec["ok"] = ok
     out.mkdir(parents=True, exist_ok=True)
@@ -98,6 +128,14 @@ def validate(replay: Path, out: Path | None = None) -> int:
             real_v = "-" if v["real"] is None else f"{v['real']:.3f}"
             sim_v = "-" if v["sim"] is None else f"{v['sim']:.3f}"
             lines.append(f"| {name} | {fig} | {real_v} | {sim_v} | {err} | {'' if 'ok' not in v else 'yes' if v['ok'] else 'NO'} |")
+    for name, d in rec["deployments"].items():
+        if "sensitivity" in d:
+            lines += ["", f"**{name}**, the prefill instance's speed scaled (its prefill takes x times as long):", "",
+                      "| x | TTFT p50 (s) | P2P share | local share | handoffs |", "|---|---|---|---|---|"]
+            lines += [f"| {x['factor']:g} | {x['ttft_p50']:.3f} | {x['share_p2p']:.3f} | {x['share_local']:.3f} | "
+                      f"{x['routes']['pd']} |" for x in d["sensitivity"]]
+        if "decisions" in d:
+            lines += ["", f"**{name}**: " + decisions.markdown(d["decisions"])[0], *decisions.markdown(d["decisions"])[1:]]
     (out / "validation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if ok else 1
