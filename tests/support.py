@@ -254,7 +254,8 @@ def assert_no_leak(dep: Dep) -> None:
 
 
 def check_serving(dep: Dep, baseline, seed: int) -> None:
-    """A fresh prompt through the proxy (P -> D handoff) and one straight to D match the baseline."""
+    """A fresh prompt through the proxy (handed off, or recomputed on D when its composite finds
+    that cheaper) and one straight to D match the baseline."""
     p = prompt_ids(300, 90_000 + seed)
     r = dep.complete(p)
     assert toks(r) == baseline.tokens(p, MAX_TOKENS), "proxied request after the fault"
