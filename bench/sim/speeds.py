@@ -77,8 +77,8 @@ class Speeds:
     contention: float = 0.0
     max_seqs: int = 256  # decoding sequences per instance
     sources: dict = field(default_factory=dict)
-    # A role's own prefill speed where it differs (role -> Prefill): a prefill instance that
-    # saves every prompt to the store computes more slowly than the decode instance.
+    # A role's own prefill speed where it was measured apart (role -> Prefill): the tiered
+    # prefill instance saves every prompt to the store, on the core it computes on.
     role_prefill: dict = field(default_factory=dict)
 
     def step_s(self, b: int, ctx: int, k: int, c: int, role: str | None = None) -> float:
