@@ -290,3 +290,19 @@ def test_sensitivity_reruns_the_simulation_with_the_prefill_speed_scaled():
     by = {r["factor"]: r for r in rows}
     assert by[1.0]["ttft_p50"] == pytest.approx(1.85) and by[1.1]["ttft_p50"] == pytest.approx(2.01)
     assert by[1.0]["share_p2p"] == pytest.approx(15 / 16) and by[1.0]["routes"]["pd"] == 1
+
+
+def test_a_handoff_waits_for_the_step_its_busy_prefill_instance_is_computing():
+    # 1P1D, round-robin. A (16 tokens) at 0 s: P computes it in one step, 0 to 1.6 s. C (16
+    # other tokens) arrives at 0.1 s and waits; at 1.6 s P goes straight on to it (1.6 to
+    # 3.2 s). With handoff_waits_step, A's pull (0.15 s) starts at 3.2 s, when P's step
+    # ends: ready at 3.35, D's last token 0.1 s, first token at 3.45 s. Without: 1.85 s.
+    c = Request(100.0, 16, 3, (5, 6, 7, 8))
+    cl = Cluster(prefill=1, decode=1, cache_blocks=100, block=4)
+    late = simulate([A, c], replace(speeds(1e7), handoff_waits_step=True), cl, "round-robin")
+    plain = simulate([A, c], speeds(1e7), cl, "round-robin")
+    assert late[0].prefilled == plain[0].prefilled == pytest.approx(1.6)
+    assert late[0].ttft == pytest.approx(3.45) and plain[0].ttft == pytest.approx(1.85)
+    # C's own prefill ends at 3.2 with P idle after it: its pull starts at once (behind A's
+    # on D's NIC, 3.35 to 3.5).
+    assert late[1].prefilled == pytest.approx(3.2) and late[1].ready == pytest.approx(3.5)

@@ -21,7 +21,12 @@ Time is in seconds from the first arrival. One run (:func:`bench.sim.router.simu
   is not modelled: it runs off the forward path); DRAM evicts to SSD, SSD evicts for
   good. A load reads the leading blocks held in either, at that medium's link speed.
 - **links**: each decode instance receives one transfer at a time (its NIC), at
-  ``p2p`` speed; store loads run at ``store``/``ssd`` speed, unshared.
+  ``p2p`` speed; store loads run at ``store``/``ssd`` speed, unshared. With
+  ``Speeds.handoff_waits_step`` (this machine's measured speeds), a handoff whose prefill
+  instance goes straight on to another prefill starts its transfer when that step ends:
+  a CPU engine computing a step answers its side channel late (the replay of 2026-12-01:
+  handoffs took 0.02 to 0.12 s from the prefill's answer to the first token while the
+  prefill instance was idle, and 0.36 to 1.55 s while it computed the next prompt).
 
 Routing mirrors :mod:`multi.router` step by step, through the same methods: a request
 reaches the router ``overhead_s`` after it arrives; ``Chooser.choose`` with the cached
@@ -195,6 +200,7 @@ class Engine:
         self.ctx = 0
         self.step_no = 0
         self.busy = False
+        self.step_end = 0.0  # when the step under way ends
         self._tie = itertools.count()
         sim.engines.append(self)
 
@@ -233,7 +239,8 @@ class Engine:
         dt = sp.step_s(len(self.running), self.ctx, k, job.start + job.done if job else 0, self.inst.role)
         if sp.contention:
             dt *= 1 + sp.contention * sum(1 for e in self.sim.engines if e is not self and e.busy)
-        self.sim.at(self.sim.now + dt, lambda: self._end(fresh, job, k))
+        self.step_end = self.sim.now + dt
+        self.sim.at(self.step_end, lambda: self._end(fresh, job, k))
 
     def _end(self, fresh: list[Seq], job: Job | None, k: int) -> None:
         now = self.sim.now

@@ -163,6 +163,15 @@ class Runner:
             timing["prefill_s"] = t - t0
             res.prefilled = t
             timing["alone_after"] = self.chooser.prefill_done(route.prefill, timing["rid"])
+            if self.sp.handoff_waits_step:
+                # After the prefill instance has begun its next step (events at one time run
+                # in order): the transfer starts when that step ends, if there is one.
+                self.sim.at(t, lambda: transfer(pe.step_end if pe.busy else t, t))
+            else:
+                transfer(t, t)
+
+        def transfer(start: float, t: float) -> None:
+            """The pull from the prefill instance from ``start``; a store part from ``t``."""
             have = de.cache.match(usable)
             de.cache.touch(usable[:have])
             s_reach = self.store.reach(usable)[0] if "store" in route.plan and self.store.enabled else 0
@@ -172,7 +181,7 @@ class Runner:
             base = max(have, s_reach) * bs
             res.p2p = max(0, n - 1 - base)
             res.d_local, res.d_store = have * bs, from_store * bs
-            nic = max(t, self.nic_free.get(de.inst.url, 0.0))
+            nic = max(start, self.nic_free.get(de.inst.url, 0.0))
             done = nic + self.sp.p2p.seconds(res.p2p * bpt)
             self.nic_free[de.inst.url] = done
             ready = max(done, t + self.sp.store.seconds(from_store * bs * bpt))

@@ -80,6 +80,9 @@ class Speeds:
     # A role's own prefill speed where it was measured apart (role -> Prefill): the tiered
     # prefill instance saves every prompt to the store, on the core it computes on.
     role_prefill: dict = field(default_factory=dict)
+    # A handoff's transfer waits for the end of the step its prefill instance is computing
+    # (bench.sim.cluster, "links"): true of this machine's CPU engines, not assumed of GPUs.
+    handoff_waits_step: bool = False
 
     def step_s(self, b: int, ctx: int, k: int, c: int, role: str | None = None) -> float:
         p, d = self.role_prefill.get(role, self.prefill), self.decode
@@ -169,6 +172,7 @@ def from_measured(path: str | Path, deployment: str | None = None) -> Speeds:
                   ssd=replace(store, gbps=store.gbps / 2), chunk_tokens=p.get("chunk_tokens", 2048),
                   max_seqs=m.get("max_seqs", 256), overhead_s=overhead,
                   contention=(m.get("contention") or {}).get("factor", 0.0), role_prefill=roles,
+                  handoff_waits_step=True,
                   sources={"measured": str(path)})
 
 
