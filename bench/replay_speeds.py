@@ -1,6 +1,7 @@
 """This machine's engine speeds for the cluster simulator (``bench/sim``), measured on live
 engines by ``bench/trace_replay.py``: the prefill and decode fits, the host contention
-between two engines, the router's overhead (docstring of ``bench/trace_replay.py``)."""
+between two engines, the router's overhead, a handoff's fixed cost (docstring of
+``bench/trace_replay.py``)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,18 @@ def contention(urls: list[str], rng: random.Random, n: int = 3) -> dict:
         together.append(a.ttft)
     return {"factor": max(0.0, statistics.median(together) / statistics.median(alone) - 1),
             "alone_s": alone, "together_s": together}
+
+
+def handoff_overhead(log: list[dict], bpt: int, gbps: float | None) -> dict:
+    """What a handoff costs beyond moving its bytes, from the router's decision log of the
+    idle probe's handoffs (each alone; the decode instance held nothing of the prompt):
+    ``ttft_s - prefill_s`` is the time from the prefill's answer to the decode's first token
+    (bootstrap query, the pull, the acknowledgement, the decode engine noticing the pulled
+    request and computing its last token); less ``(n - 1) * bpt / gbps`` it is the fixed
+    part, whose median is ``overhead_s``. The Transfer Engine's own phases on ``/metrics``
+    (``latency_s``) see only the query and acknowledgement inside it."""
+    gaps = [(x["n"], x["ttft_s"] - x["prefill_s"]) for x in log
+            if x.get("kind") == "pd" and x.get("ttft_s") is not None and x.get("prefill_s") is not None]
+    fixed = [g - (n - 1) * bpt / (gbps * 1e9) for n, g in gaps] if gbps else []
+    return {"gaps": [{"n": n, "gap_s": round(g, 5)} for n, g in gaps],
+            "overhead_s": statistics.median(fixed) if fixed else None}

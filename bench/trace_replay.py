@@ -77,7 +77,6 @@ import json
 import os
 import random
 import signal
-import statistics
 import sys
 import time
 from dataclasses import replace
@@ -94,7 +93,8 @@ from bench.client import complete, ids, stream  # noqa: E402
 from bench.common import machine  # noqa: E402
 from bench.router_bench import Bench, bench_serve  # noqa: E402
 from bench.router_report import router_view  # noqa: E402
-from bench.replay_speeds import CHUNK, contention, decode_speeds, fit, overhead, prefill_speeds  # noqa: E402
+from bench.replay_speeds import (CHUNK, contention, decode_speeds, fit, handoff_overhead, overhead,  # noqa: E402
+                                 prefill_speeds)
 from bench.trace_replay_report import render_markdown, table  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
@@ -185,21 +185,6 @@ def transfers(per_engine: dict[str, dict[Key, float]]) -> dict:
         x["gbps"] = x["bytes"] / x["transfer_s"] / 1e9 if x["transfer_s"] else None
         x["latency_s"] = (x["seconds"] - x["transfer_s"]) / x[n] if x[n] else None
     return {"store": st, "p2p": p2p}
-
-
-def handoff_overhead(log: list[dict], bpt: int, gbps: float | None) -> dict:
-    """What a handoff costs beyond moving its bytes, from the router's decision log of the
-    idle probe's handoffs (each alone; the decode instance held nothing of the prompt):
-    ``ttft_s - prefill_s`` is the time from the prefill's answer to the decode's first token
-    (bootstrap query, the pull, the acknowledgement, the decode engine noticing the pulled
-    request and computing its last token); less ``(n - 1) * bpt / gbps`` it is the fixed
-    part, whose median is ``overhead_s``. The Transfer Engine's own phases on ``/metrics``
-    (``latency_s``) see only the query and acknowledgement inside it."""
-    gaps = [(x["n"], x["ttft_s"] - x["prefill_s"]) for x in log
-            if x.get("kind") == "pd" and x.get("ttft_s") is not None and x.get("prefill_s") is not None]
-    fixed = [g - (n - 1) * bpt / (gbps * 1e9) for n, g in gaps] if gbps else []
-    return {"gaps": [{"n": n, "gap_s": round(g, 5)} for n, g in gaps],
-            "overhead_s": statistics.median(fixed) if fixed else None}
 
 
 def probe(d_url: str, send, kind: str) -> dict:

@@ -252,7 +252,7 @@ def test_handoff_overhead_from_the_routers_log_sets_the_simulated_p2p_latency(tm
     import json
 
     from bench.sim.speeds import from_measured
-    from bench.trace_replay import handoff_overhead
+    from bench.replay_speeds import handoff_overhead
 
     log = [{"kind": "pd", "n": 1001, "prefill_s": 0.5, "ttft_s": 1.65},
            {"kind": "pd", "n": 2001, "prefill_s": 1.0, "ttft_s": 3.25},
