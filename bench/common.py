@@ -60,3 +60,15 @@ class Checker:
         self.mismatches.append({"section": section, "what": what, "tokens": tokens, "got": got, "want": want})
         print(f"  !! {section}: {what} at {tokens} tokens gave {got}, expected {want}", flush=True)
         return False
+
+
+MODEL_POSITIONS = 8192  # the small model's max_position_embeddings
+
+
+def long_context_args(tokens: int, positions: int = MODEL_POSITIONS) -> list[str]:
+    """Engine flags for prompts of up to ``tokens``: none within the model's ``positions``;
+    past them a longer ``--max-model-len`` and ``--hf-overrides`` for the positions (a
+    random-weight model with rotary positions takes any length as it is)."""
+    if tokens <= positions:
+        return []
+    return ["--max-model-len", str(tokens), "--hf-overrides", json.dumps({"max_position_embeddings": tokens})]

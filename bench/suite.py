@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import lmcache_peer  # noqa: E402
 from bench.client import complete, ids, stream  # noqa: E402
-from bench.common import Checker, machine, rotated, spread  # noqa: E402
+from bench.common import Checker, long_context_args, machine, rotated, spread  # noqa: E402
 from bench.report import plot, publish, render_markdown, render_table  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
@@ -274,7 +274,9 @@ def run(a: argparse.Namespace) -> int:
         raise SystemExit(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
     quick = a.quick
     reps = a.reps or (1 if quick else 5)
-    prefixes = PREFIXES["quick" if quick else "full"]
+    prefixes = [int(x) for x in a.prefixes.split(",")] if a.prefixes else PREFIXES["quick" if quick else "full"]
+    # The store-hit engines and the reference take the longest prompt (its suffix and output too).
+    long = long_context_args(max(prefixes) + SUFFIX + MAX_TOKENS + 64)
     lengths = PD_LENGTHS["quick" if quick else "full"]
     out = Path(a.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -315,13 +317,15 @@ def run(a: argparse.Namespace) -> int:
 
     def run_store_hit() -> list[dict]:
         print("[bench] store_hit: starting writers (core 0) and readers (core 1)", flush=True)
-        engines = {"ours": (dep.engine("store-writer", model, 0, store_config(master)),
-                            dep.engine("store-reader", model, 1, store_config(master)))}
+        engines = {"ours": (dep.engine("store-writer", model, 0, store_config(master), extra=long),
+                            dep.engine("store-reader", model, 1, store_config(master), extra=long))}
         if lmc_python:
             _, port = lmcache_peer.start_server(out / "logs", l1_gb=2, track=dep.track)
             kv = lmcache_peer.kv_config(port)
-            engines["lmcache"] = (dep.engine("lmcache-writer", model, 0, kv, python=lmc_python, env=lmcache_peer.ENV),
-                                  dep.engine("lmcache-reader", model, 1, kv, python=lmc_python, env=lmcache_peer.ENV))
+            engines["lmcache"] = (dep.engine("lmcache-writer", model, 0, kv, python=lmc_python, env=lmcache_peer.ENV,
+                                             extra=long),
+                                  dep.engine("lmcache-reader", model, 1, kv, python=lmc_python, env=lmcache_peer.ENV,
+                                             extra=long))
         for w, r in engines.values():
             dep.wait_http(*w)
             dep.wait_http(*r)
@@ -350,7 +354,7 @@ def run(a: argparse.Namespace) -> int:
     try:
         dep.cluster = StoreCluster(log_dir=out / "logs", segment_size=4 << 30).start()
         master = dep.cluster.master_addr
-        base_url, base = dep.engine("base", model, 1, None)
+        base_url, base = dep.engine("base", model, 1, None, extra=long)
         dep.wait_http(base_url, base)
         section("store_hit", run_store_hit)
         section("pd", run_pd)
@@ -388,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="reduced matrix (2 lengths, 1 timed repetition)")
     ap.add_argument("--reps", type=int, help="timed repetitions per cell (default 5, quick 1)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    ap.add_argument("--prefixes", help="store_hit prefix lengths, comma-separated (default 512,1024,2048,4096,7936; "
+                                       "quick 512,2048); past the model's 8,192 positions the engines get --hf-overrides")
     ap.add_argument("--no-lmcache", action="store_true",
                     help="leave LMCache out of store_hit (recorded in the JSON and the table)")
     ap.add_argument("--seed", type=int, default=0)

@@ -47,14 +47,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.client import complete, ids, stream  # noqa: E402
-from bench.common import machine, rotated, spread  # noqa: E402
+from bench.common import long_context_args, machine, rotated, spread  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
 from multi.deploy import Deployment, metrics, tiered_config  # noqa: E402
 
 LAYOUTS = {"with prefill": ("recompute", "store", "p2p", "auto"), "decode only": ("recompute", "store", "auto")}
 CHUNK = 256
-MODEL_POSITIONS = 8192  # the small model's max_position_embeddings
 DECISIONS = "vllm:mctier_tiered_decisions_total"
 WITHIN_BEST, WITHIN_RECOMPUTE = 1.10, 1.05
 
@@ -153,10 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     from multi.models import build
 
     model = str(build("small", Path(os.environ.get("MCTIER_CACHE", ROOT / ".cache")) / "models" / "small"))
-    longest = max(lengths) + 64
-    extra = ["--max-model-len", str(max(longest, MODEL_POSITIONS))]
-    if longest > MODEL_POSITIONS:
-        extra += ["--hf-overrides", json.dumps({"max_position_embeddings": longest})]
+    extra = long_context_args(max(lengths) + 64)
     rng = random.Random(a.seed)
     dep = Deployment(out / "logs")
     rec: dict = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(model),
