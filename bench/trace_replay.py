@@ -187,11 +187,15 @@ def transfers(per_engine: dict[str, dict[Key, float]]) -> dict:
     return {"store": st, "p2p": p2p}
 
 
-def probe(d_url: str, send, kind: str) -> dict:
-    """One forced load on D per prompt size, each with its own /metrics delta; the load's
-    (handoff's) seconds fitted as latency_s + bytes / (gbps * 1e9)."""
+PROBE_SIZES = (1024, 2048, 4096)
+
+
+def probe(d_url: str, send, kind: str, max_len: int) -> dict:
+    """One forced load on D per prompt size (those that fit ``max_len`` with a block of
+    suffix and a token out), twice, each with its own /metrics delta; the load's (handoff's)
+    seconds fitted as latency_s + bytes / (gbps * 1e9)."""
     pts = []
-    for n in (1024, 2048, 4096) * 2:
+    for n in [n for n in PROBE_SIZES if n + BLOCK + 1 <= max_len] * 2:
         before = settled(d_url)
         send(n)
         x = transfers({"d": delta(settled(d_url), before)})[kind]
@@ -206,6 +210,7 @@ class Replay(Bench):
     def __init__(self, a, model: str, out: Path, trace_file: Path, max_len: int, reqs: list, bpt: int):
         super().__init__(a, model, out)
         self.trace_file, self.timestamps, self.bpt = trace_file, [r.timestamp_ms / 1e3 for r in reqs], bpt
+        self.max_len = max_len
         self.extra = ["--max-model-len", str(max_len), "--max-num-batched-tokens", str(CHUNK)]
         self.extra += ["--num-gpu-blocks-override", str(a.cache_blocks)] if a.cache_blocks else []
         self.results: dict[str, dict] = {}
@@ -334,7 +339,7 @@ class Replay(Bench):
         for kind, send in (("store", via_store), ("p2p", via_p2p)):
             x = self.speeds[kind] = transfers(self.deltas["tiered"])[kind]
             try:
-                x["probe"] = probe(d_url, send, kind)
+                x["probe"] = probe(d_url, send, kind, self.max_len)
             except Exception as e:  # noqa: BLE001 - the replay's numbers stand without it
                 x["probe"] = {"error": f"{type(e).__name__}: {e}"[:500]}
         if probe_log.exists():

@@ -30,6 +30,17 @@ from kvcore.log import get_logger
 logger = get_logger("kvcore.shmspin")
 
 BUSY_LOOP_S = 0.005
+# How long a connector's scheduler sleeps before a step that computes nothing (an engine
+# that only waits for KV or holds blocks), on TP/PP > 1 CPU engines: both tiers pace so.
+IDLE_STEP_S = 0.02
+
+
+def cpu_ranks(vllm_config) -> bool:
+    """Whether this engine has more than one rank on CPU (where the busy-wait hurts)."""
+    from kvcore import platform
+
+    par = vllm_config.parallel_config
+    return par.tensor_parallel_size * par.pipeline_parallel_size > 1 and platform.current().device_type == "cpu"
 
 
 def shorten(busy_loop_s: float = BUSY_LOOP_S) -> int:

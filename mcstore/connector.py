@@ -15,8 +15,10 @@ tier of a composite (``kvcore.tier.Tier``: lookup, plan_load, release, load repo
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+from kvcore import shmspin
 from kvcore.log import get_logger
 from kvcore.tier import LoadReport, Tier
 from kvcore.vllm_glue import (
@@ -75,6 +77,14 @@ class StoreConnector(KVConnectorBase_V1, Tier):
         save = ktc.kv_role in ("kv_producer", "kv_both")
         self._sched: StoreScheduler | None = None
         self._worker: StoreWorker | None = None
+        # A load keeps the engine stepping with nothing to compute; on TP/PP > 1 CPU engines
+        # every rank busy-waits after each such step (kvcore.shmspin). On two cores a TP 2
+        # engine waiting for a load so starved the Mooncake master's RPC that the load
+        # timed out after 30 s (tests/test_tp2_e2e.py, 3 runs of 4 on an AMD EPYC host).
+        self._idle_step_s = 0.0
+        if shmspin.cpu_ranks(vllm_config):
+            shmspin.shorten()
+            self._idle_step_s = shmspin.IDLE_STEP_S
         if role == KVConnectorRole.SCHEDULER:
             warn_pipeline_parallel(vllm_config, "mcstore StoreConnector", logger)
             self._sched = StoreScheduler(cfg, keys, block_size, load=load, save=save)
@@ -117,6 +127,8 @@ class StoreConnector(KVConnectorBase_V1, Tier):
         self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> StoreMetadata:
+        if self._idle_step_s and getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0:
+            time.sleep(self._idle_step_s)  # a step that computes nothing: see __init__
         return self._sched.build_connector_meta(scheduler_output)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcore import platform, shmspin
+from kvcore import shmspin
 from kvcore.log import get_logger
 from kvcore.tier import LoadReport, Tier
 from kvcore.vllm_glue import (
@@ -31,7 +31,7 @@ logger = get_logger("p2p.connector")
 
 # A step with no tokens to compute, on a TP/PP > 1 CPU engine, waits this long first: at
 # most this much later a new request is scheduled, or an ended pull or hold noticed.
-IDLE_STEP_S = 0.02
+IDLE_STEP_S = shmspin.IDLE_STEP_S
 
 
 class P2PConnector(KVConnectorBase_V1, Tier):
@@ -49,13 +49,11 @@ class P2PConnector(KVConnectorBase_V1, Tier):
         self.engine_id = ktc.engine_id
         self.scheduler: P2PScheduler | None = None
         self.worker = None
-        par = vllm_config.parallel_config
         # Holds and remote waits keep an engine stepping with nothing to compute. With
         # TP/PP > 1 on CPU each such step wakes every rank, and all of them busy-wait
         # after it (kvcore.shmspin): paced at IDLE_STEP_S and without the busy-wait, a
         # waiting engine leaves the cores to its API server and its neighbours.
-        cpu_ranks = par.tensor_parallel_size * par.pipeline_parallel_size > 1 and \
-            platform.current().device_type == "cpu"
+        cpu_ranks = shmspin.cpu_ranks(vllm_config)
         if cpu_ranks:
             shmspin.shorten()
         if role == KVConnectorRole.SCHEDULER:
