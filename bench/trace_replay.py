@@ -93,6 +93,7 @@ from bench.client import complete, ids, stream  # noqa: E402
 from bench.common import machine  # noqa: E402
 from bench.router_bench import Bench, bench_serve  # noqa: E402
 from bench.router_report import router_view  # noqa: E402
+from bench.sim import decisions  # noqa: E402
 from bench.replay_speeds import (CHUNK, contention, decode_speeds, fit, handoff_overhead, overhead,  # noqa: E402
                                  prefill_speeds)
 from bench.trace_replay_report import render_markdown, table  # noqa: E402
@@ -217,6 +218,14 @@ class Replay(Bench):
         self.deltas: dict[str, dict[str, dict[Key, float]]] = {}  # deployment -> engine -> /metrics delta
         self.speeds: dict = {}
 
+    def logged_router(self, name: str, args: list[str]):
+        """``self.router`` with ``--decision-log runs/{name}-decisions.jsonl`` (fresh):
+        (url, process, log path)."""
+        log = self.runs / f"{name}-decisions.jsonl"
+        log.unlink(missing_ok=True)
+        url, proc = self.router(name, [*args, "--decision-log", str(log)])
+        return url, proc, log
+
     def start_engines(self, specs):
         started = [self.dep.engine(name, self.model, core, kv, extra=self.extra) for name, core, kv in specs]
         for url, proc in started:
@@ -226,9 +235,7 @@ class Replay(Bench):
     def replay(self, name: str, engines: dict[str, str], router_args: list[str], commands: dict,
                direct: str) -> None:
         res = self.results[name] = {"commands": commands}
-        log = self.runs / f"{name}-router-decisions.jsonl"
-        log.unlink(missing_ok=True)
-        url, proc = self.router(f"{name}-router", [*router_args, "--decision-log", str(log)])
+        url, proc, log = self.logged_router(f"{name}-router", router_args)
         commands["router"] = proc.argv
         self.warm(url, f"{name}-router")
         if not self.a.skip_speeds:  # the router's own share of a TTFT, for the simulator
@@ -322,10 +329,8 @@ class Replay(Bench):
         self.replay("tiered", {"tiered-prefill": p_url, "tiered-decode": d_url},
                     ["--prefill", prefill, "--decode", d_url, "--policy", "kv", "--store", master], commands, d_url)
         rng = random.Random(self.a.seed)
-        probe_log = self.runs / "tiered-probe-decisions.jsonl"
-        probe_log.unlink(missing_ok=True)
-        rr = self.router("tiered-probe", ["--prefill", prefill, "--decode", d_url, "--policy", "round-robin",
-                                          "--decision-log", str(probe_log)])[0]
+        rr, _, probe_log = self.logged_router("tiered-probe", ["--prefill", prefill, "--decode", d_url,
+                                                                "--policy", "round-robin"])
 
         def via_store(n: int) -> None:
             prompt = ids(n, rng)
@@ -345,7 +350,7 @@ class Replay(Bench):
         if probe_log.exists():
             x = self.speeds["p2p"]
             gbps = x.get("gbps") or (x.get("probe") or {}).get("gbps")  # the replay may have handed nothing off
-            x["handoff"] = handoff_overhead([json.loads(r) for r in probe_log.read_text().splitlines()], self.bpt, gbps)
+            x["handoff"] = handoff_overhead(decisions.load(probe_log), self.bpt, gbps)
 
 def window(a: argparse.Namespace, path: Path, positions: int) -> tuple[list[trace.Request], list[str], int]:
     """The scaled trace, written to ``path``; the ``bench.trace`` command that writes it

@@ -84,10 +84,10 @@ def test_decisions_pair_real_and_simulated_routes_by_order_and_length():
     kv = simulate([A, B], speeds(1e7), Cluster(prefill=2, decode=1, cache_blocks=100, block=4), "kv",
                   policy_cfg=true_cfg())
     real = [{"n": 16, "kind": "pd", "candidates": {"pd p": 1.0, "direct d": 2.0}, "cached_target": 0,
-             "cached_prefill": 0, "wait_s": 0.0, "ttft_s": 1.9},
+             "cached_prefill": 0, "store": 0, "wait_s": 0.0, "ttft_s": 1.9},
             {"n": 16, "kind": "direct", "candidates": {"pd p": 1.5, "pd q": 1.4, "direct d": 1.1},
-             "cached_target": 8, "cached_prefill": 8, "wait_s": 0.1, "ttft_s": 1.0},
-            {"n": 99, "kind": "direct", "candidates": {}, "cached_target": 0, "cached_prefill": 0, "wait_s": 0.0,
+             "cached_target": 8, "cached_prefill": 8, "store": 0, "wait_s": 0.1, "ttft_s": 1.0},
+            {"n": 99, "kind": "direct", "candidates": {}, "cached_target": 0, "cached_prefill": 0, "store": 0, "wait_s": 0.0,
              "ttft_s": 1.0}]
     c = decisions.compare(real, kv)
     assert (c["real"], c["sim"], c["paired"], c["length_mismatch"]) == (3, 2, 2, 0)
@@ -96,7 +96,7 @@ def test_decisions_pair_real_and_simulated_routes_by_order_and_length():
     assert g["real_margin_p50_s"] == pytest.approx(0.3) and g["sim_margin_p50_s"] == pytest.approx(-0.18)
     # Both decode instances held B's first 8 tokens (the simulated D received A's blocks).
     assert (g["real_cached_target_p50"], g["sim_cached_target_p50"], g["sim_cached_prefill_p50"]) == (8, 8, 8)
-    assert g["sim_ttft_p50_s"] == pytest.approx(0.97)
+    assert g["sim_ttft_p50_s"] == pytest.approx(0.97) and g["real_store_p50"] == g["sim_store_p50"] == 0
     assert "50% took the same kind of route" in decisions.markdown(c)[0]
 
 

@@ -68,6 +68,8 @@ def compare(real: list[dict], sim: list[Result]) -> dict:
             "sim_cached_target_p50": _med(s.cached_target for _, s in g),
             "real_cached_prefill_p50": _med(r["cached_prefill"] for r, _ in g),
             "sim_cached_prefill_p50": _med(s.cached_prefill for _, s in g),
+            "real_store_p50": _med(r["store"] for r, _ in g),
+            "sim_store_p50": _med(s.store_view for _, s in g),
             "real_wait_p50_s": _med(r["wait_s"] for r, _ in g),
             "real_ttft_p50_s": _med(r["ttft_s"] for r, _ in g),
             "sim_ttft_p50_s": _med(s.ttft for _, s in g),

@@ -135,7 +135,8 @@ def validate(replay: Path, out: Path | None = None) -> int:
             lines += [f"| {x['factor']:g} | {x['ttft_p50']:.3f} | {x['share_p2p']:.3f} | {x['share_local']:.3f} | "
                       f"{x['routes']['pd']} |" for x in d["sensitivity"]]
         if "decisions" in d:
-            lines += ["", f"**{name}**: " + decisions.markdown(d["decisions"])[0], *decisions.markdown(d["decisions"])[1:]]
+            head, *table = decisions.markdown(d["decisions"])
+            lines += ["", f"**{name}**: " + head, *table]
     (out / "validation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if ok else 1
