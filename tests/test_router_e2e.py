@@ -97,6 +97,18 @@ class Routed:
         with open(self.decision_log) as f:
             return [json.loads(x) for x in f]
 
+    def decision(self, n: int, after: int, timeout: float = 10) -> dict:
+        """The first record past the ``after`` earlier ones for a prompt of ``n`` tokens. The
+        router writes it when the answer ends, which for a stream is just after the client
+        has read ``[DONE]``: a reader polls for it."""
+        found: list[dict] = []
+
+        def newest() -> bool:
+            found[:] = [d for d in self.decisions()[after:] if d["n"] == n][:1]
+            return bool(found)
+        assert wait_for(newest, timeout), f"no decision record for a {n}-token prompt within {timeout}s"
+        return found[0]
+
     def served(self) -> dict[str, float]:
         """Prompt tokens each engine has been asked to process so far."""
         return {e.name: e.metric("vllm:prompt_tokens_total") for e in self.engines()}
@@ -213,7 +225,9 @@ def test_request_that_cannot_meet_its_target_gets_429_before_any_engine(rt):
 
 def test_decision_log_times_a_streamed_answer_to_its_first_token(rt):
     prompt = prompt_ids(64 + 1, 9351)
-    body = {"model": "m", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"model": "m", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
+    logged = len(rt.decisions())
     t0 = time.monotonic()
     with requests.post(rt.url + "/v1/completions", json=body, stream=True, timeout=60) as r:
         assert r.status_code == 200
@@ -222,12 +236,18 @@ def test_decision_log_times_a_streamed_answer_to_its_first_token(rt):
         client_ttft = time.monotonic() - t0
         rest = [x for x in lines if x]
     assert b'"text"' in first and rest[-1] == b"data: [DONE]"
-    d = rt.decisions()[-1]
-    assert (d["n"], d["status"]) == (len(prompt), 200)
+    d = rt.decision(len(prompt), after=logged)
+    assert d["status"] == 200
     # From the router's arrival to its first streamed chunk: inside the client's own TTFT;
     # a handoff's prefill answered before it.
     assert 0 < d["ttft_s"] <= client_ttft
     assert d["prefill_s"] is None if d["kind"] == "direct" else 0 < d["prefill_s"] < d["ttft_s"]
+    # The streamed ids are the reference's for the route taken: a handoff reused the prefill
+    # instance's KV for all but the last prompt token.
+    chunks = [json.loads(x.removeprefix(b"data: ")) for x in [first, *rest[:-1]]]
+    got = [t for c in chunks for t in (c["choices"] or [{}])[0].get("token_ids") or []]
+    cached = len(prompt) - 1 if d["kind"] == "pd" else 0
+    assert got == reference_tokens(rt.base, prompt, 4, cached_prefix=cached, writers=[prompt] if cached else None)
 
 
 def test_client_disconnect_cancels_both_sides_and_frees_blocks(rt):
