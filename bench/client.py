@@ -77,10 +77,13 @@ def stream(url: str, prompt: list[int], max_tokens: int = 8, kv: dict | None = N
     return out
 
 
-def complete(url: str, prompt: list[int], max_tokens: int = 1) -> dict:
-    """A plain (non-streamed) completion, e.g. a prefill-only request that makes an engine store a prefix."""
-    r = requests.post(url + "/v1/completions", timeout=TIMEOUT_S, json={
-        "model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-        "return_token_ids": True})
+def complete(url: str, prompt: list[int], max_tokens: int = 1, kv: dict | None = None) -> dict:
+    """A plain (non-streamed) completion, e.g. a prefill-only request that makes an engine store a
+    prefix; ``kv``: its ``kv_transfer_params`` (a composite's answer carries its plan there)."""
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    if kv:
+        body["kv_transfer_params"] = kv
+    r = requests.post(url + "/v1/completions", timeout=TIMEOUT_S, json=body)
     r.raise_for_status()
     return r.json()

@@ -1,7 +1,7 @@
 """Benchmarks against the peers: one command, side by side, with plots (not a test).
 
     make bench                      # == .venv/bin/python -m bench.suite (from the repository root)
-    .venv/bin/python bench/suite.py [--quick] [--reps N] [--sections store_hit,pd,composite,raw]
+    .venv/bin/python bench/suite.py [--quick] [--reps N] [--sections store_hit,ssd_hit,pd,composite,raw]
 
 On the ``small`` model, engines pinned one per core (writers and prefill on core 0,
 readers, decode and the single-instance baseline on core 1), in one invocation:
@@ -10,6 +10,8 @@ readers, decode and the single-instance baseline on core 1), in one invocation:
    that never saw it: this project's ``StoreConnector`` (Mooncake on loopback) and
    LMCache in multi-process mode (``lmcache server`` + ``LMCacheMPConnector``), against
    vLLM's own prefix-cache hit on one engine (the floor) and a miss (the ceiling).
+   ssd_hit: the same read from chunks Mooncake offloaded to disk (``bench/ssd_hit.py``),
+   against their DRAM copies and a miss.
 2. pd: decode-side TTFT and total time of 1P1D (``P2PConnector`` through
    ``mctier proxy``) against one instance doing both, and the share of TTFT the
    Transfer Engine read takes.
@@ -44,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import lmcache_peer  # noqa: E402
+from bench import lmcache_peer, ssd_hit  # noqa: E402
 from bench.client import complete, ids, stream  # noqa: E402
 from bench.common import Checker, long_context_args, machine, rotated, spread  # noqa: E402
 from bench.report import plot, publish, render_markdown, render_table  # noqa: E402
@@ -52,7 +54,7 @@ from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
 from multi.deploy import Deployment, metrics, tiered_config  # noqa: E402
 
-SECTIONS = ("store_hit", "pd", "composite", "raw")
+SECTIONS = ("store_hit", "ssd_hit", "pd", "composite", "raw")
 SUFFIX = 32          # the unshared tail of a store_hit prompt: one block
 MAX_TOKENS = 8       # generated per timed request (store_hit, composite)
 PD_MAX_TOKENS = 32   # generated per P/D request: "total time" includes decoding
@@ -64,7 +66,11 @@ BLOCK = 32
 # exact split only when N - 1 is a whole number of blocks, so P/D prompts are 32k + 1 tokens.
 # (bf16 on this deliberately sensitive model: another split may flip a near-tie greedy token.)
 PD_LENGTHS = {"quick": [513, 2049], "full": [513, 1025, 2049, 4097, 8001]}
-PREFIXES = {"quick": [512, 2048], "full": [512, 1024, 2048, 4096, 7936]}
+# Whole 256-token chunks (both stores hit whole chunks only, so a prefix that ends mid-chunk
+# makes the reader recompute up to 255 tokens more than the floor: 32,736 tokens cost 6.2x the
+# floor, 32,512 the same chunks without that tail).
+PREFIXES = {"quick": [512, 2048], "full": [512, 1024, 2048, 4096, 7936, 16384, 32512]}
+SSD_PREFIXES = {"quick": [2048], "full": [4096, 7936]}
 
 
 def store_config(master: str) -> dict:
@@ -275,8 +281,10 @@ def run(a: argparse.Namespace) -> int:
     quick = a.quick
     reps = a.reps or (1 if quick else 5)
     prefixes = [int(x) for x in a.prefixes.split(",")] if a.prefixes else PREFIXES["quick" if quick else "full"]
+    ssd_prefixes = ([int(x) for x in a.ssd_prefixes.split(",")] if a.ssd_prefixes
+                    else SSD_PREFIXES["quick" if quick else "full"])
     # The store-hit engines and the reference take the longest prompt (its suffix and output too).
-    long = long_context_args(max(prefixes) + SUFFIX + MAX_TOKENS + 64)
+    long = long_context_args(max(prefixes + ssd_prefixes) + SUFFIX + MAX_TOKENS + 64)
     lengths = PD_LENGTHS["quick" if quick else "full"]
     out = Path(a.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -332,6 +340,11 @@ def run(a: argparse.Namespace) -> int:
         print(f"[bench] store_hit: TTFT of a prompt whose prefix another engine stored ({reps} reps):", flush=True)
         return store_hit(base_url, {k: (w[0], r[0]) for k, (w, r) in engines.items()}, prefixes, reps, rng, check)
 
+    def run_ssd_hit() -> list[dict]:
+        print("[bench] ssd_hit: starting an SSD-offload store, a writer (core 0) and a reader (core 1)", flush=True)
+        return ssd_hit.run_section(dep, model, base_url, out, ssd_prefixes, reps, store_config, long, rng, check,
+                                   CHUNK, SUFFIX, MAX_TOKENS)
+
     def run_pd() -> list[dict]:
         print("[bench] pd: starting a P2PConnector prefill (core 0) and decode (core 1) behind mctier proxy",
               flush=True)
@@ -357,6 +370,7 @@ def run(a: argparse.Namespace) -> int:
         base_url, base = dep.engine("base", model, 1, None, extra=long)
         dep.wait_http(base_url, base)
         section("store_hit", run_store_hit)
+        section("ssd_hit", run_ssd_hit)
         section("pd", run_pd)
         section("composite", run_composite)
     except KeyboardInterrupt:
@@ -392,8 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="reduced matrix (2 lengths, 1 timed repetition)")
     ap.add_argument("--reps", type=int, help="timed repetitions per cell (default 5, quick 1)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
-    ap.add_argument("--prefixes", help="store_hit prefix lengths, comma-separated (default 512,1024,2048,4096,7936; "
-                                       "quick 512,2048); past the model's 8,192 positions the engines get --hf-overrides")
+    ap.add_argument("--prefixes", help="store_hit prefix lengths, comma-separated (default 512,1024,2048,4096,7936,"
+                                       "16384,32512; quick 512,2048); past the model's 8,192 positions the engines get "
+                                       "--hf-overrides")
+    ap.add_argument("--ssd-prefixes", help="ssd_hit prefix lengths, comma-separated whole chunks of 256 tokens "
+                                           "(default 4096,7936; quick 2048)")
     ap.add_argument("--no-lmcache", action="store_true",
                     help="leave LMCache out of store_hit (recorded in the JSON and the table)")
     ap.add_argument("--seed", type=int, default=0)

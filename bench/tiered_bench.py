@@ -4,7 +4,7 @@
     (``make bench`` runs it after ``bench.suite``)
 
 A 1P1D ``TieredConnector`` deployment (``small`` model, prefill on core 0, decode on core
-1, a Mooncake master and store server) answers prompts of ``--lengths`` tokens (64 to 16K;
+1, a Mooncake master and store server) answers prompts of ``--lengths`` tokens (65 to 16K + 1;
 past the model's 8,192 positions the engines get ``--hf-overrides`` for more, which a
 random-weight model with rotary positions takes as it is) whose leading 0%, 50% or 100%
 (rounded down to whole 256-token chunks; a fraction that rounds to the same chunks as
@@ -27,6 +27,19 @@ chooser gets); the plan ``auto`` chose (the decode engine's
 issue's): ``auto`` within 10% of the best forced source's median in at least 90% of the
 cells, and never more than 5% slower than always recomputing.
 
+Tokens are checked before the timing, once per cell and source (untimed, also the
+warm-up): a non-streamed request returns the plan the decode instance followed
+(``kv_transfer_params.kv_plan``), and a no-connector engine (core 1) reproduces it
+(:func:`reference_passes`): it computes the stored prefix's pass (``prefix + [5]``, what
+the prefill instance ran), then, when the decode instance took KV computed by the
+handoff, the whole prompt (the prefill instance's pass), and then the prompt, whose
+greedy ids must equal the decode instance's, with exactly as many cached tokens as the
+plan loaded. Lengths are 32k + 1 tokens so that a handoff's N - 1 tokens are whole
+blocks that the reference's prefix cache can hold. One split has no such reproduction:
+the decode instance recomputing after KV the handoff's own pass computed (the prefill
+instance's saves of it can reach the store before the decode instance looks); those
+requests are counted as unchecked, with their plans. Exit status 1 if tokens differed.
+
 Writes ``decisions.json`` and ``decisions.md`` to ``--out`` (default
 ``bench/results/decisions``). Stops everything it started, also on failure.
 """
@@ -47,13 +60,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.client import complete, ids, stream  # noqa: E402
-from bench.common import long_context_args, machine, rotated, spread  # noqa: E402
+from bench.common import Checker, long_context_args, machine, rotated, spread  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
 from multi.deploy import Deployment, metrics, tiered_config  # noqa: E402
 
 LAYOUTS = {"with prefill": ("recompute", "store", "p2p", "auto"), "decode only": ("recompute", "store", "auto")}
 CHUNK = 256
+BLOCK = 32
+STORED_PASS_TAIL = [5]  # store_prefix's extra token: a pass the reference repeats exactly
 DECISIONS = "vllm:mctier_tiered_decisions_total"
 WITHIN_BEST, WITHIN_RECOMPUTE = 1.10, 1.05
 
@@ -61,7 +76,7 @@ WITHIN_BEST, WITHIN_RECOMPUTE = 1.10, 1.05
 def store_prefix(p_url: str, prefix: list[int]) -> None:
     """A prefill-only request on the prefill instance saves the prefix's chunks."""
     if prefix:
-        complete(p_url, prefix + [5], 1)
+        complete(p_url, prefix + STORED_PASS_TAIL, 1)
         time.sleep(0.3)  # saves run off the forward path
 
 
@@ -81,12 +96,60 @@ def auto_plan(d_url: str, before: dict[str, float], deadline_s: float = 5.0) -> 
         time.sleep(0.2)
 
 
-def cell(urls: dict[str, str], layout: str, n: int, f: float, reps: int, rng: random.Random, k0: int) -> dict:
+def reference_passes(plan: list[dict], prompt: list[int], hit: int, handoff: bool) -> list[list[int]] | None:
+    """The prompts a no-connector engine computes before ``prompt`` so that it holds the KV
+    the decode instance loaded (``plan``: its ``kv_plan``), computed in the same passes, and
+    then computes what the decode instance computed; None when no such sequence exists.
+
+    The decode instance's KV came from the prefill instance: ``[0, hit)`` from the stored
+    prefix's pass (``prefix + STORED_PASS_TAIL``), the rest (``handoff``) from its pass
+    over the whole prompt, where ``[0, hit)`` was a prefix-cache hit."""
+    n = len(prompt)
+    start = next((s["start"] for s in plan if s["source"] == "recompute"), n)
+    stored = [prompt[:hit] + STORED_PASS_TAIL] if hit else []
+    if start == 0:
+        return []
+    if start == hit:
+        return stored
+    if handoff and start == n - 1 and start % BLOCK == 0:
+        return stored + [prompt]
+    return None
+
+
+def check_cell(urls: dict[str, str], layout: str, n: int, hit: int, rng: random.Random, check: Checker) -> list[str]:
+    """One untimed request per source against the reference (see the module docstring); the
+    plans it could not reproduce."""
+    target = urls["proxy"] if layout == "with prefill" else urls["decode"]
+    unchecked = []
+    for src in LAYOUTS[layout]:
+        prefix = ids(hit, rng)
+        store_prefix(urls["prefill"], prefix)
+        prompt = prefix + ids(n - hit, rng)
+        r = complete(target, prompt, 2, {"kv_source": src})
+        plan = (r.get("kv_transfer_params") or {}).get("kv_plan") or []
+        shown = "+".join(f"{s['source']}[{s['start']},{s['end']})" for s in plan) or "no plan"
+        passes = reference_passes(plan, prompt, hit, layout == "with prefill")
+        if passes is None:
+            unchecked.append(f"{src}: {shown}")
+            continue
+        for p in passes:
+            complete(urls["base"], p, 1)
+        ref = stream(urls["base"], prompt, 2)
+        what = f"{layout}, kv_source {src} ({shown})"
+        loaded = next((s["start"] for s in plan if s["source"] == "recompute"), n)
+        check.same("decisions", f"{what}: reference cached tokens", n, [ref.cached], [loaded])
+        check.same("decisions", f"{what} vs same-split reference", n, r["choices"][0]["token_ids"], ref.token_ids)
+    return unchecked
+
+
+def cell(urls: dict[str, str], layout: str, n: int, f: float, reps: int, rng: random.Random, k0: int,
+         check: Checker | None = None) -> dict:
     sources = LAYOUTS[layout]
     target = urls["proxy"] if layout == "with prefill" else urls["decode"]
     times: dict[str, list[float]] = {s: [] for s in sources}
     plans: list[str] = []
     hit = int(n * f) // CHUNK * CHUNK
+    unchecked = check_cell(urls, layout, n, hit, rng, check) if check is not None else []
     for rep in range(reps):
         for src in rotated(list(sources), k0 + rep):
             prefix = ids(hit, rng)
@@ -101,7 +164,7 @@ def cell(urls: dict[str, str], layout: str, n: int, f: float, reps: int, rng: ra
     oracle = [min(times[s][r] for s in forced) for r in range(reps)]
     return {"layout": layout, "tokens": n, "store_fraction": f, "stored_tokens": hit,
             "ttft": {s: spread(v) for s, v in times.items()}, "best_forced": best,
-            "oracle_median": statistics.median(oracle), "auto_plans": plans,
+            "oracle_median": statistics.median(oracle), "auto_plans": plans, "unchecked": unchecked,
             "auto_vs_best": med["auto"] / med[best], "auto_vs_oracle": med["auto"] / statistics.median(oracle),
             "auto_vs_recompute": med["auto"] / med["recompute"]}
 
@@ -127,21 +190,27 @@ def render(rec: dict) -> str:
                   f"({s['within_best_share']:.0%}; target 90%): {'met' if s['within_best_share'] >= 0.9 else 'missed'}",
               f"- `auto` at most 5% slower than always recomputing in {s['within_recompute']}/{s['cells']} cells "
               f"(target: all): {'met' if s['within_recompute'] == s['cells'] else 'missed'}",
-              f"- `auto` chose the plan of the fastest forced source in {s['same_plan']}/{s['cells']} cells"]
+              f"- `auto` chose the plan of the fastest forced source in {s['same_plan']}/{s['cells']} cells",
+              f"- greedy token identity with a no-connector engine on the same split: {rec['token_checks']} "
+              f"comparisons, {len(rec['token_mismatches'])} mismatches; unchecked (a split no reference repeats): "
+              + ("none" if not (u := [f"{r['layout']} {r['tokens']}: {x}" for r in rows for x in r["unchecked"]])
+                 else "; ".join(u))]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.tiered_bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="256 and 2048 tokens, 0 and 100%%, 1 repetition")
-    ap.add_argument("--lengths", help="prompt lengths (default 64,256,1024,2048,4096,8192,16384)")
+    ap.add_argument("--quick", action="store_true", help="257 and 2049 tokens, 0 and 100%%, 1 repetition")
+    ap.add_argument("--lengths", help="prompt lengths, 32k + 1 (default 65,257,1025,2049,4097,8193,16385)")
     ap.add_argument("--fractions", help="stored fractions (default 0,0.5,1)")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="with prefill, decode only (default both)")
     ap.add_argument("--reps", type=int, help="interleaved repetitions per cell (default 3; 1 with --quick)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "decisions"))
     a = ap.parse_args(argv)
-    lengths = [int(x) for x in (a.lengths or ("256,2048" if a.quick else "64,256,1024,2048,4096,8192,16384")).split(",")]
+    lengths = [int(x) for x in (a.lengths or ("257,2049" if a.quick else "65,257,1025,2049,4097,8193,16385")).split(",")]
+    if bad := [n for n in lengths if n % BLOCK != 1]:
+        ap.error(f"lengths {bad} are not 32k + 1: a handoff's N - 1 tokens must be whole blocks for the token check")
     fractions = [float(x) for x in (a.fractions or ("0,1" if a.quick else "0,0.5,1")).split(",")]
     layouts = [x.strip() for x in a.layouts.split(",")]
     if unknown := [x for x in layouts if x not in LAYOUTS]:
@@ -154,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     model = str(build("small", Path(os.environ.get("MCTIER_CACHE", ROOT / ".cache")) / "models" / "small"))
     extra = long_context_args(max(lengths) + 64)
     rng = random.Random(a.seed)
+    check = Checker()
     dep = Deployment(out / "logs")
     rec: dict = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(model),
                  "args": {"lengths": lengths, "fractions": fractions, "layouts": layouts, "reps": reps,
@@ -169,8 +239,10 @@ def main(argv: list[str] | None = None) -> int:
         master, boot = dep.cluster.master_addr, free_port()
         p_url, d_url, proxy = dep.pd_pair(model, tiered_config("kv_producer", master, boot),
                                           tiered_config("kv_consumer", master, free_port()), boot, extra=extra)
-        urls = {"prefill": p_url, "decode": d_url, "proxy": proxy}
-        cell(urls, "with prefill", 512, 0.5, 1, rng, 0)  # untimed: the first handoff and loads set things up
+        base_url, base = dep.engine("reference", model, 1, None, extra=extra)
+        dep.wait_http(base_url, base)
+        urls = {"prefill": p_url, "decode": d_url, "proxy": proxy, "base": base_url}
+        cell(urls, "with prefill", 513, 0.5, 1, rng, 0)  # untimed: the first handoff and loads set things up
         for n in lengths:
             seen = set()
             for f in fractions:
@@ -178,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue  # a fraction that stores the same whole chunks as one before it: the same cell
                 seen.add(hit)
                 for layout in layouts:
-                    r = cell(urls, layout, n, f, reps, rng, len(rec["cells"]))
+                    r = cell(urls, layout, n, f, reps, rng, len(rec["cells"]), check)
                     rec["cells"].append(r)
                     print(f"[decisions] {layout:<12} n={n:>5} stored={r['stored_tokens']:>5}  " + "  ".join(
                         f"{s} {x['median'] * 1e3:.0f}" for s, x in r["ttft"].items()) +
@@ -199,12 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     rec["summary"]["same_plan"] = sum(set(c["auto_plans"]) == {"recompute" if c["best_forced"] == "store" and
                                                                not c["stored_tokens"] else c["best_forced"]}
                                       for c in cells)
+    rec["token_checks"], rec["token_mismatches"] = check.checked, check.mismatches
     rec["seconds"], rec["pids"] = round(time.monotonic() - t0), sorted(set(dep.started))
     (out / "decisions.json").write_text(json.dumps(rec, indent=1))
     md = render(rec)
     (out / "decisions.md").write_text(md)
     print("\n" + md + f"\n[decisions] wrote {out / 'decisions.json'}, {out / 'decisions.md'} ({rec['seconds']} s)")
-    return 1 if "error" in rec else 0
+    return 1 if "error" in rec or check.mismatches else 0
 
 
 if __name__ == "__main__":

@@ -44,12 +44,15 @@ def test_quick_bench_measures_every_section(quick):
     proc, out = quick
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads((out / "bench.json").read_text())
-    assert r["quick"] and r["sections"] == ["store_hit", "pd", "composite", "raw"]
+    assert r["quick"] and r["sections"] == ["store_hit", "ssd_hit", "pd", "composite", "raw"]
     assert r["lmcache"] and r["lmcache"] != "unknown"
     for row in r["store_hit"]:
         assert set(row["ttft"]) >= {"miss", "floor", "ours", "lmcache"}
         # Both stores served the whole shared prefix: the cell compares hits, not misses.
         assert row["hit_tokens"] == {"ours": row["prefix_tokens"], "lmcache": row["prefix_tokens"]}
+    # The SSD row read the whole prefix from DRAM, and again after it was pushed to disk.
+    assert [x["prefix_tokens"] for x in r["ssd_hit"]] == [2048]
+    assert all(x["hit_tokens"] == {"dram": 2048, "ssd": 2048} and x["filler_mib"] > 0 for x in r["ssd_hit"])
     assert [x["prompt_tokens"] for x in r["pd"]] == [513, 2049]
     assert all(x["transfer"]["n"] >= 1 and 0 < x["kv_move_share_of_ttft"] < 1 for x in r["pd"])
     assert r["composite"] and all(set(x["ttft"]) == {"tiered", "stock"} for x in r["composite"])
@@ -59,8 +62,9 @@ def test_quick_bench_measures_every_section(quick):
 def test_quick_bench_checks_tokens_across_configurations(quick):
     _, out = quick
     r = json.loads((out / "bench.json").read_text())
-    # store_hit: 2 lengths x 2 repetitions x (1 + 2 per store); pd: 2 x 2 x 2; composite: 1 x 2 x 2.
-    assert r["token_checks"] >= 2 * 2 * 5 + 2 * 2 * 2 + 2 * 2
+    # store_hit: 2 lengths x 2 repetitions x (1 + 2 per store); ssd_hit: 1 x 2 x 3; pd: 2 x 2 x 2;
+    # composite: 1 x 2 x 2.
+    assert r["token_checks"] >= 2 * 2 * 5 + 1 * 2 * 3 + 2 * 2 * 2 + 2 * 2
     assert r["token_mismatches"] == []
 
 
@@ -68,11 +72,12 @@ def test_quick_bench_writes_outputs_and_stops_everything(quick):
     _, out = quick
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "bench.md").read_text()
-    for title in ("Store-hit TTFT", "P/D handoff", "Composite vs stock", "Tier vs raw"):
+    for title in ("Store-hit TTFT", "SSD-hit TTFT", "P/D handoff", "Composite vs stock", "Tier vs raw"):
         assert title in md
     r = json.loads((out / "bench.json").read_text())
-    # base + 2 store engines + LMCache server and 2 engines + 3 P/D pairs with proxies + master + store server
-    assert len(r["pids"]) >= 16
+    # base + 2 store engines + LMCache server and 2 engines + 2 SSD engines with their master and
+    # store server + 3 P/D pairs with proxies + master + store server
+    assert len(r["pids"]) >= 20
     assert [p for p in r["pids"] if not _gone(p)] == []
     # Each was a process-group leader: nothing it spawned (EngineCore, workers) is left either.
     leaders = set(r["pids"])
@@ -164,11 +169,12 @@ def test_trace_replay_quick_runs_both_deployments_and_feeds_the_simulator(tmp_pa
     assert all(len(x["candidates"]) == 2 for x in map(json.loads, (tmp_path / "decisions-tiered.jsonl").open()))
 
 
-def test_decision_bench_quick_measures_every_cell(tmp_path):
-    """``python -m bench.tiered_bench --quick --lengths 256``: both layouts at 0% and 100%
+def test_decision_bench_quick_measures_every_cell_with_the_same_tokens(tmp_path):
+    """``python -m bench.tiered_bench --quick --lengths 257``: both layouts at 0% and 100%
     stored, every source timed, the plan ``auto`` chose read from the decode engine, every
-    process gone. No assertion on which source wins."""
-    proc = subprocess.run([sys.executable, "-m", "bench.tiered_bench", "--quick", "--lengths", "256",
+    answer's greedy ids those of a no-connector engine on the plan's split, every process
+    gone. No assertion on which source wins."""
+    proc = subprocess.run([sys.executable, "-m", "bench.tiered_bench", "--quick", "--lengths", "257",
                            "--out", str(tmp_path)], cwd=str(ROOT), capture_output=True, text=True, timeout=900)
     (tmp_path / "stdout.txt").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -182,4 +188,8 @@ def test_decision_bench_quick_measures_every_cell(tmp_path):
         assert len(c["auto_plans"]) == 1 and "?" not in c["auto_plans"], c
         assert c["oracle_median"] == min(x["median"] for s, x in c["ttft"].items() if s != "auto")
     assert "within 10% of the best forced source" in (tmp_path / "decisions.md").read_text()
-    assert len(r["pids"]) >= 5 and [p for p in r["pids"] if not _gone(p)] == []
+    # At 257 tokens every plan has a reference (a stored chunk is the handoff's N - 1 tokens):
+    # 14 requests (3 sources x 2 cells decode only, 4 x 2 with prefill), cached tokens and ids each.
+    assert [c["unchecked"] for c in r["cells"]] == [[]] * 4
+    assert r["token_checks"] == 28 and r["token_mismatches"] == []
+    assert len(r["pids"]) >= 6 and [p for p in r["pids"] if not _gone(p)] == []
