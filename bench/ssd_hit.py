@@ -126,11 +126,14 @@ def ssd_hit(base: str, writer: str, reader: str, admin: MasterAdmin, raw, ssd_di
         t: dict[str, list[float]] = {k: [] for k in ("miss", "floor", "dram", "ssd")}
         hits: dict[str, list[int]] = {"dram": [], "ssd": []}
         filler: list[int] = []
+        resident: list[float] = []
         for rep in range(reps + 1):
             pfx, sa, sb, sc = ids(n_pfx, rng), ids(suffix, rng), ids(suffix, rng), ids(suffix, rng)
             before = set(admin.all_keys())
             got = {"write": stream(writer, pfx + sa, max_tokens)}
             keys = new_chunks(admin, before, n_pfx // chunk)
+            # Whether the DRAM hit read DRAM only (recorded: eviction could have taken some already).
+            resident.append(len(_replicas(admin, keys)[0]) / len(keys))
             got["dram"] = stream(reader, pfx + sb, max_tokens)
             time.sleep(1.0)  # the read's lease (--default_kv_lease_ttl) ends: the chunks may be evicted
             filler.append(evict_to_disk(admin, raw, keys, filler_limit))
@@ -154,6 +157,7 @@ def ssd_hit(base: str, writer: str, reader: str, admin: MasterAdmin, raw, ssd_di
         row = {"prompt_tokens": n_pfx + suffix, "prefix_tokens": n_pfx, "ttft": med,
                "hit_tokens": {k: statistics.median(h) for k, h in hits.items()},
                "filler_mib": statistics.median(filler) / (1 << 20),
+               "dram_resident_min": min(resident),  # share of the chunks in DRAM before a DRAM hit
                "ssd_vs_miss": med["ssd"]["median"] / med["miss"]["median"],
                "ssd_vs_dram": med["ssd"]["median"] / med["dram"]["median"],
                "dram_vs_floor": med["dram"]["median"] / med["floor"]["median"]}

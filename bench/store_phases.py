@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.client import ids, stream  # noqa: E402
-from bench.common import Checker, machine, rotated  # noqa: E402
+from bench.common import Checker, long_context_args, machine, rotated  # noqa: E402
 from bench.suite import SETTLE_S, SUFFIX, store_config  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
 from multi.deploy import Deployment  # noqa: E402
@@ -113,6 +113,8 @@ def run(a: argparse.Namespace) -> int:
     if a.ab:
         configs["ab"] = {**common, **_settings(a.ab)}
     rows = []
+    prefixes = [int(x) for x in a.prefixes.split(",")]
+    long = long_context_args(max(prefixes) + SUFFIX + 64)  # past 8,192 positions: --hf-overrides
     try:
         dep.cluster = StoreCluster(log_dir=out / "logs", segment_size=4 << 30).start()
         master = dep.cluster.master_addr
@@ -120,13 +122,13 @@ def run(a: argparse.Namespace) -> int:
         for name, extra in configs.items():
             cfg = store_config(master)
             cfg["kv_connector_extra_config"].update(extra)
-            pairs[name] = (dep.engine(f"phases-{name}-writer", model, 0, cfg),
-                           dep.engine(f"phases-{name}-reader", model, 1, cfg))
+            pairs[name] = (dep.engine(f"phases-{name}-writer", model, 0, cfg, extra=long),
+                           dep.engine(f"phases-{name}-reader", model, 1, cfg, extra=long))
         for (w_url, w), (r_url, r) in pairs.values():
             dep.wait_http(w_url, w)
             dep.wait_http(r_url, r)
         urls = {name: (w[0], r[0]) for name, (w, r) in pairs.items()}
-        for n_pfx in [int(x) for x in a.prefixes.split(",")]:
+        for n_pfx in prefixes:
             before, ttft = {}, {name: [] for name in configs}
             for rep in range(a.reps + 1):
                 for name in rotated(list(configs), rep):

@@ -74,10 +74,11 @@ WITHIN_BEST, WITHIN_RECOMPUTE = 1.10, 1.05
 
 
 def store_prefix(p_url: str, prefix: list[int]) -> None:
-    """A prefill-only request on the prefill instance saves the prefix's chunks."""
+    """A prefill-only request on the prefill instance saves the prefix's chunks; then a
+    pause in every case, so that each timed request starts on quiet engines."""
     if prefix:
         complete(p_url, prefix + STORED_PASS_TAIL, 1)
-        time.sleep(0.3)  # saves run off the forward path
+    time.sleep(0.3)  # saves run off the forward path
 
 
 def decisions(d_url: str) -> dict[str, float]:
@@ -153,8 +154,10 @@ def cell(urls: dict[str, str], layout: str, n: int, f: float, reps: int, rng: ra
     for rep in range(reps):
         for src in rotated(list(sources), k0 + rep):
             prefix = ids(hit, rng)
-            store_prefix(urls["prefill"], prefix)
+            # Before the pause: a /metrics scrape runs on the decode engine's core, so it must
+            # not run right before a timed request (it did so for auto only).
             before = decisions(urls["decode"]) if src == "auto" else None
+            store_prefix(urls["prefill"], prefix)
             times[src].append(stream(target, prefix + ids(n - hit, rng), 2, {"kv_source": src}).ttft)
             if before is not None:
                 plans.append(auto_plan(urls["decode"], before))

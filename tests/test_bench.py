@@ -52,7 +52,8 @@ def test_quick_bench_measures_every_section(quick):
         assert row["hit_tokens"] == {"ours": row["prefix_tokens"], "lmcache": row["prefix_tokens"]}
     # The SSD row read the whole prefix from DRAM, and again after it was pushed to disk.
     assert [x["prefix_tokens"] for x in r["ssd_hit"]] == [2048]
-    assert all(x["hit_tokens"] == {"dram": 2048, "ssd": 2048} and x["filler_mib"] > 0 for x in r["ssd_hit"])
+    assert all(x["hit_tokens"] == {"dram": 2048, "ssd": 2048} and x["filler_mib"] > 0 and x["dram_resident_min"] == 1
+               for x in r["ssd_hit"])
     assert [x["prompt_tokens"] for x in r["pd"]] == [513, 2049]
     assert all(x["transfer"]["n"] >= 1 and 0 < x["kv_move_share_of_ttft"] < 1 for x in r["pd"])
     assert r["composite"] and all(set(x["ttft"]) == {"tiered", "stock"} for x in r["composite"])
