@@ -9,7 +9,7 @@ prefix length, with a fresh random prefix ``P`` and three one-block suffixes:
 2. the reader (core 1, vLLM's prefix cache off, so every hit is the store's) serves
    ``P + b`` from the chunks' DRAM copies: the **DRAM hit**;
 3. ``P``'s chunks are pushed out of DRAM (:func:`evict_to_disk`: filler objects put with a
-   raw Mooncake client until the master lists no memory replica of any of them, then
+   pure store client until the master lists no memory replica of any of them, then
    removed), and their files' pages are dropped from the kernel's page cache
    (:func:`drop_page_cache`), so the read below comes from the disk;
 4. the reader serves ``P + c``: the **SSD hit**;
@@ -67,9 +67,10 @@ def _replicas(admin: MasterAdmin, keys: list[str]) -> tuple[list[str], list[str]
     return mem, disk
 
 
-def evict_to_disk(admin: MasterAdmin, raw, keys: list[str], limit_bytes: int) -> int:
+def evict_to_disk(admin: MasterAdmin, client, keys: list[str], limit_bytes: int) -> int:
     """Leave ``keys`` on disk only: wait until each has a disk replica, then put filler
-    objects (``raw``: a Mooncake client with no segment) until none has a DRAM replica, and
+    objects (``client``: a :class:`mcstore.client.StoreClient` with no segment) until none has
+    a DRAM replica, and
     remove the filler. Returns the filler bytes it took; TimeoutError past the deadlines or
     past ``limit_bytes`` of filler."""
     deadline = time.monotonic() + OFFLOAD_S
@@ -91,13 +92,12 @@ def evict_to_disk(admin: MasterAdmin, raw, keys: list[str], limit_bytes: int) ->
                 raise TimeoutError(f"{len(mem)} of {len(keys)} chunks still in DRAM after "
                                    f"{len(filler) * FILLER_BYTES >> 20} MiB of filler")
             key = f"bench-filler/{time.monotonic_ns()}"
-            if raw.put(key, value) == 0:
+            if client.upsert(key, value) == 0:
                 filler.append(key)
             else:  # the pool is full until the master's eviction thread runs
                 time.sleep(0.05)
     finally:
-        for k in filler:
-            raw.remove(k)
+        client.remove(filler, force=True)
 
 
 def drop_page_cache(directory: str) -> int:
@@ -117,7 +117,7 @@ def drop_page_cache(directory: str) -> int:
     return total
 
 
-def ssd_hit(base: str, writer: str, reader: str, admin: MasterAdmin, raw, ssd_dir: str, prefixes: list[int],
+def ssd_hit(base: str, writer: str, reader: str, admin: MasterAdmin, client, ssd_dir: str, prefixes: list[int],
             reps: int, chunk: int, suffix: int, max_tokens: int, filler_limit: int, rng, check: Checker) -> list[dict]:
     if any(n % chunk or n <= 0 for n in prefixes):
         raise ValueError(f"ssd_hit prefixes {prefixes} must be positive whole chunks of {chunk} tokens")
@@ -136,7 +136,7 @@ def ssd_hit(base: str, writer: str, reader: str, admin: MasterAdmin, raw, ssd_di
             resident.append(len(_replicas(admin, keys)[0]) / len(keys))
             got["dram"] = stream(reader, pfx + sb, max_tokens)
             time.sleep(1.0)  # the read's lease (--default_kv_lease_ttl) ends: the chunks may be evicted
-            filler.append(evict_to_disk(admin, raw, keys, filler_limit))
+            filler.append(evict_to_disk(admin, client, keys, filler_limit))
             drop_page_cache(ssd_dir)
             got["ssd"] = stream(reader, pfx + sc, max_tokens)
             got["miss"] = stream(base, pfx + sa, max_tokens)
@@ -171,27 +171,25 @@ def ssd_hit(base: str, writer: str, reader: str, admin: MasterAdmin, raw, ssd_di
 def run_section(dep, model: str, base: str, out: Path, prefixes: list[int], reps: int, store_config, extra: list[str],
                 rng, check: Checker, chunk: int, suffix: int, max_tokens: int) -> list[dict]:
     """Start the SSD cluster, a writer (core 0) and a reader without a local prefix cache
-    (core 1) on it and a raw client, run :func:`ssd_hit`, and stop them (the client before the
+    (core 1) on it and a pure store client, run :func:`ssd_hit`, and stop them (the client before the
     cluster). ``store_config(master)``: the engines' connector config."""
     import shutil
 
     from kvcore.platform import kv_bytes_per_token
-    from mcstore.server import CLIENT_ENV, StoreCluster
+    from mcstore.client import StoreClient
+    from mcstore.config import StoreConfig
+    from mcstore.server import StoreCluster
 
     ssd_dir = out / "ssd"
     shutil.rmtree(ssd_dir, ignore_errors=True)  # files left there would be registered as stored objects
     seg = segment_bytes(max(prefixes), kv_bytes_per_token(model))
     cluster = StoreCluster(log_dir=out / "logs", segment_size=seg, ssd_dir=str(ssd_dir),
                            extra_flags=["--default_kv_lease_ttl=500"]).start()
-    raw = None
+    client = None
     try:
-        for k, v in CLIENT_ENV.items():
-            os.environ.setdefault(k, v)
-        from mooncake.store import MooncakeDistributedStore
-
-        raw = MooncakeDistributedStore()
-        if raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 2 * FILLER_BYTES, "tcp", "", cluster.master_addr) != 0:
-            raise RuntimeError("raw Mooncake client setup failed")
+        # A filler put may wait for the master's eviction: no slow-call trips (as a tool's client).
+        client = StoreClient(StoreConfig(master=cluster.master_addr, local_buffer_size=2 * FILLER_BYTES,
+                                         slow_rpc_s=120.0), "ssd-filler", segment=False)
         cfg = store_config(cluster.master_addr)
         w_url, w = dep.engine("ssd-writer", model, 0, cfg, extra=extra)
         r_url, r = dep.engine("ssd-reader", model, 1, cfg, extra=[*extra, "--no-enable-prefix-caching"])
@@ -199,12 +197,12 @@ def run_section(dep, model: str, base: str, out: Path, prefixes: list[int], reps
         dep.wait_http(r_url, r)
         print(f"[bench] ssd_hit: DRAM segment {seg >> 20} MiB, offload to {ssd_dir} ({reps} reps):", flush=True)
         admin = MasterAdmin(f"http://127.0.0.1:{cluster.metrics_port}")
-        return ssd_hit(base, w_url, r_url, admin, raw, str(ssd_dir), prefixes, reps, chunk, suffix, max_tokens,
+        return ssd_hit(base, w_url, r_url, admin, client, str(ssd_dir), prefixes, reps, chunk, suffix, max_tokens,
                        4 * seg, rng, check)
     finally:
         dep.stop([p for p in dep.procs if p.name in ("ssd-writer", "ssd-reader")])
-        if raw is not None:
-            raw.close()
+        if client is not None:
+            client.close()
         dep.started += [p.popen.pid for p in (cluster.master, cluster.server) if p is not None]
         cluster.stop()
         shutil.rmtree(ssd_dir, ignore_errors=True)

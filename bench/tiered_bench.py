@@ -97,6 +97,11 @@ def auto_plan(d_url: str, before: dict[str, float], deadline_s: float = 5.0) -> 
         time.sleep(0.2)
 
 
+def loaded_tokens(plan: list[dict], n: int) -> int:
+    """Where the decode instance started computing: the tokens its plan loaded."""
+    return next((s["start"] for s in plan if s["source"] == "recompute"), n)
+
+
 def reference_passes(plan: list[dict], prompt: list[int], hit: int, handoff: bool) -> list[list[int]] | None:
     """The prompts a no-connector engine computes before ``prompt`` so that it holds the KV
     the decode instance loaded (``plan``: its ``kv_plan``), computed in the same passes, and
@@ -106,7 +111,7 @@ def reference_passes(plan: list[dict], prompt: list[int], hit: int, handoff: boo
     prefix's pass (``prefix + STORED_PASS_TAIL``), the rest (``handoff``) from its pass
     over the whole prompt, where ``[0, hit)`` was a prefix-cache hit."""
     n = len(prompt)
-    start = next((s["start"] for s in plan if s["source"] == "recompute"), n)
+    start = loaded_tokens(plan, n)
     stored = [prompt[:hit] + STORED_PASS_TAIL] if hit else []
     if start == 0:
         return []
@@ -137,8 +142,7 @@ def check_cell(urls: dict[str, str], layout: str, n: int, hit: int, rng: random.
             complete(urls["base"], p, 1)
         ref = stream(urls["base"], prompt, 2)
         what = f"{layout}, kv_source {src} ({shown})"
-        loaded = next((s["start"] for s in plan if s["source"] == "recompute"), n)
-        check.same("decisions", f"{what}: reference cached tokens", n, [ref.cached], [loaded])
+        check.same("decisions", f"{what}: reference cached tokens", n, [ref.cached], [loaded_tokens(plan, n)])
         check.same("decisions", f"{what} vs same-split reference", n, r["choices"][0]["token_ids"], ref.token_ids)
     return unchecked
 
