@@ -38,6 +38,9 @@ def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         head += [f"{names[p]} /floor" for p in peers] + [f"{names[p]} /miss" for p in peers]
         if len(peers) == 2:
             head.append("ours/LMCache")
+        io = all("ours_load" in x for x in r["store_hit"])  # runs before 2026-12-01 lack it
+        if io:
+            head += ["ours: ranges/chunk", "ours: load GB/s"]
         rows = []
         for x in r["store_hit"]:
             t = x["ttft"]
@@ -46,6 +49,8 @@ def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
             row += [_x(x[f"{p}_vs_floor"]) for p in peers] + [_x(x[f"{p}_vs_miss"]) for p in peers]
             if len(peers) == 2:
                 row.append(_x(t["ours"]["median"] / t["lmcache"]["median"]))
+            if io:
+                row += [f"{x['ours_load']['ranges_per_chunk']:.0f}", f"{x['ours_load']['gbps']:.2f}"]
             rows.append(row)
         out.append(("1. Store-hit TTFT, ms: median (min-max); a fresh engine reads a prefix another engine stored",
                     head, rows))

@@ -52,6 +52,7 @@ from bench.common import Checker, long_context_args, machine, rotated, spread  #
 from bench.report import plot, publish, render_markdown, render_table  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
+from bench.engine_metrics import load_io, settle_metric  # noqa: E402
 from multi.deploy import Deployment, metrics, tiered_config  # noqa: E402
 
 SECTIONS = ("store_hit", "ssd_hit", "pd", "composite", "raw")
@@ -94,18 +95,6 @@ def stock_config(role: str, master: str, bootstrap_port: int) -> dict:
                 {**store_config(master), "kv_role": store_role}]}}
 
 
-def settle_metric(url: str, name: str, before: dict, want_count: float = 1.0) -> tuple[float, float]:
-    """(sum delta, count delta) of a histogram once the engine has exported the new samples."""
-    deadline = time.monotonic() + 3.0
-    while True:
-        after = metrics(url)
-        d_sum = after.get((name + "_sum", ""), 0.0) - before.get((name + "_sum", ""), 0.0)
-        d_cnt = after.get((name + "_count", ""), 0.0) - before.get((name + "_count", ""), 0.0)
-        if d_cnt >= want_count or time.monotonic() > deadline:
-            return d_sum, d_cnt
-        time.sleep(0.1)
-
-
 # ---------------------------------------------------------------- sections
 
 def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int], reps: int,
@@ -115,6 +104,7 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
     for n_pfx in prefixes:
         t: dict[str, list[float]] = {k: [] for k in ("floor", "miss", *peers, *(f"{p}_store_miss" for p in peers))}
         hits: dict[str, list[int]] = {p: [] for p in peers}
+        io: list[dict] = []
         for rep in range(reps + 1):
             pfx, sa, sb = ids(n_pfx, rng), ids(SUFFIX, rng), ids(SUFFIX, rng)
             got: dict[str, object] = {}
@@ -124,9 +114,13 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
                     got["floor"] = stream(base, pfx + sb, MAX_TOKENS)
                 else:
                     writer, reader = peers[who]
+                    # Before the writer's request: a scrape runs on the reader's core.
+                    io0 = metrics(reader) if who == "ours" else None
                     got[f"{who}_store_miss"] = stream(writer, pfx + sa, MAX_TOKENS)
                     time.sleep(SETTLE_S)
                     got[who] = stream(reader, pfx + sb, MAX_TOKENS)
+                    if io0 is not None and rep:
+                        io.append(load_io(reader, io0))
             n = n_pfx + SUFFIX
             check.same("store_hit", "floor (vLLM prefix cache) cached tokens", n, [got["floor"].cached], [n_pfx])
             for p in peers:
@@ -143,6 +137,8 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
         med = {k: spread(v) for k, v in t.items()}
         row = {"prompt_tokens": n_pfx + SUFFIX, "prefix_tokens": n_pfx, "ttft": med,
                "hit_tokens": {p: statistics.median(h) for p, h in hits.items()}}
+        if io:
+            row["ours_load"] = {k: statistics.median(x[k] for x in io) for k in io[0]}
         for p in peers:
             row[f"{p}_vs_floor"] = med[p]["median"] / med["floor"]["median"]
             row[f"{p}_vs_miss"] = med[p]["median"] / med["miss"]["median"]

@@ -122,17 +122,22 @@ def reference_passes(plan: list[dict], prompt: list[int], hit: int, handoff: boo
     return None
 
 
-def check_cell(urls: dict[str, str], layout: str, n: int, hit: int, rng: random.Random, check: Checker) -> list[str]:
-    """One untimed request per source against the reference (see the module docstring); the
-    plans it could not reproduce."""
+def check_cell(urls: dict[str, str], layout: str, n: int, hit: int, rng: random.Random,
+               check: Checker) -> tuple[list[str], dict]:
+    """One untimed request per source against the reference (see the module docstring): the
+    plans it could not reproduce, and what ``auto``'s request weighed (its
+    ``kv_plan_estimates``: every plan's estimated seconds, the parts, the requests the
+    engine held), to tell a wrong estimate from a wrong objective."""
     target = urls["proxy"] if layout == "with prefill" else urls["decode"]
-    unchecked = []
+    unchecked, estimates = [], {}
     for src in LAYOUTS[layout]:
         prefix = ids(hit, rng)
         store_prefix(urls["prefill"], prefix)
         prompt = prefix + ids(n - hit, rng)
         r = complete(target, prompt, 2, {"kv_source": src})
         plan = (r.get("kv_transfer_params") or {}).get("kv_plan") or []
+        if src == "auto":
+            estimates = (r.get("kv_transfer_params") or {}).get("kv_plan_estimates") or {}
         shown = "+".join(f"{s['source']}[{s['start']},{s['end']})" for s in plan) or "no plan"
         passes = reference_passes(plan, prompt, hit, layout == "with prefill")
         if passes is None:
@@ -144,7 +149,7 @@ def check_cell(urls: dict[str, str], layout: str, n: int, hit: int, rng: random.
         what = f"{layout}, kv_source {src} ({shown})"
         check.same("decisions", f"{what}: reference cached tokens", n, [ref.cached], [loaded_tokens(plan, n)])
         check.same("decisions", f"{what} vs same-split reference", n, r["choices"][0]["token_ids"], ref.token_ids)
-    return unchecked
+    return unchecked, estimates
 
 
 def cell(urls: dict[str, str], layout: str, n: int, f: float, reps: int, rng: random.Random, k0: int,
@@ -154,7 +159,7 @@ def cell(urls: dict[str, str], layout: str, n: int, f: float, reps: int, rng: ra
     times: dict[str, list[float]] = {s: [] for s in sources}
     plans: list[str] = []
     hit = int(n * f) // CHUNK * CHUNK
-    unchecked = check_cell(urls, layout, n, hit, rng, check) if check is not None else []
+    unchecked, estimates = check_cell(urls, layout, n, hit, rng, check) if check is not None else ([], {})
     for rep in range(reps):
         for src in rotated(list(sources), k0 + rep):
             prefix = ids(hit, rng)
@@ -172,6 +177,7 @@ def cell(urls: dict[str, str], layout: str, n: int, f: float, reps: int, rng: ra
     return {"layout": layout, "tokens": n, "store_fraction": f, "stored_tokens": hit,
             "ttft": {s: spread(v) for s, v in times.items()}, "best_forced": best,
             "oracle_median": statistics.median(oracle), "auto_plans": plans, "unchecked": unchecked,
+            "auto_check_estimates": estimates,
             "auto_vs_best": med["auto"] / med[best], "auto_vs_oracle": med["auto"] / statistics.median(oracle),
             "auto_vs_recompute": med["auto"] / med["recompute"]}
 
@@ -262,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[decisions] {layout:<12} n={n:>5} stored={r['stored_tokens']:>5}  " + "  ".join(
                         f"{s} {x['median'] * 1e3:.0f}" for s, x in r["ttft"].items()) +
                         f" ms; auto chose {','.join(sorted(set(r['auto_plans'])))}; auto/best "
-                        f"{r['auto_vs_best']:.2f}", flush=True)
+                        f"{r['auto_vs_best']:.2f}; its check request's estimates " + ", ".join(
+                            f"{k} {v * 1e3:.0f}" for k, v in r["auto_check_estimates"].get("seconds", {}).items())
+                        + f" ms (busy {r['auto_check_estimates'].get('busy', '?')})", flush=True)
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - the cells measured so far are still written
         rec["error"] = "interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"[:2000]
         print(f"[decisions] FAILED: {rec['error']}", flush=True)

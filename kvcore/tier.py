@@ -97,14 +97,17 @@ class LoadReport(msgspec.Struct, frozen=True):
     ``bytes`` were written into KV blocks; ``seconds`` is the time spent moving
     them, from the start of the tier's work on the load to the bytes in place,
     without any wait for a remote prefill to finish (the composite models that
-    wait separately). ``ok`` is False when any part of the load failed; such a
-    report is not a timing sample."""
+    wait separately). ``waited_s``: that wait, measured (a ``remote_prefill`` tier: from
+    asking the prefill instance for the KV until it answered that the KV is ready; 0
+    for other tiers). ``ok`` is False when any part of the load failed; such a report
+    is not a timing sample."""
 
     tier: str
     req_id: str
     bytes: int
     seconds: float
     ok: bool
+    waited_s: float = 0.0
 
 
 class LoadReports:

@@ -28,12 +28,16 @@ Estimated seconds, with ``b_j`` the bytes of tier ``j``'s range (tokens times
   since the request arrived;
 - recomputing ``n`` tokens after ``c`` cached ones: ``compute(c, c+n) =
   prefill([1, n, n*(c+n/2)])`` (fixed step cost, linear work, attention over the
-  context), times ``local_compute_weight`` for this instance's own recomputation:
-  a decode instance that prefills delays the decode batch it serves, which is why
-  P/D exists; 1.0 makes the choice purely by this request's time to first token.
+  context), weighted for this instance's own recomputation by what it stalls:
+  ``weighted(c) = w * c`` while the instance holds other requests (``busy > 0``: a decode
+  instance that prefills delays the decode batch it serves, which is why P/D exists),
+  and ``weighted(c) = min(c, B) + w * max(0, c - B)`` while it holds none, with
+  ``w = local_compute_weight`` and ``B = idle_compute_s``: alone, a short prefill stalls
+  nobody and counts at its time, but a long one would stall the handoffs that arrive
+  meanwhile. ``w = 1`` makes the choice purely by this request's time to first token.
 
 The loads of one plan run concurrently; recomputation follows them:
-``seconds = max_j(load time of j) + local_compute_weight * compute(e_last, N)``.
+``seconds = max_j(load time of j) + weighted(compute(e_last, N))``.
 
 Learning: workers measure :class:`ForwardSample` (one forward pass: new tokens and
 context per scheduled request) and :class:`LoadSample` (one finished load: bytes
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
+from typing import Annotated
 
 import msgspec
 
@@ -62,7 +67,9 @@ class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prefill_step_s: float = 0.01  # fixed cost of a forward pass
     prefill_token_s: float = 3e-4  # per new token
     prefill_attn_s: float = 2e-8  # per new token per context token
-    local_compute_weight: float = 1.5
+    local_compute_weight: Annotated[float, msgspec.Meta(ge=0)] = 1.5
+    # Seconds of an idle instance's own compute that count at weight 1 (see weighted()).
+    idle_compute_s: Annotated[float, msgspec.Meta(ge=0)] = 0.5
     calibrate: bool = True
 
 
@@ -86,6 +93,7 @@ class Inputs(msgspec.Struct, kw_only=True):
     tiers: list[TierReach]  # configured tiers, cheapest first
     bytes_per_token: float
     prefill_elapsed_s: float = 0.0  # time since the request arrived (a prefill instance's head start)
+    busy: int = 0  # other requests this instance holds (running or waiting): what its compute stalls
 
 
 class Plan(msgspec.Struct):
@@ -112,12 +120,14 @@ class ForwardSample(msgspec.Struct, tag="forward", array_like=True):
 
 class LoadSample(msgspec.Struct, tag="load", array_like=True):
     """One successful load: ``bytes`` from tier ``tier`` in ``seconds`` (a ``kvcore.tier.LoadReport``),
-    for request ``req_id`` (the scheduler times a handoff whole by it)."""
+    for request ``req_id`` (the scheduler times a handoff whole by it), after ``waited_s``
+    waiting for a remote prefill (measured by the tier)."""
 
     tier: str
     bytes: int
     seconds: float
     req_id: str = ""
+    waited_s: float = 0.0
 
 
 Sample = ForwardSample | LoadSample
@@ -171,6 +181,14 @@ class CostModel:
         n = end - start
         return self.prefill.predict(forward_features([n], [start])) if n > 0 else 0.0
 
+    def weighted(self, seconds: float, busy: int) -> float:
+        """This instance's own compute of ``seconds``, weighted by what it stalls (module doc)."""
+        w = self.cfg.local_compute_weight
+        if busy > 0:
+            return w * seconds
+        alone = min(seconds, self.cfg.idle_compute_s)
+        return alone + w * (seconds - alone)
+
     def plans(self, x: Inputs) -> list[Plan]:
         reach = [min(t.tokens, x.prompt_tokens - 1) for t in x.tiers]
         out: list[Plan] = []
@@ -204,7 +222,7 @@ class CostModel:
             t_load = max(t_load, seconds)
             end = reach[i]
         segs.append(Segment(end, N, Source.RECOMPUTE))
-        parts["recompute_s"] = self.cfg.local_compute_weight * self.compute_s(end, N)
+        parts["recompute_s"] = self.weighted(self.compute_s(end, N), x.busy)
         name = "+".join(x.tiers[i].tier for i in picked) or Source.RECOMPUTE
         return Plan(name, normalize(segs), t_load + parts["recompute_s"], parts)
 

@@ -31,8 +31,10 @@ Disaggregated (prefill and decode instances):
   (+ the store load when it runs alongside, whichever is longer);
 - direct, no prefill instance (``d``'s connector loads ``[L_d, S)`` from the store and
   recomputes the rest): ``queue_d`` plus the cheapest plan of ``d``'s model without the
-  handoff, whose recomputation is weighted by ``local_compute_weight``: compute on a
-  decode instance delays the decode batch it serves;
+  handoff, whose recomputation is weighted as the connector weighs it
+  (:meth:`multi.policy.CostModel.weighted`, with ``busy = k_d``): compute on a decode
+  instance delays the decode batch it serves; an idle one's first ``idle_compute_s``
+  delay nobody;
 - the route is the cheapest of these.
 
 Data-parallel (``plain`` instances): for each instance ``e``,
@@ -148,7 +150,7 @@ class Chooser:
         tiers = self._store(s) + [TierReach("p2p", n - 1, remote_prefill=True, prior=P2P_PRIOR,
                                             remote_cached=c_p, remote_queue_s=q)]
         plans = [x for x in self.model(p).plans(Inputs(prompt_tokens=n, local_tokens=l_d, tiers=tiers,
-                                                       bytes_per_token=self.bytes_per_token))
+                                                       bytes_per_token=self.bytes_per_token, busy=d.outstanding))
                  if x.tokens("p2p") > 0]
         if plans:
             best = min(plans, key=lambda x: x.seconds)
@@ -159,7 +161,7 @@ class Chooser:
 
     def direct_estimate(self, n: int, e: Instance, l_e: int, s: int, now: float, wait: bool = True) -> Plan:
         x = Inputs(prompt_tokens=n, local_tokens=min(l_e, n - 1), tiers=self._store(s),
-                   bytes_per_token=self.bytes_per_token)
+                   bytes_per_token=self.bytes_per_token, busy=e.outstanding)
         best = min(self.model(e).plans(x), key=lambda p: p.seconds)
         own = self.model(e).compute_s(min(max(l_e, s), n - 1), n)
         q = self.wait_s(e, now, own) if wait else 0.0

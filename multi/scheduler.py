@@ -3,11 +3,13 @@
 For a request with ``N`` prompt tokens and ``L`` of them in vLLM's prefix cache,
 it asks every tier how far it can supply the prompt (``lookup``), lets
 :mod:`multi.policy` estimate every feasible plan over the tiers (cheapest first)
-and pick one, and drives each tier the plan uses with its token range:
+and pick one (its own compute weighed by the other requests the engine holds,
+``Inputs.busy``: the requests it has planned and vLLM has not finished), and drives
+each tier the plan uses with its token range:
 ``tier.plan_load(request, start, end, block_ids, expected_s)`` (the plan's estimate of
-that load, which sets its deadline: ``kvcore.tier.load_deadline_s``). A tier that had something for
-the request but is not used gets ``tier.release(request)`` (a prefill instance
-must not hold blocks for nobody). It uses the tiers only through
+that load, which sets its deadline: ``kvcore.tier.load_deadline_s``). A tier that had
+something for the request but is not used gets ``tier.release(request)`` (a prefill
+instance must not hold blocks for nobody). It uses the tiers only through
 ``kvcore.tier`` (the contract methods and the vLLM hooks it forwards).
 """
 
@@ -38,6 +40,7 @@ class _Decision:
     local: int
     reach: dict[str, int]  # tier -> its lookup when the plan was made
     ranges: dict[str, tuple[int, int]]  # tier -> [start, end) it loads, in tier order
+    busy: int = 0  # other requests the engine held when the plan was made (Inputs.busy)
     loads: list[str] = field(default_factory=list)  # tiers whose load was planned
     counted: bool = False
 
@@ -90,12 +93,14 @@ class TieredScheduler:
         x = Inputs(prompt_tokens=n, local_tokens=local, bytes_per_token=self.bytes_per_token,
                    tiers=[TierReach(name, reach[name], tier.remote_prefill, tier.load_prior)
                           for name, tier in self.tiers.items()],
-                   prefill_elapsed_s=max(0.0, time.time() - getattr(request, "arrival_time", time.time())))
+                   prefill_elapsed_s=max(0.0, time.time() - getattr(request, "arrival_time", time.time())),
+                   # Every request the engine holds passed here first and leaves at request_finished.
+                   busy=len(self._decisions) - (request.request_id in self._decisions))
         plan, plans, reason = self.model.choose(x, force)
         if force != "auto":
             self.stats.own_inc(f"forced:{force}")
         ranges = {s.source: (s.start, s.end) for s in plan.segments if s.source in self.tiers}
-        d = _Decision(plan, {p.name: round(p.seconds, 6) for p in plans}, reason, local, reach, ranges)
+        d = _Decision(plan, {p.name: round(p.seconds, 6) for p in plans}, reason, local, reach, ranges, x.busy)
         logger.debug("request %s: N=%d L=%d reach=%s -> %s (%s) estimates %s", request.request_id, n, local,
                      reach, plan.name, reason, d.estimates)
         return d
@@ -168,14 +173,22 @@ class TieredScheduler:
 
     def handoff_seconds(self, sample: LoadSample, now: float | None = None) -> float:
         """What a handoff cost beyond the prefill instance's compute: from its load being
-        planned until the scheduler learns it finished, less the plan's estimate of the
-        remote compute, and at least the transfer the worker timed. The worker times only the
-        Transfer Engine's read; the rest (the prefill request's own overhead, the wait for
-        its READY after its compute, the acknowledgement, the step that reports the pull)
-        is what made ``auto`` pick a handoff of 256 tokens over a store load 3x faster
-        (bench/tiered_bench.py, 2026-12-01): the p2p fit's latency must learn it."""
+        planned until the scheduler learns it finished, less the remote compute, and at
+        least the transfer the worker timed. The worker times only the Transfer Engine's
+        read; the rest (the prefill request's own overhead, the wait for its READY after its
+        compute, the acknowledgement, the step that reports the pull) is what made ``auto``
+        pick a handoff of 256 tokens over a store load 3x faster (bench/tiered_bench.py,
+        2026-12-01): the p2p fit's latency must learn it.
+
+        The remote compute taken off is the plan's estimate of it, or the wait for READY the
+        tier measured (``waited_s``) when that is shorter: an estimate above the real
+        compute would otherwise leave the fit the read alone, and a handoff of a fully stored
+        2K prompt was estimated at 21 ms against the store's 17 and measured 88 against 36
+        (tiered_bench, 2026-12-01)."""
         t0, remote = self._handoffs.pop(sample.req_id)
         now = time.monotonic() if now is None else now
+        if sample.waited_s > 0:
+            remote = min(remote, sample.waited_s)
         return max(sample.seconds, now - t0 - remote)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -193,7 +206,8 @@ class TieredScheduler:
         if d is not None:
             params["kv_plan"] = [{"start": s.start, "end": s.end, "source": s.source} for s in d.plan.segments]
             params["kv_plan_estimates"] = {"chosen": d.plan.name, "reason": d.reason, "seconds": d.estimates,
-                                           "parts": {k: round(v, 6) for k, v in d.plan.parts.items()}}
+                                           "parts": {k: round(v, 6) for k, v in d.plan.parts.items()},
+                                           "busy": d.busy}
         return bool(holders), params or None
 
     def has_pending_push_work(self) -> bool:

@@ -162,7 +162,7 @@ class TieredWorker:
             s = tier.get_kv_connector_stats()
             if s is not None and not s.is_empty():
                 self.stats.data["tiers"][name] = s.data
-            loads = [LoadSample(name, r.bytes, r.seconds, r.req_id) for r in tier.take_load_reports()
+            loads = [LoadSample(name, r.bytes, r.seconds, r.req_id, r.waited_s) for r in tier.take_load_reports()
                      if r.ok and r.bytes > 0]
             self.stats.data["samples"].extend(encode_samples(loads))
         if self.stats.is_empty():

@@ -20,6 +20,7 @@ decode rank; it is not supported.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -84,6 +85,12 @@ class SideChannel:
         port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.addr = f"tcp://{host}:{port}"
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # Wakes the server thread when the worker adds to the inbox: it would otherwise see a
+        # new hold only at its next poll timeout, and a decode side already waiting for it
+        # would get READY up to that long after the prefill ended.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._finished: set[str] = set()
         self._fin_lock = threading.Lock()
         self._holds: dict[str, Hold] = {}
@@ -97,9 +104,18 @@ class SideChannel:
     # -- called from the worker thread --
     def add_hold(self, req_id: str, transfer_id: str, block_ids: list[int], fence=None) -> None:
         self._inbox.put(("hold", req_id, transfer_id, list(block_ids), fence))
+        self._wake()
 
     def abort(self, transfer_id: str) -> None:
         self._inbox.put(("abort", transfer_id))
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            if self._wake_w >= 0:
+                os.write(self._wake_w, b"\0")
+        except OSError:
+            pass  # a full pipe already wakes the thread; a closed one means it has stopped
 
     def take_finished(self) -> set[str]:
         with self._fin_lock:
@@ -111,8 +127,13 @@ class SideChannel:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake()
         self._thread.join(timeout=5)
         self._sock.close(0)
+        if not self._thread.is_alive() and self._wake_w >= 0:  # close may be called twice
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1
 
     # -- server thread --
     def _inc(self, key: str, n: float = 1) -> None:
@@ -144,11 +165,19 @@ class SideChannel:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         while not self._stop.is_set():
             try:
+                # The timeout paces heartbeats and expiries only: messages and holds wake it.
                 events = dict(poller.poll(50))
             except zmq.ZMQError:
                 break
+            if self._wake_r in events:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
             now = time.monotonic()
             self._drain_inbox(now)
             if self._sock in events:

@@ -137,8 +137,9 @@ class P2PWorker:
                 if not r.block_ids:
                     continue  # a release: no request waits for it
                 res.finished_recving.add(r.req_id)
-                seconds = (r.timings or {}).get("transfer", 0.0)
-                self.reports.add(LoadReport("p2p", r.req_id, r.nbytes, seconds, r.ok))
+                timings = r.timings or {}
+                self.reports.add(LoadReport("p2p", r.req_id, r.nbytes, timings.get("transfer", 0.0), r.ok,
+                                            waited_s=timings.get("metadata", 0.0)))
                 if not r.ok:
                     res.failed_recving.add(r.req_id)
         return res

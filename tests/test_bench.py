@@ -50,6 +50,9 @@ def test_quick_bench_measures_every_section(quick):
         assert set(row["ttft"]) >= {"miss", "floor", "ours", "lmcache"}
         # Both stores served the whole shared prefix: the cell compares hits, not misses.
         assert row["hit_tokens"] == {"ours": row["prefix_tokens"], "lmcache": row["prefix_tokens"]}
+        # Our reader's load, from its own metrics: at least one range per chunk (a KV region's
+        # run of blocks), and a rate.
+        assert row["ours_load"]["ranges_per_chunk"] >= 1 and row["ours_load"]["gbps"] > 0
     # The SSD row read the whole prefix from DRAM, and again after it was pushed to disk.
     assert [x["prefix_tokens"] for x in r["ssd_hit"]] == [2048]
     assert all(x["hit_tokens"] == {"dram": 2048, "ssd": 2048} and x["filler_mib"] > 0 and x["dram_resident_min"] == 1

@@ -108,6 +108,8 @@ def test_config_errors():
         load_config({"store": {}, "polcy": {}})
     with pytest.raises(ConfigError, match="default_source"):
         load_config({"p2p": {}, "default_source": "disk"})
+    with pytest.raises(ConfigError, match="idle_compute_s"):
+        load_config({"p2p": {}, "policy": {"idle_compute_s": -1}})
     cfg = load_config({"p2p": {}, "policy": {"local_compute_weight": 1.0}})
     assert cfg.policy.local_compute_weight == 1.0 and composite_role("kv_consumer", cfg.write_back) == "kv_consumer"
     assert composite_role("kv_consumer", load_config({"store": {}, "write_back": True}).write_back) == "kv_both"
@@ -137,3 +139,28 @@ def test_calibration_from_wrong_defaults_converges(factor):
 
     assert errors(calibrate=True) < 0.3
     assert errors(calibrate=False) > 0.8
+
+
+def test_own_compute_is_weighted_by_what_it_stalls():
+    m = CostModel(PolicyConfig(local_compute_weight=1.5, idle_compute_s=0.5))
+    assert m.weighted(0.3, busy=0) == pytest.approx(0.3)  # alone and short: its time
+    assert m.weighted(0.3, busy=2) == pytest.approx(0.45)  # other requests wait behind it
+    assert m.weighted(1.0, busy=0) == pytest.approx(0.5 + 1.5 * 0.5)  # alone but long
+    assert CostModel(PolicyConfig(idle_compute_s=0.0)).weighted(0.3, busy=0) == pytest.approx(0.45)
+
+
+def test_idle_instance_computes_a_short_prompt_a_busy_one_hands_it_off():
+    # 1,025 tokens, nothing stored, the prefill instance just started (priors: ~0.33 s of
+    # compute, a handoff 0.03 s more). Alone, the decode instance computes it: sooner, and
+    # nobody waits. With requests of its own, its compute counts 1.5x: the handoff wins.
+    m = CostModel(PolicyConfig())
+    x = inputs(1025, p2p=True)
+    idle, plans, _ = m.choose(x)
+    assert idle.name == "recompute", [(p.name, p.seconds) for p in plans]
+    x.busy = 3
+    busy, plans, _ = m.choose(x)
+    assert busy.name == "p2p", [(p.name, p.seconds) for p in plans]
+    # A long prompt is handed off even from an idle decode instance: past idle_compute_s
+    # its compute would stall the handoffs that arrive meanwhile.
+    long, plans, _ = m.choose(inputs(4097, p2p=True))
+    assert long.name == "p2p", [(p.name, p.seconds) for p in plans]

@@ -4,7 +4,8 @@ A real mooncake_master and store server; two prefill instances and a decode inst
 with ``TieredConnector`` (the tiny model, store chunks of 256 tokens), each publishing
 vLLM's KV events over ZMQ; the router with the exact store view (``--store``) and
 the events (``--kv-events``), its cost model on its priors (``calibrate: false``, so
-the routes do not depend on this machine's speed); and a no-connector reference
+the routes do not depend on this machine's speed) with the decode instance's compute
+always weighed (``idle_compute_s: 0``); and a no-connector reference
 engine. Every answer's greedy ids equal the reference's for the same computation
 (``reference_tokens``: the passes that produced the KV it reused, then the prompt).
 
@@ -32,7 +33,11 @@ from tests.support import wait_for
 pytestmark = pytest.mark.e2e
 
 CHUNK = 256
-POLICY = json.dumps({"calibrate": False})
+# On its priors; and every compute on the decode instance weighed 1.5x, idle or not
+# (``idle_compute_s: 0``), as on a decode instance serving a batch: otherwise the idle decode
+# instance here would take these short prompts itself and no handoff route would be tested.
+POLICY_FIELDS = {"calibrate": False, "idle_compute_s": 0.0}
+POLICY = json.dumps(POLICY_FIELDS)
 IPC_DIR = tempfile.mkdtemp(prefix="mct-ipc-")
 
 
@@ -41,7 +46,7 @@ def tiered(role: str, master: str, bootstrap_port: int) -> dict:
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"store": {"master": master, "chunk_tokens": CHUNK, "load_timeout_s": 20},
                                           "p2p": {"bootstrap_port": bootstrap_port, "transfer_timeout_s": 30.0},
-                                          "policy": {"calibrate": False}}}
+                                          "policy": POLICY_FIELDS}}
 
 
 def events_args(name: str) -> list[str]:

@@ -29,6 +29,13 @@ def chooser(policy="kv", **cfg) -> Chooser:
     return Chooser(policy, BPT, PolicyConfig(calibrate=False, **cfg))
 
 
+def pd_chooser(**cfg) -> Chooser:
+    """A chooser that weighs all of the decode instance's compute (``idle_compute_s=0``), as
+    when it serves a batch: for the tests of which prefill instance a handoff takes, whose
+    prompts an idle decode instance would otherwise compute itself."""
+    return chooser(idle_compute_s=0.0, **cfg)
+
+
 def matcher(index: BlockIndex, tokens):
     hashes = chain(tokens, BS)
     return lambda inst: index.match(inst.url, hashes) * BS
@@ -59,7 +66,7 @@ def test_queue_ahead_outweighs_a_cache_hit():
     index.record(b.url, chain(tokens[:32 * 20], BS))
     now = time.monotonic()
     b.inflight["x"] = (30.0, now)  # 30 s of prefill work queued on B
-    r = chooser().choose(pool, len(tokens), matcher(index, tokens), 0, None)
+    r = pd_chooser().choose(pool, len(tokens), matcher(index, tokens), 0, None)
     assert r.prefill is a and r.seconds < 30
 
 
@@ -103,7 +110,7 @@ def test_prefill_samples_leave_out_the_predicted_store_load():
 
     got: list = []
     pool = pd_pool()
-    c = Recorder("kv", BPT, PolicyConfig(calibrate=False))
+    c = Recorder("kv", BPT, PolicyConfig(calibrate=False, idle_compute_s=0.0))
     route = c.choose(pool, 2000, lambda i: 512 if i.role == "prefill" else 0, 1536, None)
     p = route.prefill
     load = c.model(p).load_s(c._store(1536)[0], 1024 * BPT)
@@ -136,6 +143,19 @@ def test_short_prompt_goes_direct_when_the_handoff_costs_more():
     tokens = prompt(40, 3)
     r = chooser(prefill_token_s=1e-5, prefill_step_s=0.002).choose(pool, len(tokens), matcher(index, tokens), 0, None)
     assert r.kind == "direct" and r.reason == "handoff does not pay"
+
+
+def test_idle_decode_instance_computes_a_short_prompt_itself():
+    # 1,025 tokens, nothing cached (priors: ~0.33 s of compute). An idle decode instance
+    # stalls nobody by computing it, sooner than a handoff; one with a request in flight
+    # would stall it, and its compute counts 1.5x: the handoff wins.
+    pool, index = pd_pool(), BlockIndex(BS)
+    tokens = prompt(32 * 32 + 1, 7)
+    r = chooser().choose(pool, len(tokens), matcher(index, tokens), 0, None)
+    assert (r.kind, r.reason) == ("direct", "handoff does not pay"), r.candidates
+    pool.role("decode")[0].outstanding = 1
+    r = chooser().choose(pool, len(tokens), matcher(index, tokens), 0, None)
+    assert r.kind == "pd", r.candidates
 
 
 def test_admission_rejects_with_retry_after():
@@ -187,9 +207,9 @@ def test_unhealthy_instances_are_not_routed_to():
     index = BlockIndex(BS)
     tokens = prompt(32 * 40 + 1, 6)
     index.record(b.url, chain(tokens[:32 * 36], BS))
-    assert chooser().choose(pool, len(tokens), matcher(index, tokens), 0, None).prefill is a
+    assert pd_chooser().choose(pool, len(tokens), matcher(index, tokens), 0, None).prefill is a
     pool.role("decode")[0].healthy = False
-    assert chooser().choose(pool, len(tokens), matcher(index, tokens), 0, None) is None
+    assert pd_chooser().choose(pool, len(tokens), matcher(index, tokens), 0, None) is None
 
 
 def test_learning_moves_the_instance_estimate():

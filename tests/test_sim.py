@@ -25,8 +25,11 @@ def speeds(bytes_per_token: float) -> Speeds:
 
 
 def true_cfg() -> PolicyConfig:
-    """The router's model started at the true speeds, not learning: its choices are exact."""
+    """The router's model started at the true speeds, not learning: its choices are exact.
+    All of a decode instance's compute counts 1.5 times, idle or not (``idle_compute_s=0``),
+    so that the hand computations below stay short."""
     return PolicyConfig(prefill_step_s=0.0, prefill_token_s=0.1, prefill_attn_s=0.0, calibrate=False,
+                        idle_compute_s=0.0,
                         tiers={"store": LoadPrior(latency_s=0.0, bandwidth_gbps=1.0),
                                "p2p": LoadPrior(latency_s=0.0, bandwidth_gbps=1.0)})
 

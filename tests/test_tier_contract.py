@@ -139,6 +139,29 @@ def test_load_deadline_follows_expected_work():
     assert load_deadline_s(30.0, 5.0, cap_s=10.0) == 30.0  # nor below what was configured
 
 
+def test_own_compute_is_weighed_by_the_other_requests_held():
+    # Only the handoff tier has KV: with nobody else in the engine a 1,025-token prompt is
+    # computed here (its own time, under idle_compute_s); with one request held, that
+    # compute would stall it (weighted 1.5x) and the handoff wins. A finished request no
+    # longer counts.
+    def sched():
+        return TieredScheduler({"p2p": FakeTier("p2p", 1025, remote=True)}, PolicyConfig(), BS, 8192.0)
+
+    s = sched()
+    first = request("a", 1025)
+    assert s.get_num_new_matched_tokens(first, 0) == (0, False)
+    assert s._decisions["a"].busy == 0 and s._decisions["a"].plan.name == "recompute"
+    second = request("b", 1025)
+    assert s.get_num_new_matched_tokens(second, 0) == (1024, True)
+    assert s._decisions["b"].busy == 1 and s._decisions["b"].plan.name == "p2p"
+    _, params = s.request_finished(first, [])
+    assert params["kv_plan_estimates"]["busy"] == 0
+    s.request_finished(second, [])
+    third = request("c", 1025)
+    s.get_num_new_matched_tokens(third, 0)
+    assert s._decisions["c"].busy == 0 and s._decisions["c"].plan.name == "recompute"
+
+
 def test_forced_tier_and_release_of_unused_ones():
     tiers = three_tiers()
     s = TieredScheduler(tiers, PolicyConfig(), BS, 8192.0)
@@ -205,6 +228,12 @@ def test_a_handoff_is_learned_whole_less_the_remote_compute():
     # Never less than the read itself (a remote compute estimate above what it took).
     s._handoffs["r4"] = (t0, 10.0)
     assert s.handoff_seconds(LoadSample("p2p", 1, 0.01, "r4"), now=t0 + 1.0) == 0.01
+    # With the wait for READY measured: an estimate above it gives way to it, so the fit
+    # learns the handoff's own overhead (1.0 - 0.9 s); one below it is kept.
+    s._handoffs["r6"] = (t0, 10.0)
+    assert s.handoff_seconds(LoadSample("p2p", 1, 0.01, "r6", waited_s=0.9), now=t0 + 1.0) == pytest.approx(0.1)
+    s._handoffs["r7"] = (t0, 0.5)
+    assert s.handoff_seconds(LoadSample("p2p", 1, 0.01, "r7", waited_s=0.9), now=t0 + 1.0) == pytest.approx(0.5)
     s._handoffs["r5"] = (t0, 0.0)
     s.request_finished(request("r5", 10), [])
     assert "r5" not in s._handoffs  # a failed pull sends no sample: the entry goes with the request

@@ -36,8 +36,11 @@ class Deployment:
         self.bootstrap = free_port()
         self.p = Engine("tiered-P", core=0, model=small, max_model_len=8192,
                         kv_config=tiered("kv_producer", cluster.master_addr, self.bootstrap))
+        # All of D's own compute weighed 1.5x, idle or not (idle_compute_s 0), as on a decode
+        # instance serving a batch: the idle D here would otherwise compute the prompts of
+        # up to ~1K tokens these tests hand off (multi.policy, tests/test_policy.py).
         self.d = Engine("tiered-D", core=1, model=small, max_model_len=8192,
-                        kv_config=tiered("kv_consumer", cluster.master_addr, free_port()))
+                        kv_config=tiered("kv_consumer", cluster.master_addr, free_port(), idle_compute_s=0.0))
         self.base = Engine("baseline-small", core=0, model=small, max_model_len=8192, dev_mode=True)
         start_engines(self.p, self.d, self.base)
         self.proxy, self.url = start_proxy("proxy", f"{self.p.url}@http://127.0.0.1:{self.bootstrap}", self.d.url,
