@@ -135,9 +135,10 @@ def check_cell(urls: dict[str, str], layout: str, n: int, hit: int, rng: random.
         store_prefix(urls["prefill"], prefix)
         prompt = prefix + ids(n - hit, rng)
         r = complete(target, prompt, 2, {"kv_source": src})
-        plan = (r.get("kv_transfer_params") or {}).get("kv_plan") or []
+        params = r.get("kv_transfer_params") or {}
+        plan = params.get("kv_plan") or []
         if src == "auto":
-            estimates = (r.get("kv_transfer_params") or {}).get("kv_plan_estimates") or {}
+            estimates = params.get("kv_plan_estimates") or {}
         shown = "+".join(f"{s['source']}[{s['start']},{s['end']})" for s in plan) or "no plan"
         passes = reference_passes(plan, prompt, hit, layout == "with prefill")
         if passes is None:
