@@ -73,12 +73,23 @@ DECISIONS = "vllm:mctier_tiered_decisions_total"
 WITHIN_BEST, WITHIN_RECOMPUTE = 1.10, 1.05
 
 
+# How long an engine keeps a core busy after its last step: vLLM's shared-memory queue
+# readers (each engine's worker and engine core) spin on sched_yield for 1 s after their
+# last read (vllm.distributed.device_communicators.shm_broadcast.SpinCondition,
+# busy_loop_s). A request within that second to an engine on the same core ran at half
+# speed: the decode instance's forward passes right after the reference engine's check
+# runs (both on core 1) took 42 ms against 21 at 65 tokens and 0.68 s against 0.34 at
+# 1,025 (2026-12-01), and those samples taught auto's forward fit a machine twice as slow.
+QUIET_S = 1.2
+
+
 def store_prefix(p_url: str, prefix: list[int]) -> None:
     """A prefill-only request on the prefill instance saves the prefix's chunks; then a
-    pause in every case, so that each timed request starts on quiet engines."""
+    pause in every case (QUIET_S: saves run off the forward path, and every engine that
+    just ran still spins), so that each request after it starts on quiet engines."""
     if prefix:
         complete(p_url, prefix + STORED_PASS_TAIL, 1)
-    time.sleep(0.3)  # saves run off the forward path
+    time.sleep(QUIET_S)
 
 
 def decisions(d_url: str) -> dict[str, float]:

@@ -167,6 +167,7 @@ class TieredScheduler:
             if isinstance(sample, LoadSample) and sample.req_id in self._handoffs:
                 sample = msgspec.structs.replace(sample, seconds=self.handoff_seconds(sample))
             kind, est, seconds = self.model.learn(sample)
+            logger.debug("learned %s: estimate %.4f s, measured %.4f s (%s)", kind, est, seconds, sample)
             if seconds > 0:
                 self.stats.own_inc(f"estimate_error:{kind}", abs(est - seconds) / seconds)
                 self.stats.own_inc(f"estimate_samples:{kind}")
