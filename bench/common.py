@@ -62,6 +62,15 @@ class Checker:
         return False
 
 
+# How long an engine keeps its core busy after its last step: vLLM's shared-memory queue
+# readers (each engine's worker and engine core) spin on sched_yield for 1 s after their last
+# read (vllm.distributed.device_communicators.shm_broadcast.SpinCondition, busy_loop_s). A
+# request within that second to an engine on the same core ran at half speed: a decode
+# instance's forward passes right after another engine's requests on its core took 42 ms
+# against 21 at 65 tokens and 0.68 s against 0.34 at 1,025 (bench/tiered_bench.py,
+# 2026-12-01). Benchmarks wait this long before a timed request that follows another engine's.
+QUIET_S = 1.2
+
 MODEL_POSITIONS = 8192  # the small model's max_position_embeddings
 
 

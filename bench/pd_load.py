@@ -32,7 +32,9 @@ arrival sent to last arrival ended) and before it: each stream's TPOT over the w
 and p99 over the streams of all repetitions; ITL p99 and max over the window's tokens (a
 prefill that shares a step with the decodes shows as one long gap, which is under 1% of
 the tokens when the decode steps are fast, so ITL p99 alone can miss it); the arrivals'
-TTFT p50 and p90.
+TTFT p50 and p90. And where the two cores went in the window: the CPU seconds of each
+process tree the deployment started (engine, proxy) and of this client, per second of
+window (1.0 is a whole core), to tell an engine that was slower from one that was starved.
 Writes ``pd_load.json`` and ``pd_load.md`` to ``--out`` (default ``bench/results/pd_load``).
 Everything started is stopped at the end, also on failure. Exit status 1 if a deployment
 or a request failed. Not a test: nothing here asserts a speed.
@@ -108,7 +110,32 @@ def gaps(ticks: list[tuple[float, int]], start: float, end: float) -> list[float
     return out
 
 
-async def workload(url: str, a: argparse.Namespace, seed: int) -> dict:
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User plus system CPU seconds so far of each named process with its descendants (an
+    engine is an API server, an engine core and a worker)."""
+    import psutil
+
+    out = {}
+    for name, pid in pids.items():
+        total = 0.0
+        try:
+            root = psutil.Process(pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for p in tree:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        out[name] = total
+    return out
+
+
+async def workload(url: str, a: argparse.Namespace, seed: int, pids: dict[str, int] | None = None) -> dict:
+    """``pids``: name -> PID of the processes whose CPU use over the window is reported."""
+    pids = {**(pids or {}), "client": os.getpid()}
     streams = prompts(seed, a.streams, STREAM_PROMPT)
     arrivals = prompts(seed + 1, a.arrivals, a.prompt_len)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
@@ -122,10 +149,12 @@ async def workload(url: str, a: argparse.Namespace, seed: int) -> dict:
             t_stream = time.monotonic()
             await asyncio.sleep(a.interval)  # a baseline of undisturbed decode steps
             done = []
+            cpu0 = cpu_seconds(pids)
             for p in arrivals:
                 done.append(asyncio.create_task(arrival(session, url, p)))
                 await asyncio.sleep(a.interval)
             arr = await asyncio.wait_for(asyncio.gather(*done), REQUEST_TIMEOUT_S)
+            cpu1 = cpu_seconds(pids)
             if any(t.done() for t in tasks):  # a stream that ended early did not see the whole window
                 for t in tasks:
                     if t.done() and t.exception():
@@ -138,8 +167,12 @@ async def workload(url: str, a: argparse.Namespace, seed: int) -> dict:
     w0, w1 = arr[0]["sent"], max(x["end"] for x in arr)
     inside = [gaps(t, w0, w1) for t in ticks]
     before = [gaps(t, t_stream, w0) for t in ticks]
+    # The CPU snapshots bracket the window (taken just before the first arrival is sent and
+    # just after the last one ended).
+    cores = {k: round((cpu1[k] - cpu0[k]) / (w1 - w0), 3) for k in cpu1 if k in cpu0}
     return {"tpot": [tpot(g) for g in inside], "tpot_before": [tpot(g) for g in before],
-            "itl": [x for g in inside for x in g], "window_s": w1 - w0, "arrival_ttft": [x["ttft"] for x in arr]}
+            "itl": [x for g in inside for x in g], "window_s": w1 - w0, "arrival_ttft": [x["ttft"] for x in arr],
+            "cores": cores}
 
 
 def tpot(stream_gaps: list[float]) -> float | None:
@@ -153,7 +186,9 @@ def summary(reps: list[dict]) -> dict:
     repetitions together."""
     pool = {k: [x for r in reps for x in r[k] if x is not None] for k in ("tpot", "tpot_before", "itl",
                                                                           "arrival_ttft")}
-    return {"tpot_p50": pct(pool["tpot"], 0.5), "tpot_p99": pct(pool["tpot"], 0.99),
+    names = sorted({k for r in reps for k in r.get("cores", {})})
+    cores = {k: pct([r["cores"][k] for r in reps if k in r.get("cores", {})], 0.5) for k in names}
+    return {"cores": cores, "tpot_p50": pct(pool["tpot"], 0.5), "tpot_p99": pct(pool["tpot"], 0.99),
             "tpot_p50_before": pct(pool["tpot_before"], 0.5), "itl_p50": pct(pool["itl"], 0.5),
             "itl_p99": pct(pool["itl"], 0.99), "itl_max": max(pool["itl"], default=None),
             "streams": len(pool["tpot"]), "tokens_in_window": len(pool["itl"]),
@@ -207,13 +242,14 @@ class Bench:
                     # a prefix-cache hit on the engines that saw it (the same seeds in every
                     # deployment, so each runs the same prompts).
                     seed = self.a.seed + 10 * rep + 1000 * (k + 1)
-                    row["reps"].append(asyncio.run(workload(url, a, seed=seed)))
+                    pids = {p.name: p.popen.pid for p in self.dep.procs}
+                    row["reps"].append(asyncio.run(workload(url, a, seed=seed, pids=pids)))
                     r = summary(row["reps"][-1:])
                     print(f"[pd_load] {name} every {a.interval:g} s, rep {rep}: streams' TPOT p50 "
                           f"{r['tpot_p50'] * 1e3:.1f} ms, worst {max(row['reps'][-1]['tpot']) * 1e3:.1f} ms in the "
                           f"window ({r['tpot_p50_before'] * 1e3:.1f} before); ITL p99 {r['itl_p99'] * 1e3:.0f} ms, "
-                          f"max {r['itl_max'] * 1e3:.0f} ms; arrivals TTFT p50 {r['arrival_ttft_p50']:.2f} s",
-                          flush=True)
+                          f"max {r['itl_max'] * 1e3:.0f} ms; arrivals TTFT p50 {r['arrival_ttft_p50']:.2f} s; "
+                          "cores " + ", ".join(f"{k} {v:.2f}" for k, v in r["cores"].items()), flush=True)
                 row.update(summary(row["reps"]))
         except Exception as e:  # noqa: BLE001 - one broken deployment must not lose the others
             err = f"{type(e).__name__}: {e}"[:2000]
@@ -246,6 +282,11 @@ def render(rec: dict) -> str:
         lines.append(f"| {r['deployment']} | {r['interval']:g} | {f(r['tpot_p50'], d=1)} | {f(r['tpot_p99'], d=1)} | "
                      f"{f(r['tpot_p50_before'], d=1)} | {f(r['itl_p99'])} | {f(r['itl_max'])} | "
                      f"{f(r['arrival_ttft_p50'], 1, 2)} | {f(r['arrival_ttft_p90'], 1, 2)} | {ratio} |")
+    lines += ["", "Where the cores went while arrivals were in flight (CPU seconds per second of window, "
+                  "median over repetitions; 2.0 is both cores):", ""]
+    for r in ok_rows:
+        lines.append(f"- {r['deployment']}, every {r['interval']:g} s: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in r.get("cores", {}).items()) + f" (total {sum(r.get('cores', {}).values()):.2f})")
     lines.append("")
     for pd in (r for r in ok_rows if r["deployment"] == "pd" and r["interval"] in one):
         x = pd["tpot_p99"] / one[pd["interval"]]["tpot_p99"]

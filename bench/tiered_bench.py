@@ -19,11 +19,18 @@ one before it is not run again) the prefill instance stored just before, in two 
 A forced source is ``kv_transfer_params.kv_source``; ``auto`` is the product's default.
 Every prompt is fresh (random ids, its own prefix), so no request hits a prefix cache
 the cell did not set up. Repetitions are interleaved: each repetition runs every source
-of a cell once, in an order that rotates. Per cell: TTFT median and min-max per source;
+of a cell once, in an order shuffled per repetition (seeded). Not rotated: rotating one
+order keeps the cyclic sequence, so ``auto`` followed ``p2p`` (and, with the decode
+instance alone, ``store``) in almost every repetition: whatever a request leaves behind on
+the engines (such as the freed blocks the next load writes into) weighed on one source
+only. Per cell: TTFT median and min-max per source;
 the best forced source (lowest median); the per-request oracle, the fastest forced
 source within each repetition (it knows the outcome; its median is what a perfect
 chooser gets); the plan ``auto`` chose (the decode engine's
-``vllm:mctier_tiered_decisions_total`` across each ``auto`` request). Targets (the
+``vllm:mctier_tiered_decisions_total`` across each ``auto`` request, read the same way
+around every request: ``planned`` in the JSON), and every request's TTFT with each
+repetition's order. Each request waits ``bench.common.QUIET_S`` after the one before it, so
+that no engine is still spinning on the core of the one it goes to. Targets (the
 issue's): ``auto`` within 10% of the best forced source's median in at least 90% of the
 cells, and never more than 5% slower than always recomputing.
 
@@ -60,7 +67,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.client import complete, ids, stream  # noqa: E402
-from bench.common import Checker, long_context_args, machine, rotated, spread  # noqa: E402
+from bench.common import QUIET_S, Checker, long_context_args, machine, spread  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
 from multi.deploy import Deployment, metrics, tiered_config  # noqa: E402
@@ -71,16 +78,6 @@ BLOCK = 32
 STORED_PASS_TAIL = [5]  # store_prefix's extra token: a pass the reference repeats exactly
 DECISIONS = "vllm:mctier_tiered_decisions_total"
 WITHIN_BEST, WITHIN_RECOMPUTE = 1.10, 1.05
-
-
-# How long an engine keeps a core busy after its last step: vLLM's shared-memory queue
-# readers (each engine's worker and engine core) spin on sched_yield for 1 s after their
-# last read (vllm.distributed.device_communicators.shm_broadcast.SpinCondition,
-# busy_loop_s). A request within that second to an engine on the same core ran at half
-# speed: the decode instance's forward passes right after the reference engine's check
-# runs (both on core 1) took 42 ms against 21 at 65 tokens and 0.68 s against 0.34 at
-# 1,025 (2026-12-01), and those samples taught auto's forward fit a machine twice as slow.
-QUIET_S = 1.2
 
 
 def store_prefix(p_url: str, prefix: list[int]) -> None:
@@ -96,7 +93,7 @@ def decisions(d_url: str) -> dict[str, float]:
     return {kind: v for (_, kind), v in metrics(d_url, (DECISIONS,)).items()}
 
 
-def auto_plan(d_url: str, before: dict[str, float], deadline_s: float = 5.0) -> str:
+def counted_plan(d_url: str, before: dict[str, float], deadline_s: float = 5.0) -> str:
     """The plan the decode engine's composite counted since ``before`` (its stats reach
     /metrics a step late); ``?`` when none showed up in time."""
     end = time.monotonic() + deadline_s
@@ -169,26 +166,35 @@ def cell(urls: dict[str, str], layout: str, n: int, f: float, reps: int, rng: ra
     sources = LAYOUTS[layout]
     target = urls["proxy"] if layout == "with prefill" else urls["decode"]
     times: dict[str, list[float]] = {s: [] for s in sources}
-    plans: list[str] = []
+    planned: dict[str, list[str]] = {s: [] for s in sources}  # what the composite counted per request
     hit = int(n * f) // CHUNK * CHUNK
     unchecked, estimates = check_cell(urls, layout, n, hit, rng, check) if check is not None else ([], {})
+    orders: list[list[str]] = []
     for rep in range(reps):
-        for src in rotated(list(sources), k0 + rep):
+        order = list(sources)
+        random.Random(1000 * k0 + rep).shuffle(order)
+        orders.append(order)
+        for src in orders[-1]:
             prefix = ids(hit, rng)
             # Before the pause: a /metrics scrape runs on the decode engine's core, so it must
-            # not run right before a timed request (it did so for auto only).
-            before = decisions(urls["decode"]) if src == "auto" else None
+            # not run right before a timed request; and every source gets the same scrapes
+            # (when only auto's requests had them, auto was slower than the same plan forced
+            # in small cells of every run).
+            before = decisions(urls["decode"])
             store_prefix(urls["prefill"], prefix)
             times[src].append(stream(target, prefix + ids(n - hit, rng), 2, {"kv_source": src}).ttft)
-            if before is not None:
-                plans.append(auto_plan(urls["decode"], before))
+            planned[src].append(counted_plan(urls["decode"], before))
     forced = [s for s in sources if s != "auto"]
     med = {s: statistics.median(v) for s, v in times.items()}
     best = min(forced, key=lambda s: med[s])
     oracle = [min(times[s][r] for s in forced) for r in range(reps)]
     return {"layout": layout, "tokens": n, "store_fraction": f, "stored_tokens": hit,
             "ttft": {s: spread(v) for s, v in times.items()}, "best_forced": best,
-            "oracle_median": statistics.median(oracle), "auto_plans": plans, "unchecked": unchecked,
+            # Every timed request (seconds, per source in repetition order) and each
+            # repetition's order: what preceded a slow request.
+            "times": times, "orders": orders,
+            "oracle_median": statistics.median(oracle), "auto_plans": planned["auto"], "planned": planned,
+            "unchecked": unchecked,
             "auto_check_estimates": estimates,
             "auto_vs_best": med["auto"] / med[best], "auto_vs_oracle": med["auto"] / statistics.median(oracle),
             "auto_vs_recompute": med["auto"] / med["recompute"]}

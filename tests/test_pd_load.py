@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from pytest import approx
 
-from bench.pd_load import gaps, pct, summary, tpot
+import os
+import subprocess
+import sys
+import time
+
+from bench.pd_load import cpu_seconds, gaps, pct, summary, tpot
 
 
 def test_a_chunk_of_k_tokens_counts_k_tokens_of_its_gap_inside_the_window_only():
@@ -31,3 +36,34 @@ def test_a_streams_tpot_is_its_window_time_over_its_tokens_pooled_over_repetitio
     assert s["streams"] == 3 and s["tpot_p50"] == approx(0.2) and s["tpot_p99"] == approx(0.298)
     assert s["itl_max"] == 0.5 and s["itl_p50"] == approx(0.2) and s["tokens_in_window"] == 6
     assert s["tpot_p50_before"] == approx(0.1) and s["arrival_ttft_p50"] == approx(2.0)
+
+
+def test_cores_are_the_median_share_per_process_over_repetitions_and_count_a_process_tree():
+    reps = [{"tpot": [], "tpot_before": [], "itl": [], "arrival_ttft": [], "cores": {"decode-1": 0.9, "client": 0.1}},
+            {"tpot": [], "tpot_before": [], "itl": [], "arrival_ttft": [], "cores": {"decode-1": 0.7}},
+            {"tpot": [], "tpot_before": [], "itl": [], "arrival_ttft": [], "cores": {"decode-1": 0.8}}]
+    assert summary(reps)["cores"] == approx({"client": 0.1, "decode-1": 0.8})
+    # A parent that only waits, with a child that spins: the tree's CPU time grows with the
+    # child's; a PID that does not exist is left out.
+    import psutil
+
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 3: pass"
+    parent = subprocess.Popen([sys.executable, "-c",
+                               f"import subprocess, sys; subprocess.run([sys.executable, '-c', {spin!r}])"])
+    try:
+        deadline = time.monotonic() + 30
+        while not psutil.Process(parent.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        parent_alone = psutil.Process(parent.pid).cpu_times()
+        before = cpu_seconds({"tree": parent.pid, "gone": 2**22 + 7})
+        time.sleep(0.5)
+        after = cpu_seconds({"tree": parent.pid})["tree"]
+        assert "gone" not in before
+        assert after - before["tree"] > 0.02
+        assert after > parent_alone.user + parent_alone.system + 0.02
+    finally:
+        for child in psutil.Process(parent.pid).children(recursive=True):
+            child.kill()
+        parent.kill()
+        parent.wait(timeout=30)
+    assert cpu_seconds({"me": os.getpid()})["me"] > 0
