@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from bench.pd_load import cpu_seconds, gaps, pct, summary, tpot
+from bench.pd_load import cpu_seconds, gaps, pct, render, summary, tpot
 
 
 def test_a_chunk_of_k_tokens_counts_k_tokens_of_its_gap_inside_the_window_only():
@@ -67,3 +67,19 @@ def test_cores_are_the_median_share_per_process_over_repetitions_and_count_a_pro
         parent.kill()
         parent.wait(timeout=30)
     assert cpu_seconds({"me": os.getpid()})["me"] > 0
+
+
+def test_the_report_names_each_process_share_of_the_cores_and_the_target_per_interval():
+    def row(name, p99, cores):
+        return {"deployment": name, "interval": 2.0, "tpot_p50": p99, "tpot_p99": p99, "tpot_p50_before": 0.007,
+                "itl_p99": 0.02, "itl_max": 0.3, "arrival_ttft_p50": 0.9, "arrival_ttft_p90": 1.0, "cores": cores}
+    rec = {"args": {"streams": 4, "prompt_len": 2048, "arrivals": 8, "reps": 3}, "date": "d",
+           "machine": {"cpu": "c", "dtype": "bfloat16"},
+           "rows": [row("one", 0.020, {"one": 0.95, "client": 0.1}),
+                    row("pd", 0.012, {"prefill-0": 0.9, "decode-1": 0.8, "proxy": 0.2, "client": 0.1}),
+                    {"deployment": "two", "interval": 2.0, "error": "RuntimeError: boom"}]}
+    md = render(rec)
+    assert "- one, every 2 s: one 0.95, client 0.10 (total 1.05)" in md
+    assert "- pd, every 2 s: prefill-0 0.90, decode-1 0.80, proxy 0.20, client 0.10 (total 2.00)" in md
+    assert "| two | 2 | failed: RuntimeError: boom |" in md
+    assert "arrivals every 2 s: 0.60x, missed." in md
