@@ -112,9 +112,9 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
                 if who == "base":
                     got["miss"] = stream(base, pfx + sa, MAX_TOKENS)
                     # A reader on the same core may have run just before the miss, and a short
-                    # miss ends inside that engine's spin (QUIET_S). Without this pause the
-                    # store hits at 512 and 1,024 tokens came out at 0.74x and 0.72x the floor
-                    # (run of 2026-12-01 13:21).
+                    # miss ends inside that engine's spin (QUIET_S). The run without this pause
+                    # (2026-12-01 13:21) put the store hits at 512 and 1,024 tokens at 0.74x and
+                    # 0.72x the floor, which is suspect.
                     time.sleep(QUIET_S)
                     got["floor"] = stream(base, pfx + sb, MAX_TOKENS)
                 else:

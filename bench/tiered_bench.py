@@ -177,9 +177,8 @@ def cell(urls: dict[str, str], layout: str, n: int, f: float, reps: int, rng: ra
         for src in orders[-1]:
             prefix = ids(hit, rng)
             # Before the pause: a /metrics scrape runs on the decode engine's core, so it must
-            # not run right before a timed request; and every source gets the same scrapes
-            # (when only auto's requests had them, auto was slower than the same plan forced
-            # in small cells of every run).
+            # not run right before a timed request; and every source's requests get the same
+            # scrapes, so that none is treated differently.
             before = decisions(urls["decode"])
             store_prefix(urls["prefill"], prefix)
             times[src].append(stream(target, prefix + ids(n - hit, rng), 2, {"kv_source": src}).ttft)
