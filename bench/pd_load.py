@@ -70,6 +70,7 @@ ARRIVAL_OUTPUT = 4
 VOCAB_LOW, VOCAB_HIGH = 10, 2000  # the small model's vocabulary is 2,048
 REQUEST_TIMEOUT_S = 600
 START_TIMEOUT_S = 300
+CLIENT = frozenset({"client"})  # counted without its descendants (cpu_seconds)
 
 
 def prompts(seed: int, n: int, length: int) -> list[list[int]]:
@@ -110,9 +111,10 @@ def gaps(ticks: list[tuple[float, int]], start: float, end: float) -> list[float
     return out
 
 
-def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+def cpu_seconds(pids: dict[str, int], alone: frozenset[str] = frozenset()) -> dict[str, float]:
     """User plus system CPU seconds so far of each named process with its descendants (an
-    engine is an API server, an engine core and a worker)."""
+    engine is an API server, an engine core and a worker); the names in ``alone`` without
+    them (this client, whose descendants are the engines and proxies it started)."""
     import psutil
 
     out = {}
@@ -120,7 +122,7 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
         total = 0.0
         try:
             root = psutil.Process(pid)
-            tree = [root, *root.children(recursive=True)]
+            tree = [root] if name in alone else [root, *root.children(recursive=True)]
         except psutil.Error:
             continue
         for p in tree:
@@ -135,7 +137,7 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
 
 async def workload(url: str, a: argparse.Namespace, seed: int, pids: dict[str, int] | None = None) -> dict:
     """``pids``: name -> PID of the processes whose CPU use over the window is reported."""
-    pids = {**(pids or {}), "client": os.getpid()}
+    pids = {**(pids or {}), "client": os.getpid()}  # the client alone: the engines are its children
     streams = prompts(seed, a.streams, STREAM_PROMPT)
     arrivals = prompts(seed + 1, a.arrivals, a.prompt_len)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
@@ -149,12 +151,12 @@ async def workload(url: str, a: argparse.Namespace, seed: int, pids: dict[str, i
             t_stream = time.monotonic()
             await asyncio.sleep(a.interval)  # a baseline of undisturbed decode steps
             done = []
-            cpu0 = cpu_seconds(pids)
+            cpu0 = cpu_seconds(pids, CLIENT)
             for p in arrivals:
                 done.append(asyncio.create_task(arrival(session, url, p)))
                 await asyncio.sleep(a.interval)
             arr = await asyncio.wait_for(asyncio.gather(*done), REQUEST_TIMEOUT_S)
-            cpu1 = cpu_seconds(pids)
+            cpu1 = cpu_seconds(pids, CLIENT)
             if any(t.done() for t in tasks):  # a stream that ended early did not see the whole window
                 for t in tasks:
                     if t.done() and t.exception():

@@ -53,6 +53,14 @@ def wait(pred, timeout=120.0):
         time.sleep(0.0005)
 
 
+def take_phases(w: StoreWorker, into: dict[str, list[float]]) -> None:
+    """Append the worker's time per phase since the last call (summed over its jobs) to ``into``."""
+    stats = w.take_stats()
+    for op, xs in (stats.data["ops"] if stats else {}).items():
+        if op.startswith("phase:"):
+            into.setdefault(op[len("phase:"):], []).append(sum(xs))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--chunks", type=int, default=128)
@@ -80,6 +88,7 @@ def main() -> int:
         for t in (src, dst):
             w.client.register(t.data_ptr(), t.numel())
         res = {k: [] for k in ("raw_put", "raw_get", "tier_save", "tier_load", "mb_put", "mb_get")}
+        phases: dict[str, list[float]] = {}  # the tier's time per phase (mcstore.metrics), per repetition
         for rep in range(a.reps):
             tag = f"{rep}-{time.monotonic_ns()}"
             # raw Mooncake
@@ -124,6 +133,7 @@ def main() -> int:
             w.wait_for_save(StoreMetadata(saves=saves))
             wait(lambda: done.update(w.get_finished(ids)[0] or ()) or done >= ids)
             res["tier_save"].append(time.perf_counter() - t0)
+            take_phases(w, phases)
             loads = [LoadJob(f"l{tag}-{j}", [ChunkIO(links[i], i, chunk_blocks[i]) for i in range(j, min(n, j + PER_JOB))], 60)
                      for j in range(0, n, PER_JOB)]
             ids = {x.req_id for x in loads}
@@ -132,6 +142,7 @@ def main() -> int:
             w.start_load_kv(StoreMetadata(loads=loads))
             wait(lambda: done.update(w.get_finished(set())[1] or ()) or done >= ids)
             res["tier_load"].append(time.perf_counter() - t0)
+            take_phases(w, phases)
             errors = w.get_block_ids_with_load_errors()
             assert not errors, f"{len(errors)} blocks failed to load"
             raw.batch_remove(rk, True)
@@ -147,6 +158,18 @@ def main() -> int:
               f"   ratio {gbps(res['tier_save']) / gbps(res['raw_put']):.2f}")
         print(f"load  raw batch_get_into  {gbps(res['raw_get']):6.2f} GB/s   tier {gbps(res['tier_load']):6.2f} GB/s"
               f"   ratio {gbps(res['tier_load']) / gbps(res['raw_get']):.2f}")
+        med = lambda k: statistics.median(phases.get(k, [0.0])) * 1e3  # noqa: E731
+        for kind, tier, mb in (("save", "tier_save", "mb_put"), ("load", "tier_load", "mb_get")):
+            # Phases of the jobs' own thread, one job after another; the queue phase is left out
+            # (jobs handed over together wait for each other there, so it overlaps the rest).
+            other = ("exists",) if kind == "save" else ("recheck", "staging", "copy")
+            took = statistics.median(res[tier]) * 1e3  # not ``total``: gbps() reads that one
+            rest = took - med(kind + "_transfer") - sum(med(f"{kind}_{o}") for o in other)
+            print(f"{kind}  where the tier's {took:.1f} ms went: Mooncake's transfer calls "
+                  f"{med(kind + '_transfer'):.1f} ms (raw multi-buffer on the same pages "
+                  f"{statistics.median(res[mb]) * 1e3:.1f} ms), "
+                  + ", ".join(f"{o} {med(f'{kind}_{o}'):.1f} ms" for o in other)
+                  + f", the rest (hand-over, polling, bookkeeping) {rest:.1f} ms")
         print(f"(raw multi-buffer on the same KV pages: put {gbps(res['mb_put']):.2f} GB/s, get {gbps(res['mb_get']):.2f} GB/s;"
               f" tier/that: save {gbps(res['tier_save']) / gbps(res['mb_put']):.2f}, load {gbps(res['tier_load']) / gbps(res['mb_get']):.2f})")
 
@@ -171,6 +194,7 @@ def main() -> int:
                 "bytes": total, "reps": a.reps, "gbps": {k: gbps(v) for k, v in res.items()},
                 "save_ratio": gbps(res["tier_save"]) / gbps(res["raw_put"]),
                 "load_ratio": gbps(res["tier_load"]) / gbps(res["raw_get"]),
+                "seconds": res, "tier_phase_seconds": phases,
                 "lookup_ms": {"p50": q(0.5), "p99": q(0.99), "n": len(lat), "tokens": nt}}, indent=1))
         sched.close()
         w.close()

@@ -1,6 +1,7 @@
 """Where a store hit's time goes, read from live engines' /metrics (not a test).
 
     .venv/bin/python -m bench.store_phases [--prefixes 2048,4096,7936] [--reps 3] [--ab KEY=JSON]
+        [--reader-blocks N]
 
 A Mooncake master and store server on loopback, a writer engine (core 0) and a reader
 engine (core 1) with ``StoreConnector`` on the ``small`` model; with ``--ab``, a second
@@ -12,6 +13,10 @@ store metrics
 bytes, and the rate of Mooncake's own transfer call. The reader's tokens are checked
 against the writer's prefix-cache hit on the same prompt. Prints a table and writes
 ``store_phases.json`` to ``--out``.
+
+``--reader-blocks`` gives the readers a small KV cache: once it has cycled, vLLM hands out
+freed blocks in an order that is no longer ascending, so every block of a chunk is a buffer
+range of its own (the live engine's case that ``stage_above_ranges`` is for).
 """
 
 from __future__ import annotations
@@ -122,8 +127,9 @@ def run(a: argparse.Namespace) -> int:
         for name, extra in configs.items():
             cfg = store_config(master)
             cfg["kv_connector_extra_config"].update(extra)
+            small = ["--num-gpu-blocks-override", str(a.reader_blocks)] if a.reader_blocks else []
             pairs[name] = (dep.engine(f"phases-{name}-writer", model, 0, cfg, extra=long),
-                           dep.engine(f"phases-{name}-reader", model, 1, cfg, extra=long))
+                           dep.engine(f"phases-{name}-reader", model, 1, cfg, extra=long + small))
         for (w_url, w), (r_url, r) in pairs.values():
             dep.wait_http(w_url, w)
             dep.wait_http(r_url, r)
@@ -186,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ab", action="append", default=[], metavar="KEY=JSON",
                     help="also run a second writer/reader pair with these settings, interleaved with the "
                          "default pair in the same run, e.g. verify_checksums=true")
+    ap.add_argument("--reader-blocks", type=int, default=0,
+                    help="KV cache blocks of the readers (--num-gpu-blocks-override): a small cache cycles "
+                         "after a few prompts, and a cycled engine's blocks come back scattered")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "store_phases"))
     return run(ap.parse_args(argv))

@@ -28,8 +28,10 @@ the best forced source (lowest median); the per-request oracle, the fastest forc
 source within each repetition (it knows the outcome; its median is what a perfect
 chooser gets); the plan ``auto`` chose (the decode engine's
 ``vllm:mctier_tiered_decisions_total`` across each ``auto`` request, read the same way
-around every request: ``planned`` in the JSON), and every request's TTFT with each
-repetition's order. Each request waits ``bench.common.QUIET_S`` after the one before it, so
+around every request: ``planned`` in the JSON), every request's TTFT with each
+repetition's order, and for every request whose plan loaded from the store, that load's
+buffer ranges per chunk and GB/s (``store_io``; the report gives the cell's medians), to
+tell a slow load from scattered blocks. Each request waits ``bench.common.QUIET_S`` after the one before it, so
 that no engine is still spinning on the core of the one it goes to. Targets (the
 issue's): ``auto`` within 10% of the best forced source's median in at least 90% of the
 cells, and never more than 5% slower than always recomputing.
@@ -68,6 +70,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.client import complete, ids, stream  # noqa: E402
 from bench.common import QUIET_S, Checker, long_context_args, machine, spread  # noqa: E402
+from bench.engine_metrics import load_io  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
 from multi.deploy import Deployment, metrics, tiered_config  # noqa: E402
@@ -89,8 +92,13 @@ def store_prefix(p_url: str, prefix: list[int]) -> None:
     time.sleep(QUIET_S)
 
 
+def own_decisions(series: dict[tuple[str, str], float]) -> dict[str, float]:
+    """The composite's decision counters (by plan) among an engine's mctier series."""
+    return {kind: v for (name, kind), v in series.items() if name == DECISIONS}
+
+
 def decisions(d_url: str) -> dict[str, float]:
-    return {kind: v for (_, kind), v in metrics(d_url, (DECISIONS,)).items()}
+    return own_decisions(metrics(d_url, (DECISIONS,)))
 
 
 def counted_plan(d_url: str, before: dict[str, float], deadline_s: float = 5.0) -> str:
@@ -167,6 +175,7 @@ def cell(urls: dict[str, str], layout: str, n: int, f: float, reps: int, rng: ra
     target = urls["proxy"] if layout == "with prefill" else urls["decode"]
     times: dict[str, list[float]] = {s: [] for s in sources}
     planned: dict[str, list[str]] = {s: [] for s in sources}  # what the composite counted per request
+    store_io: dict[str, list[dict | None]] = {s: [] for s in sources}  # each request's store load, if any
     hit = int(n * f) // CHUNK * CHUNK
     unchecked, estimates = check_cell(urls, layout, n, hit, rng, check) if check is not None else ([], {})
     orders: list[list[str]] = []
@@ -179,10 +188,11 @@ def cell(urls: dict[str, str], layout: str, n: int, f: float, reps: int, rng: ra
             # Before the pause: a /metrics scrape runs on the decode engine's core, so it must
             # not run right before a timed request; and every source's requests get the same
             # scrapes, so that none is treated differently.
-            before = decisions(urls["decode"])
+            before = metrics(urls["decode"])
             store_prefix(urls["prefill"], prefix)
             times[src].append(stream(target, prefix + ids(n - hit, rng), 2, {"kv_source": src}).ttft)
-            planned[src].append(counted_plan(urls["decode"], before))
+            planned[src].append(plan := counted_plan(urls["decode"], own_decisions(before)))
+            store_io[src].append(load_io(urls["decode"], before) if "store" in plan.split("+") else None)
     forced = [s for s in sources if s != "auto"]
     med = {s: statistics.median(v) for s, v in times.items()}
     best = min(forced, key=lambda s: med[s])
@@ -193,10 +203,24 @@ def cell(urls: dict[str, str], layout: str, n: int, f: float, reps: int, rng: ra
             # repetition's order: what preceded a slow request.
             "times": times, "orders": orders,
             "oracle_median": statistics.median(oracle), "auto_plans": planned["auto"], "planned": planned,
+            # Per request that loaded from the store: buffer ranges per chunk and GB/s of that load.
+            "store_io": store_io,
             "unchecked": unchecked,
             "auto_check_estimates": estimates,
             "auto_vs_best": med["auto"] / med[best], "auto_vs_oracle": med["auto"] / statistics.median(oracle),
             "auto_vs_recompute": med["auto"] / med["recompute"]}
+
+
+def io_cell(r: dict) -> str:
+    """Medians (min-max) of the cell's store loads, every source's: buffer ranges per chunk and GB/s."""
+    loads = [x for xs in r.get("store_io", {}).values() for x in xs if x]
+    if not loads:
+        return "-"
+
+    def m(key: str, fmt: str) -> str:
+        v = sorted(x[key] for x in loads)
+        return f"{statistics.median(v):{fmt}} ({v[0]:{fmt}}-{v[-1]:{fmt}})"
+    return f"{m('ranges_per_chunk', '.0f')}, {m('gbps', '.2f')}"
 
 
 def render(rec: dict) -> str:
@@ -204,7 +228,8 @@ def render(rec: dict) -> str:
     lines = [f"Decision quality ({rec['date']}, {rec['machine']['cpu']}, {rec['machine']['dtype']}, `small`): TTFT "
              f"median (min-max) in ms over {rec['args']['reps']} interleaved repetitions per source.", "",
              "| layout | prompt | stored | recompute | store | p2p | auto | auto chose | best forced | auto/best "
-             "| auto/oracle | auto/recompute |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| auto/oracle | auto/recompute | store loads: ranges/chunk, GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def t(r, s):
         x = r["ttft"].get(s)
@@ -214,7 +239,7 @@ def render(rec: dict) -> str:
         chose = ", ".join(sorted(set(r["auto_plans"])))
         lines.append(f"| {r['layout']} | {r['tokens']} | {r['stored_tokens']} | {t(r, 'recompute')} | {t(r, 'store')} "
                      f"| {t(r, 'p2p')} | {t(r, 'auto')} | {chose} | {r['best_forced']} | {r['auto_vs_best']:.2f} "
-                     f"| {r['auto_vs_oracle']:.2f} | {r['auto_vs_recompute']:.2f} |")
+                     f"| {r['auto_vs_oracle']:.2f} | {r['auto_vs_recompute']:.2f} | {io_cell(r)} |")
     s = rec["summary"]
     lines += ["", f"- `auto` within 10% of the best forced source in {s['within_best']}/{s['cells']} cells "
                   f"({s['within_best_share']:.0%}; target 90%): {'met' if s['within_best_share'] >= 0.9 else 'missed'}",

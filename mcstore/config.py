@@ -26,6 +26,12 @@ Keys (all optional except the master address, which may also come from
     key_prefix           namespace of our objects in the store (default "mct")
     verify_checksums     store an xxh3 checksum trailer with each chunk and check it on load (default false;
                          host-resident KV only: it reads the pages with the CPU)
+    stage_above_ranges_per_region
+                         a whole chunk whose blocks make more buffer ranges than this many per KV
+                         region (a range per run of consecutive blocks per region: 1 per region while
+                         the engine's blocks are contiguous, up to the chunk's blocks once they
+                         scatter) is loaded as one range into a host staging buffer, then copied into
+                         its pages (default 2; 0 = never: always straight into the pages)
 
 ``MOONCAKE_CONFIG_PATH`` (Mooncake's own ``mooncake.json``, :mod:`kvcore.mooncake_json`) supplies
 defaults; keys in ``kv_connector_extra_config`` win. The store tier takes master_server_address,
@@ -97,6 +103,7 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     connect_timeout_s: float = 5.0
     key_prefix: str = "mct"
     verify_checksums: bool = False
+    stage_above_ranges_per_region: float = 2.0
 
     def __post_init__(self):
         if not self.master:
@@ -119,6 +126,9 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for name in ("load_timeout_s", "probe_interval_s", "slow_rpc_s", "connect_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"mcstore: {name} must be positive")
+        if self.stage_above_ranges_per_region < 0:
+            raise ConfigError("mcstore: stage_above_ranges_per_region must be >= 0 (0 = never), "
+                              f"got {self.stage_above_ranges_per_region}")
         if self.save_retry_s < 0 or self.save_queue_chunks < 1:
             raise ConfigError("mcstore: save_retry_s must be >= 0 and save_queue_chunks >= 1")
         if self.enable_ssd_offload and not self.ssd_offload_path:

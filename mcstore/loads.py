@@ -2,12 +2,18 @@
 whose state it uses: the client, key space, geometry, locks and result sets).
 
 Whole chunks go straight from the store into the registered KV pages, in batch gets of
-at most ``MAX_RANGES_PER_CALL`` buffer ranges (:func:`ranged_batches`). Going through
-host staging instead (one range per chunk, then a copy into the pages) was measured and
-dropped: the transfer ran no faster with 1 range per chunk than with 12 or 33, and the
-copy made loads 1.4 to 1.6 times slower (``bench/store_phases.py``, 2026-11-30). A chunk
-needed from block ``first`` on only is still fetched whole into staging, its pages copied
-by :mod:`kvcore.pages`.
+at most ``MAX_RANGES_PER_CALL`` buffer ranges (:func:`ranged_batches`), one range per run
+of consecutive blocks per KV region. Once an engine's cache has cycled, vLLM hands its
+blocks out scattered and a chunk becomes up to one range per block per region; Mooncake's
+TCP transport pays per range. So a chunk with more than ``stage_above_ranges_per_region``
+ranges per region (default 2) is fetched as one range into a host staging buffer and its
+pages copied into place (:mod:`kvcore.pages`). Measured (``bench/store_phases.py
+--reader-blocks 400 --ab``, 2026-12-02, interleaved in one run, readers with a cycled
+cache at 28 to 34 ranges per chunk, staging above 1 range per region): loads 0.54x and
+0.45x the direct ones at 4K and 8K-token prefixes, TTFT 0.70x and 0.52x, the copy 10 to
+16 ms; at 2K, blocks still contiguous, nothing staged and the same time. (On 2026-11-30,
+with contiguous to 33 ranges per chunk, staging every chunk had lost: 1.4 to 1.6 times
+slower.) A chunk needed from block ``first`` on only is fetched whole into staging too.
 
 A read that outlasts the master's read lease (``--default_kv_lease_ttl``) fails:
 Mooncake's batch get returns LEASE_EXPIRED for it (the object may have been evicted
@@ -93,8 +99,9 @@ class Loads:
             cause, gone = self._get_whole([job.chunks[i] for i in full], full, ok)
             for i, c in enumerate(job.chunks):
                 if i not in full:
-                    ok[i], why = self._load_partial(c)
-                    cause = cause or why
+                    ok[i], why, missing = self._load_partial(c)
+                    if why is not None and cause is None:
+                        cause, gone = why, missing
             # An object evicted while we read it may have had its memory reused by a newer
             # put (a Mooncake batch get does not always hold a lease): it must still exist.
             good = [i for i in range(n) if ok[i]]
@@ -133,7 +140,19 @@ class Loads:
         cause, gone = None, False
         want = self.chunk_bytes + self.trailer
         per = [self._ptrs(c.block_ids) for c in chunks]
-        for part in ranged_batches([len(p) + self.verify for p, _ in per]):
+        # Scattered chunks (more ranges than stage_above_ranges_per_region allows) go through
+        # host staging: one range each, then a copy (see the module's docstring for why).
+        staged = [j for j, (p, _) in enumerate(per) if 0 < self.stage_above < len(p)]
+        end = len(chunks)  # chunks from the first failed one on are recomputed: not fetched
+        for j in staged:
+            self._count_io("load", [[0] * (1 + self.verify)])  # one range (and the trailer's)
+            ok[idx[j]], why, missing = self._load_partial(chunks[j])
+            if why is not None:
+                cause, gone, end = why, missing, j
+                break
+        direct = sorted(set(range(end)) - set(staged))
+        for batch in ranged_batches([len(per[j][0]) + self.verify for j in direct]):
+            part = [direct[k] for k in batch]
             keys, ptrs, sizes = [], [], []
             for slot, j in enumerate(part):
                 keys.append(self.keys.key(chunks[j].link, self.rank))
@@ -175,17 +194,18 @@ class Loads:
             lo = off + c.first * r.page_bytes
             self.pages.write(i, c.block_ids, self._staging[lo:lo + k * r.page_bytes].view(k, r.page_bytes))
 
-    def _load_partial(self, c: ChunkIO) -> tuple[bool, str | None]:
-        """Blocks ``c.first..`` of a chunk: fetch the whole object into staging, copy the pages."""
+    def _load_partial(self, c: ChunkIO) -> tuple[bool, str | None, bool]:
+        """Blocks ``c.first..`` of a chunk: fetch the whole object into staging, copy the pages.
+        (arrived whole, the cause if not, whether that cause is a miss: evicted, lease expired)."""
         base = self._staging_buffer().data_ptr()
         want = self.chunk_bytes + self.trailer
         with self._phase("load_staging"):
             rc = self.client.get_into([self.keys.key(c.link, self.rank)], [[base]], [[want]])[0]
         if rc != want:
-            return False, read_cause(rc, want)
+            return False, read_cause(rc, want), is_missing(rc)
         if self.verify and not trailer_ok(base + self.chunk_bytes, [base], [self.chunk_bytes]):
-            return False, "checksum"
+            return False, "checksum", False
         with self._phase("load_copy"):
             self._copy_pages(c)
             self.pages.wait()  # the pages are complete before the load is reported, staging free again
-        return True, None
+        return True, None, False

@@ -78,6 +78,7 @@ class StoreWorker(Loads):
         self._staging = None
         self._full_until = 0.0  # until then the store counts as full (see _save)
         self.verify = cfg.verify_checksums
+        self.stage_above = 0  # ranges per chunk above which a load goes through staging (0: never)
         if self.verify and current_platform().device_type != "cpu":
             # The digest reads the pages with the CPU; device KV would need a staging copy.
             raise ConfigError("mcstore: verify_checksums needs host-resident KV (the CPU platform)")
@@ -106,6 +107,8 @@ class StoreWorker(Loads):
         for r in self.geo.regions:
             self._region_off.append(off)
             off += self.chunk_blocks * r.page_bytes
+        # Scattered chunks load through host staging (mcstore.loads): the threshold in ranges.
+        self.stage_above = int(self.cfg.stage_above_ranges_per_region * len(self.geo.regions))
         self._start_threads()
         logger.info("mcstore worker: %d KV regions, %d bytes per %d-token chunk",
                     len(self.geo.regions), self.chunk_bytes, self.cfg.chunk_tokens)

@@ -41,9 +41,10 @@ The loads of one plan run concurrently; recomputation follows them:
 
 Learning: workers measure :class:`ForwardSample` (one forward pass: new tokens and
 context per scheduled request) and :class:`LoadSample` (one finished load: bytes
-and seconds of one tier; for a ``remote_prefill`` tier the scheduler replaces the
-seconds with the whole handoff less the remote compute it estimated,
-:meth:`multi.scheduler.TieredScheduler.handoff_seconds`); they travel on the stats record through
+and seconds of one tier; the scheduler replaces the seconds with the whole load, from its
+planning until the scheduler learns it finished, less, for a ``remote_prefill`` tier, the
+remote compute it estimated, :meth:`multi.scheduler.TieredScheduler.load_seconds`, so that
+every tier's fit learns the steps around its transfer alike); they travel on the stats record through
 :func:`encode_samples` / :func:`decode_samples`, and :meth:`CostModel.learn`
 updates the fits with them.
 """
@@ -120,7 +121,7 @@ class ForwardSample(msgspec.Struct, tag="forward", array_like=True):
 
 class LoadSample(msgspec.Struct, tag="load", array_like=True):
     """One successful load: ``bytes`` from tier ``tier`` in ``seconds`` (a ``kvcore.tier.LoadReport``),
-    for request ``req_id`` (the scheduler times a handoff whole by it), after ``waited_s``
+    for request ``req_id`` (the scheduler times the load whole by it), after ``waited_s``
     waiting for a remote prefill (measured by the tier)."""
 
     tier: str

@@ -61,9 +61,9 @@ class TieredScheduler:
         self._decisions: dict[str, _Decision] = {}
         self._loads: dict[str, dict[str, list[int]]] = {}
         self._sends: dict[str, list[str]] = {}
-        # Handoffs in flight: request -> (when their load was planned, the plan's estimate of
-        # the prefill instance's compute for it), see handoff_seconds.
-        self._handoffs: dict[str, tuple[float, float]] = {}
+        # Loads in flight: request -> tier -> (when the load was planned, the plan's estimate
+        # of a prefill instance's compute for it, 0 for a tier with none), see load_seconds.
+        self._planned: dict[str, dict[str, tuple[float, float]]] = {}
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         for tier in self.tiers.values():
@@ -122,8 +122,8 @@ class TieredScheduler:
                 # The plan's estimate for this tier sets how long the load may take.
                 self.tiers[name].plan_load(request, start, end, ids, expected_s=d.plan.parts.get(f"{name}_s"))
                 loads[name] = blocks_of(start, end, self.block_size, ids)
-                if self.tiers[name].remote_prefill:
-                    self._handoffs[rid] = (time.monotonic(), d.plan.parts.get(f"{name}_remote_s", 0.0))
+                remote = d.plan.parts.get(f"{name}_remote_s", 0.0) if self.tiers[name].remote_prefill else 0.0
+                self._planned.setdefault(rid, {})[name] = (time.monotonic(), remote)
                 d.loads.append(name)
             self._loads[rid] = loads
         for name, tier in self.tiers.items():
@@ -164,29 +164,41 @@ class TieredScheduler:
             logger.warning("calibration samples not understood (%s); ignored", e)
             return
         for sample in samples:
-            if isinstance(sample, LoadSample) and sample.req_id in self._handoffs:
-                sample = msgspec.structs.replace(sample, seconds=self.handoff_seconds(sample))
+            timed = getattr(sample, "seconds", 0.0)  # by the worker: the transfer alone, for a load
+            if isinstance(sample, LoadSample) and sample.tier in self._planned.get(sample.req_id, {}):
+                sample = msgspec.structs.replace(sample, seconds=self.load_seconds(sample))
             kind, est, seconds = self.model.learn(sample)
-            logger.debug("learned %s: estimate %.4f s, measured %.4f s (%s)", kind, est, seconds, sample)
+            logger.debug("learned %s: estimate %.4f s, measured %.4f s, worker's timing %.4f s (%s)",
+                         kind, est, seconds, timed, sample)
             if seconds > 0:
                 self.stats.own_inc(f"estimate_error:{kind}", abs(est - seconds) / seconds)
                 self.stats.own_inc(f"estimate_samples:{kind}")
 
-    def handoff_seconds(self, sample: LoadSample, now: float | None = None) -> float:
-        """What a handoff cost beyond the prefill instance's compute: from its load being
-        planned until the scheduler learns it finished, less the remote compute, and at
-        least the transfer the worker timed. The worker times only the Transfer Engine's
-        read; the rest (the prefill request's own overhead, the wait for its READY after its
-        compute, the acknowledgement, the step that reports the pull) is what made ``auto``
-        pick a handoff of 256 tokens over a store load 3x faster (bench/tiered_bench.py,
-        2026-12-01): the p2p fit's latency must learn it.
+    def load_seconds(self, sample: LoadSample, now: float | None = None) -> float:
+        """What a load cost the request, learned alike for every tier: from the load being
+        planned until the scheduler learns it finished, less a prefill instance's compute
+        for it (a handoff's), and at least the transfer the worker timed.
+
+        Why whole: the worker times only the transfer (a store's batch get, the Transfer
+        Engine's read). For a handoff the rest (the prefill request's own overhead, the wait
+        for its READY after its compute, the acknowledgement, the step that reports the
+        pull) made ``auto`` pick a handoff of 256 tokens over a store load 3x faster
+        (bench/tiered_bench.py, 2026-12-01). A store load has a rest too (the step that
+        starts it, the queue of its thread, the step that reports it) that the
+        worker's time leaves out, while a handoff's whole time has it in: the store's
+        estimate of a fully stored 4K prompt was 42 ms against 86 ms measured to the first
+        token, the handoff's 75 against 82, and ``auto`` took the store where the handoff
+        was faster (tiered_bench, 2026-12-02). Learned alike, the fits compare like with like.
 
         The remote compute taken off is the plan's estimate of it, or the wait for READY the
         tier measured (``waited_s``) when that is shorter: an estimate above the real
         compute would otherwise leave the fit the read alone, and a handoff of a fully stored
         2K prompt was estimated at 21 ms against the store's 17 and measured 88 against 36
         (tiered_bench, 2026-12-01)."""
-        t0, remote = self._handoffs.pop(sample.req_id)
+        per = self._planned.get(sample.req_id, {})
+        t0, remote = per.pop(sample.tier)
+        if not per:
+            self._planned.pop(sample.req_id, None)
         now = time.monotonic() if now is None else now
         if sample.waited_s > 0:
             remote = min(remote, sample.waited_s)
@@ -194,7 +206,7 @@ class TieredScheduler:
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        self._handoffs.pop(rid, None)
+        self._planned.pop(rid, None)
         d = self._decisions.pop(rid, None)
         holders, params = [], {}
         for name, tier in self.tiers.items():

@@ -175,7 +175,8 @@ def test_trace_replay_quick_runs_both_deployments_and_feeds_the_simulator(tmp_pa
 
 def test_decision_bench_quick_measures_every_cell_with_the_same_tokens(tmp_path):
     """``python -m bench.tiered_bench --quick --lengths 257``: both layouts at 0% and 100%
-    stored, every source timed, the plan ``auto`` chose read from the decode engine, every
+    stored, every source timed, the plan ``auto`` chose read from the decode engine (and, for
+    every request whose plan loaded from the store, that load's ranges per chunk and rate), every
     answer's greedy ids those of a no-connector engine on the plan's split, every process
     gone. No assertion on which source wins."""
     proc = subprocess.run([sys.executable, "-m", "bench.tiered_bench", "--quick", "--lengths", "257",
@@ -191,6 +192,12 @@ def test_decision_bench_quick_measures_every_cell_with_the_same_tokens(tmp_path)
         assert all(x["n"] == 1 and x["median"] > 0 for x in c["ttft"].values()), c
         assert len(c["auto_plans"]) == 1 and "?" not in c["auto_plans"], c
         assert c["oracle_median"] == min(x["median"] for s, x in c["ttft"].items() if s != "auto")
+        # A request's store load is read off the decode engine exactly when its plan loaded from the store.
+        for src, plans in c["planned"].items():
+            for plan, io in zip(plans, c["store_io"][src]):
+                assert (io is not None) == ("store" in plan.split("+")), (src, plan, io)
+                assert io is None or (io["ranges_per_chunk"] >= 1 and io["gbps"] > 0), (src, io)
+    assert any(io for c in r["cells"] for io in c["store_io"]["store"]), "no forced store request loaded"
     assert "within 10% of the best forced source" in (tmp_path / "decisions.md").read_text()
     # At 257 tokens every plan has a reference (a stored chunk is the handoff's N - 1 tokens):
     # 14 requests (3 sources x 2 cells decode only, 4 x 2 with prefill), cached tokens and ids each.

@@ -39,7 +39,7 @@ def test_a_streams_tpot_is_its_window_time_over_its_tokens_pooled_over_repetitio
     assert s["tpot_p50_before"] == approx(0.1) and s["arrival_ttft_p50"] == approx(2.0)
 
 
-def test_cores_are_the_median_share_per_process_over_repetitions_and_count_a_process_tree():
+def test_cores_are_the_median_share_per_process_over_repetitions_and_count_a_tree_or_the_client_alone():
     reps = [{"tpot": [], "tpot_before": [], "itl": [], "arrival_ttft": [], "cores": {"decode-1": 0.9, "client": 0.1}},
             {"tpot": [], "tpot_before": [], "itl": [], "arrival_ttft": [], "cores": {"decode-1": 0.7}},
             {"tpot": [], "tpot_before": [], "itl": [], "arrival_ttft": [], "cores": {"decode-1": 0.8}}]
@@ -54,12 +54,15 @@ def test_cores_are_the_median_share_per_process_over_repetitions_and_count_a_pro
         while not psutil.Process(parent.pid).children() and time.monotonic() < deadline:
             time.sleep(0.05)
         parent_alone = psutil.Process(parent.pid).cpu_times()
-        before = cpu_seconds({"tree": parent.pid, "gone": 2**22 + 7})
+        # The same parent under two names: with its child, and alone (as the client is counted).
+        names = {"tree": parent.pid, "alone": parent.pid, "gone": 2**22 + 7}
+        before = cpu_seconds(names, frozenset({"alone"}))
         time.sleep(0.5)
-        after = cpu_seconds({"tree": parent.pid})["tree"]
+        after = cpu_seconds(names, frozenset({"alone"}))
         assert "gone" not in before
-        assert after - before["tree"] > 0.02
-        assert after > parent_alone.user + parent_alone.system + 0.02
+        assert after["tree"] - before["tree"] > 0.02
+        assert after["tree"] > parent_alone.user + parent_alone.system + 0.02
+        assert after["alone"] - before["alone"] < 0.02  # the parent only waits
     finally:
         try:
             for child in psutil.Process(parent.pid).children(recursive=True):
@@ -85,3 +88,18 @@ def test_the_report_names_each_process_share_of_the_cores_and_the_target_per_int
     assert "- pd, every 2 s: prefill-0 0.90, decode-1 0.80, proxy 0.20, client 0.10 (total 2.00)" in md
     assert "| two | 2 | failed: RuntimeError: boom |" in md
     assert "arrivals every 2 s: 0.60x, missed." in md
+
+
+def test_neighbour_summary_pools_streams_per_condition_and_compares_with_quiet():
+    from bench.neighbour import render, summarise
+
+    rows = [{"condition": "quiet", "tpot": [0.010, 0.012], "a_core_share": 0.02},
+            {"condition": "prefilling", "tpot": [0.015, None], "a_core_share": 0.98},
+            {"condition": "quiet", "tpot": [0.014], "a_core_share": 0.04},
+            {"condition": "prefilling", "tpot": [0.018], "a_core_share": 0.96}]
+    res = summarise(rows)
+    assert set(res) == {"quiet", "prefilling"}  # spinning was not measured: no row for it
+    assert res["quiet"] == approx({"tpot_median_ms": 12.0, "tpot_min_ms": 10.0, "tpot_max_ms": 14.0, "a_core_share": 0.03})
+    assert res["prefilling"]["tpot_median_ms"] == approx(16.5) and res["prefilling"]["a_core_share"] == approx(0.97)
+    md = render(res, 4, 2, 8.0)
+    assert "| prefilling | 0.97 | 16.5 (15.0-18.0) | 1.38 |" in md and "| quiet | 0.03 | 12.0 (10.0-14.0) | 1.00 |" in md

@@ -361,10 +361,11 @@ def test_scattered_blocks_stay_under_mooncakes_range_limit():
     """A churned engine's blocks scatter: here 48 KV regions x 8 blocks, every other block, is
     384 ranges per chunk and 3,072 for 8 chunks. Capped at ``MAX_RANGES_PER_CALL`` per batch
     call, every chunk is saved and loaded into the right pages. Its own cluster: a segment
-    left by another test's killed engine fails puts placed on it."""
+    left by another test's killed engine fails puts placed on it. Loads go straight into the
+    pages here (``stage_above_ranges_per_region`` 0), as saves always do."""
     layers, blocks, cb = _SCATTER
     c = _scatter_cluster()
-    cfg = load_config({"master": c.master_addr, "chunk_tokens": cb * BS}, env={})
+    cfg = load_config({"master": c.master_addr, "chunk_tokens": cb * BS, "stage_above_ranges_per_region": 0}, env={})
     w = StoreWorker(cfg, KeySpace(fingerprint({"t": "scatter"}), cb * BS), BS, blocks, 0, load=True, save=True)
     buf = torch.randn(layers, blocks, 2, BS, 8).to(torch.bfloat16)  # 1 KiB pages
     w.register_kv_caches({f"l{i}": buf[i] for i in range(layers)})
@@ -385,6 +386,48 @@ def test_scattered_blocks_stay_under_mooncakes_range_limit():
         assert _finish_load(w, "l") == set()
         assert torch.equal(buf[:, [b for c in src for b in c]], buf[:, [b for c in dst for b in c]])
         assert len(w.take_stats().data["ops"]["phase:load_transfer"]) == 4
+    finally:
+        w.close()  # the client before its master
+        c.stop()
+
+
+def test_scattered_chunks_load_through_staging_above_the_configured_ranges():
+    """By default a whole chunk whose blocks make more than 2 buffer ranges per KV region
+    (``stage_above_ranges_per_region``) is fetched as one range into host staging and copied
+    into its pages; one that makes fewer goes straight into them. Chunk 0 lands on
+    consecutive blocks (48 ranges: one per region), chunks 1 to 3 on every other block (384):
+    one direct transfer, three staged ones, and every page right."""
+    layers, blocks, cb = _SCATTER
+    c = _scatter_cluster()
+    cfg = load_config({"master": c.master_addr, "chunk_tokens": cb * BS}, env={})  # the default: 2 per region
+    w = StoreWorker(cfg, KeySpace(fingerprint({"t": "staged"}), cb * BS), BS, blocks, 0, load=True, save=True)
+    buf = torch.randn(layers, blocks, 2, BS, 8).to(torch.bfloat16)  # 1 KiB pages
+    w.register_kv_caches({f"l{i}": buf[i] for i in range(layers)})
+    try:
+        n = 4
+        src = [list(range(1 + i * cb, 1 + (i + 1) * cb)) for i in range(n)]
+        dst = [list(range(200, 200 + cb))] + [[301 + 2 * (i * cb + j) for j in range(cb)] for i in range(n - 1)]
+        links = [f"mct/it/staged{i}-{time.monotonic_ns()}" for i in range(n)]
+        w.wait_for_save(StoreMetadata(saves=[SaveJob("s", [ChunkIO(l, i, b) for i, (l, b) in
+                                                           enumerate(zip(links, src))])]))
+        _until(lambda: w.get_finished({"s"})[0])
+        w.take_stats()
+        w.start_load_kv(StoreMetadata(loads=[LoadJob("l", [ChunkIO(l, i, b) for i, (l, b) in
+                                                           enumerate(zip(links, dst))], timeout_s=30)]))
+        assert _finish_load(w, "l") == set()
+        assert torch.equal(buf[:, [b for c in src for b in c]], buf[:, [b for c in dst for b in c]])
+        got = w.take_stats().data
+        assert got["counters"]["io_chunks:load"] == n and got["counters"]["io_ranges:load"] == layers + (n - 1)
+        assert len(got["ops"]["phase:load_transfer"]) == 1 and len(got["ops"]["phase:load_staging"]) == n - 1
+        assert len(got["ops"]["phase:load_copy"]) == n - 1
+        assert not any(k.startswith("failures") for k in got["counters"]), got["counters"]
+        # Chunk 2 gone: its blocks and chunk 3's are recomputed, and chunk 3 is not fetched.
+        assert w.client.store.batch_remove([w.keys.key(links[2], 0)], True) == [0]  # forced: its read lease may still run
+        w.start_load_kv(StoreMetadata(loads=[LoadJob("l2", [ChunkIO(l, i, b) for i, (l, b) in
+                                                            enumerate(zip(links, dst))], timeout_s=30)]))
+        assert _finish_load(w, "l2") == set(dst[2] + dst[3])
+        got = w.take_stats().data
+        assert len(got["ops"]["phase:load_staging"]) == 2 and got["counters"]["failures:load_not_found"] == 1
     finally:
         w.close()  # the client before its master
         c.stop()

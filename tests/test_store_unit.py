@@ -123,6 +123,7 @@ def test_config_defaults_and_sizes():
     ({"master": "etcd://h:1;"}, "empty etcd endpoint"),
     ({"master": "etcd://h"}, "etcd endpoint 'h' of master"),
     ({"master": "etcd://h:1,g:2"}, "with ';'"),
+    ({"master": "h:1", "stage_above_ranges_per_region": -1}, r"stage_above_ranges_per_region must be >= 0 \(0 = never\)"),
     ({"master": "h:99999"}, "HOST:PORT"),
 ])
 def test_config_errors_are_clear(extra, needle):

@@ -217,26 +217,48 @@ def test_a_handoff_is_learned_whole_less_the_remote_compute():
     req = request("r3", 4096, kv_source="p2p")
     s.get_num_new_matched_tokens(req, 0)
     s.update_state_after_alloc(req, blocks(4096), 4095)
-    t0, remote = s._handoffs["r3"]
+    t0, remote = s._planned["r3"]["p2p"]
     assert remote == s._decisions["r3"].plan.parts["p2p_remote_s"] > 0
     sample = LoadSample("p2p", 4095 * 8192, 0.01, "r3")
-    assert s.handoff_seconds(sample, now=t0 + remote + 0.5) == pytest.approx(0.5)
-    # Consumed once; a sample of no pending handoff (another tier, another request) keeps its seconds.
-    s._handoffs["r3"] = (t0, remote)
+    assert s.load_seconds(sample, now=t0 + remote + 0.5) == pytest.approx(0.5)
+    # Consumed once; a sample of no planned load (another request) keeps its seconds.
+    s._planned["r3"] = {"p2p": (t0, remote)}
     s._learn(encode_samples([sample, LoadSample("store", 10**6, 0.02, "r9")]))
-    assert "r3" not in s._handoffs and s.model.load_fit("p2p").samples == 1
+    assert "r3" not in s._planned and s.model.load_fit("p2p").samples == 1
+    assert s.model.load_fit("store").samples == 1
     # Never less than the read itself (a remote compute estimate above what it took).
-    s._handoffs["r4"] = (t0, 10.0)
-    assert s.handoff_seconds(LoadSample("p2p", 1, 0.01, "r4"), now=t0 + 1.0) == 0.01
+    s._planned["r4"] = {"p2p": (t0, 10.0)}
+    assert s.load_seconds(LoadSample("p2p", 1, 0.01, "r4"), now=t0 + 1.0) == 0.01
     # With the wait for READY measured: an estimate above it gives way to it, so the fit
     # learns the handoff's own overhead (1.0 - 0.9 s); one below it is kept.
-    s._handoffs["r6"] = (t0, 10.0)
-    assert s.handoff_seconds(LoadSample("p2p", 1, 0.01, "r6", waited_s=0.9), now=t0 + 1.0) == pytest.approx(0.1)
-    s._handoffs["r7"] = (t0, 0.5)
-    assert s.handoff_seconds(LoadSample("p2p", 1, 0.01, "r7", waited_s=0.9), now=t0 + 1.0) == pytest.approx(0.5)
-    s._handoffs["r5"] = (t0, 0.0)
+    s._planned["r6"] = {"p2p": (t0, 10.0)}
+    assert s.load_seconds(LoadSample("p2p", 1, 0.01, "r6", waited_s=0.9), now=t0 + 1.0) == pytest.approx(0.1)
+    s._planned["r7"] = {"p2p": (t0, 0.5)}
+    assert s.load_seconds(LoadSample("p2p", 1, 0.01, "r7", waited_s=0.9), now=t0 + 1.0) == pytest.approx(0.5)
+    s._planned["r5"] = {"p2p": (t0, 0.0)}
     s.request_finished(request("r5", 10), [])
-    assert "r5" not in s._handoffs  # a failed pull sends no sample: the entry goes with the request
+    assert "r5" not in s._planned  # a failed pull sends no sample: the entry goes with the request
+
+
+def test_a_store_load_is_learned_whole_like_a_handoff():
+    # A forced store plan: the worker timed its batch get alone (0.02 s); the fit learns the
+    # load from its planning to the scheduler learning it finished (0.3 s later), nothing
+    # taken off (no prefill instance computes for it). Each tier's load of one request is
+    # its own entry: the store's sample leaves the p2p entry of a store+p2p plan in place.
+    tiers = three_tiers()
+    s = TieredScheduler(tiers, PolicyConfig(), BS, 8192.0)
+    req = request("r1", 4096, kv_source="store")
+    assert s.get_num_new_matched_tokens(req, 0)[0] > 0
+    s.update_state_after_alloc(req, blocks(4096), s._decisions["r1"].end)
+    t0, remote = s._planned["r1"]["store"]
+    assert remote == 0.0
+    s._planned["r1"]["p2p"] = (t0, 0.1)
+    assert s.load_seconds(LoadSample("store", 10**6, 0.02, "r1"), now=t0 + 0.3) == pytest.approx(0.3)
+    assert s._planned["r1"] == {"p2p": (t0, 0.1)}
+    before = s.model.load_fit("store").samples
+    s._planned["r1"]["store"] = (t0, 0.0)
+    s._learn(encode_samples([LoadSample("store", 10**6, 0.02, "r1")]))
+    assert s.model.load_fit("store").samples == before + 1 and "store" not in s._planned["r1"]
 
 
 def test_config_generic_tiers_and_short_form():
