@@ -14,9 +14,9 @@ bytes, and the rate of Mooncake's own transfer call. The reader's tokens are che
 against the writer's prefix-cache hit on the same prompt. Prints a table and writes
 ``store_phases.json`` to ``--out``.
 
-``--reader-blocks`` gives the readers a small KV cache: once it has cycled, vLLM hands out
-freed blocks in an order that is no longer ascending, so every block of a chunk is a buffer
-range of its own (the live engine's case that ``stage_above_ranges`` is for).
+``--reader-blocks`` gives the readers a small KV cache: once it has cycled, the blocks vLLM
+gives a request no longer form ascending runs, so a chunk's blocks become many buffer
+ranges (the live engine's case that ``stage_above_ranges_per_region`` is for).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ Keys (all optional except the master address, which may also come from
                          region (a range per run of consecutive blocks per region: 1 per region while
                          the engine's blocks are contiguous, up to the chunk's blocks once they
                          scatter) is loaded as one range into a host staging buffer, then copied into
-                         its pages (default 2; 0 = never: always straight into the pages)
+                         its pages (default 4; 0 = never: always straight into the pages)
 
 ``MOONCAKE_CONFIG_PATH`` (Mooncake's own ``mooncake.json``, :mod:`kvcore.mooncake_json`) supplies
 defaults; keys in ``kv_connector_extra_config`` win. The store tier takes master_server_address,
@@ -103,7 +103,7 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     connect_timeout_s: float = 5.0
     key_prefix: str = "mct"
     verify_checksums: bool = False
-    stage_above_ranges_per_region: float = 2.0
+    stage_above_ranges_per_region: float = 4.0
 
     def __post_init__(self):
         if not self.master:

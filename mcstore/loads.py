@@ -3,17 +3,19 @@ whose state it uses: the client, key space, geometry, locks and result sets).
 
 Whole chunks go straight from the store into the registered KV pages, in batch gets of
 at most ``MAX_RANGES_PER_CALL`` buffer ranges (:func:`ranged_batches`), one range per run
-of consecutive blocks per KV region. Once an engine's cache has cycled, vLLM hands its
-blocks out scattered and a chunk becomes up to one range per block per region; Mooncake's
-TCP transport pays per range. So a chunk with more than ``stage_above_ranges_per_region``
-ranges per region (default 2) is fetched as one range into a host staging buffer and its
-pages copied into place (:mod:`kvcore.pages`). Measured (``bench/store_phases.py
---reader-blocks 400 --ab``, 2026-12-02, interleaved in one run, readers with a cycled
-cache at 28 to 34 ranges per chunk, staging above 1 range per region): loads 0.54x and
-0.45x the direct ones at 4K and 8K-token prefixes, TTFT 0.70x and 0.52x, the copy 10 to
-16 ms; at 2K, blocks still contiguous, nothing staged and the same time. (On 2026-11-30,
-with contiguous to 33 ranges per chunk, staging every chunk had lost: 1.4 to 1.6 times
-slower.) A chunk needed from block ``first`` on only is fetched whole into staging too.
+of consecutive blocks per KV region. Once an engine's cache has cycled, the blocks vLLM
+gives a request no longer form ascending runs and a chunk becomes up to one range per block
+per region; Mooncake's TCP transport pays per range. So a chunk with more than ``stage_above_ranges_per_region``
+ranges per region (default 4) is fetched as one range into a host staging buffer and its
+pages copied into place (:mod:`kvcore.pages`). Measured with ``bench/store_phases.py
+--reader-blocks 400 --ab`` (interleaved in one run): on 2026-12-02, readers with a cycled
+cache at 28 to 34 ranges per chunk (4.7 to 5.7 per region; staging above 1 per region),
+loads took 0.54x and 0.45x the direct ones at 4K and 8K-token prefixes, TTFT 0.70x and
+0.52x, the copy 10 to 16 ms; at 2K, blocks still in runs, nothing was staged and the time
+was the same. On 2026-11-30 (a model with 12 regions), staging every chunk at 1 and 2.75
+ranges per region had lost: the transfer no faster, the loads 1.4 to 1.6 times slower
+with the copy. Hence the default between the two. A chunk needed from block ``first`` on
+only is fetched whole into staging too.
 
 A read that outlasts the master's read lease (``--default_kv_lease_ttl``) fails:
 Mooncake's batch get returns LEASE_EXPIRED for it (the object may have been evicted

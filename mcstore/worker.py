@@ -1,7 +1,9 @@
 """Store tier, worker side (runs in the Worker process).
 
 Loads and saves run on two background threads, off the forward path, straight
-between the registered KV pages and the store (zero copy). A stored object is one
+between the registered KV pages and the store (zero copy; except a load of a chunk whose
+blocks are scattered, or needed from a later block on, which goes through a host staging
+buffer: :mod:`mcstore.loads`). A stored object is one
 chunk of one TP rank: the chunk's pages in canonical order (layer-major, then
 block order; see ``KVGeometry.ranges``), so its bytes do not depend on the block
 ids it was saved from or is loaded into. The load path is in :mod:`mcstore.loads`.

@@ -184,11 +184,10 @@ class TieredScheduler:
         for its READY after its compute, the acknowledgement, the step that reports the
         pull) made ``auto`` pick a handoff of 256 tokens over a store load 3x faster
         (bench/tiered_bench.py, 2026-12-01). A store load has a rest too (the step that
-        starts it, the queue of its thread, the step that reports it) that the
-        worker's time leaves out, while a handoff's whole time has it in: the store's
-        estimate of a fully stored 4K prompt was 42 ms against 86 ms measured to the first
-        token, the handoff's 75 against 82, and ``auto`` took the store where the handoff
-        was faster (tiered_bench, 2026-12-02). Learned alike, the fits compare like with like.
+        starts it, the queue of its thread, the step that reports it); it is smaller (in
+        one run of fully stored 2K prompts, 2026-12-02: 54 ms whole against 47 ms of
+        transfer, medians over different requests), but learned alike the fits compare
+        like with like.
 
         The remote compute taken off is the plan's estimate of it, or the wait for READY the
         tier measured (``waited_s``) when that is shorter: an estimate above the real

@@ -392,14 +392,14 @@ def test_scattered_blocks_stay_under_mooncakes_range_limit():
 
 
 def test_scattered_chunks_load_through_staging_above_the_configured_ranges():
-    """By default a whole chunk whose blocks make more than 2 buffer ranges per KV region
+    """By default a whole chunk whose blocks make more than 4 buffer ranges per KV region
     (``stage_above_ranges_per_region``) is fetched as one range into host staging and copied
     into its pages; one that makes fewer goes straight into them. Chunk 0 lands on
     consecutive blocks (48 ranges: one per region), chunks 1 to 3 on every other block (384):
     one direct transfer, three staged ones, and every page right."""
     layers, blocks, cb = _SCATTER
     c = _scatter_cluster()
-    cfg = load_config({"master": c.master_addr, "chunk_tokens": cb * BS}, env={})  # the default: 2 per region
+    cfg = load_config({"master": c.master_addr, "chunk_tokens": cb * BS}, env={})  # the default: 4 per region
     w = StoreWorker(cfg, KeySpace(fingerprint({"t": "staged"}), cb * BS), BS, blocks, 0, load=True, save=True)
     buf = torch.randn(layers, blocks, 2, BS, 8).to(torch.bfloat16)  # 1 KiB pages
     w.register_kv_caches({f"l{i}": buf[i] for i in range(layers)})
