@@ -12,7 +12,7 @@ pages copied into place (:mod:`kvcore.pages`). Measured with ``bench/store_phase
 cache at 28 to 34 ranges per chunk (4.7 to 5.7 per region; staging above 1 per region),
 loads took 0.54x and 0.45x the direct ones at 4K and 8K-token prefixes, TTFT 0.70x and
 0.52x, the copy 10 to 16 ms; at 2K, blocks still in runs, nothing was staged and the time
-was the same. On 2026-11-30 (a model with 12 regions), staging every chunk at 1 and 2.75
+was the same. On 2026-11-30 (a KV layout of 12 regions), staging every chunk at 1 and 2.75
 ranges per region had lost: the transfer no faster, the loads 1.4 to 1.6 times slower
 with the copy. Hence the default between the two. A chunk needed from block ``first`` on
 only is fetched whole into staging too.
