@@ -164,7 +164,7 @@ class TieredScheduler:
             logger.warning("calibration samples not understood (%s); ignored", e)
             return
         for sample in samples:
-            timed = getattr(sample, "seconds", 0.0)  # by the worker: the transfer alone, for a load
+            timed = sample.seconds  # by the worker (for a load: the transfer alone)
             if isinstance(sample, LoadSample) and sample.tier in self._planned.get(sample.req_id, {}):
                 sample = msgspec.structs.replace(sample, seconds=self.load_seconds(sample))
             kind, est, seconds = self.model.learn(sample)
