@@ -144,18 +144,34 @@ def query(url: str, timeout: float) -> dict[int, EngineEntry]:
     return parse_query(_http(url.rstrip("/") + "/query", timeout))
 
 
-def register(url: str, payload: RegisterPayload, timeout: float, attempts: int = 3) -> None:
-    """Register a worker; retries transient failures, never a 400 (a real conflict)."""
-    delay = 0.5
-    for i in range(attempts):
+# How long a worker keeps trying to register at startup. Rank 0 of the prefill instance
+# starts the server while the other ranks, in their own processes, reach this call at the
+# same time; on a loaded 2-core machine rank 0 was seen more than 1.5 s behind (a refused
+# connection). An engine's own startup takes tens of seconds, so a minute of retrying
+# costs nothing when the server is merely late and still ends a startup that cannot work.
+REGISTER_WAIT_S = 60.0
+
+
+def register(url: str, payload: RegisterPayload, timeout: float, wait_s: float = REGISTER_WAIT_S) -> None:
+    """Register a worker. A refused connection or a timeout is retried (backing off to 2 s)
+    until ``wait_s`` has passed since the first call, then raised; an HTTP 400 (a real
+    conflict: another engine id or address for this slot) is raised at once."""
+    give_up = time.monotonic() + wait_s
+    delay, tries = 0.25, 0
+    while True:
+        tries += 1
         try:
             _http(url.rstrip("/") + "/register", timeout, msgspec.to_builtins(payload))
+            if tries > 1:
+                logger.info("registered at %s on try %d", url, tries)
             return
         except BootstrapError as e:
-            if "HTTP 400" in str(e) or i == attempts - 1:
+            if "HTTP 400" in str(e) or time.monotonic() + delay > give_up:
                 raise
+            if tries == 1:
+                logger.info("bootstrap server %s not reachable yet (%s); retrying for up to %.0fs", url, e, wait_s)
             time.sleep(delay)
-            delay = min(delay * 2, 5.0)
+            delay = min(delay * 2, 2.0)
 
 
 def find_engine(workers: dict[int, EngineEntry], engine_id: str) -> EngineEntry | None:

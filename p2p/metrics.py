@@ -1,9 +1,9 @@
 """Telemetry of the P2P tier: ``vllm:mctier_p2p_*`` on vLLM's /metrics.
 
 Counters (label ``kind``): bytes{pulled}, descriptors{pulled}, pulls{ok,failed,release},
-failures{bootstrap,peer,timeout,transfer,remote,protocol,invalid_params}, holds{opened,
-released,expired,aborted,early_release}, rejected{undecodable,unknown_transfer,tp_mismatch,
-bad_range} (prefill side channel). Histograms: query, metadata, transfer, ack,
+failures{bootstrap,peer,timeout,transfer,remote,protocol,invalid_params}, retries{transfer},
+holds{opened,released,expired,aborted,early_release}, rejected{undecodable,unknown_transfer,
+tp_mismatch,bad_range} (prefill side channel). Histograms: query, metadata, transfer, ack,
 handoff (decode side) and hold (prefill side: time blocks were held).
 """
 
@@ -18,6 +18,7 @@ SPEC = MetricSpec(
         "descriptors": "Transfer Engine descriptors (coalesced page runs) issued",
         "pulls": "Handoffs by outcome (ok, failed, release)",
         "failures": "Failed handoffs by cause",
+        "retries": "Transfer Engine reads repeated after a failed first try (transfer)",
         "holds": "Prefill-side block holds by outcome (opened, released, expired, aborted)",
         "rejected": "Prefill side channel: messages rejected (undecodable, unknown_transfer, tp_mismatch, bad_range)",
     },

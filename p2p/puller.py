@@ -8,9 +8,10 @@ One job per request, run on a small thread pool. Phases, each bounded:
 2. metadata  side-channel :class:`PullRequest`; the prefill worker answers WAIT
              heartbeats until its request finished, then READY with its regions and
              block ids; silence longer than ``peer_silence_timeout_s`` = dead peer
-3. transfer  one ``batch_transfer_sync_read`` of coalesced page runs from the Transfer
+3. transfer  ``batch_transfer_sync_read`` of coalesced page runs from the Transfer
              Engine the READY reply names (both sides must use the same kind of metadata:
-             P2PHANDSHAKE, http or etcd; a mismatch fails as ``protocol``)
+             P2PHANDSHAKE, http or etcd; a mismatch fails as ``protocol``); a failed read
+             is tried once more while the deadline leaves a second for it
 4. ack       :class:`PullDone` so the prefill frees its blocks (waited for briefly,
              after the result is already reported)
 
@@ -241,11 +242,8 @@ class Puller:
                 local, remote, lens = self.geometry.pair_ranges(job.block_ids, reply.regions, reply.block_ids)
             except ValueError as e:
                 raise PullFailed("protocol", str(e)) from None
-            try:
-                self.engine.read(reply.te_addr, local, remote, lens)
-            except MooncakeError as e:
-                other = f" (the prefill registered it in {theirs}, this engine reads {ours})" if theirs != ours else ""
-                raise PullFailed("transfer", f"{e}{other}") from None
+            self._read(job, reply.te_addr, local, remote, lens,
+                       f" (the prefill registered it in {theirs}, this engine reads {ours})" if theirs != ours else "")
             t3 = time.monotonic()
             timings["transfer"] = t3 - t2
             if time.monotonic() > job.deadline:
@@ -277,6 +275,33 @@ class Puller:
                 if ready:  # P answered READY but we failed: let it free its blocks now
                     self._done(sock, job, False, "decode-side failure")
                 sock.close(0)
+
+    def _read(self, job: PullJob, peer: str, local: list[int], remote: list[int], lens: list[int],
+              hint: str) -> None:
+        """The Transfer Engine read, tried a second time when the first fails and the
+        handoff's deadline leaves at least ``_RETRY_MIN_LEFT_S``. A read only fills this
+        engine's own blocks and the prefill side still holds its blocks (no PullDone was
+        sent yet), so repeating it is safe. Why at all: a CI run (2026-12-02) lost a TP 2
+        handoff to recomputation about 30 s late with both engines alive, which matches a
+        read that stalled until Mooncake's own transfer timeout (``MC_TRANSFER_TIMEOUT``,
+        30 s); that run's logs were not kept. A read failing for a lasting cause (a dead
+        peer) fails again at once."""
+        t0 = time.monotonic()
+        try:
+            self.engine.read(peer, local, remote, lens)
+            return
+        except MooncakeError as e:
+            first = e
+        left = job.deadline - time.monotonic()
+        if left < _RETRY_MIN_LEFT_S:
+            raise PullFailed("transfer", f"{first}{hint}")
+        self._inc("retries:transfer")
+        logger.warning("P2P transfer of %s (transfer %s) failed after %.1fs: %s; reading again (%.0fs left "
+                       "to its deadline)", job.req_id, job.transfer_id, time.monotonic() - t0, first, left)
+        try:
+            self.engine.read(peer, local, remote, lens)
+        except MooncakeError as e:
+            raise PullFailed("transfer", f"{e} (also the first try: {first}){hint}") from None
 
     def _finish_ok_early(self, res: PullResult) -> None:
         self._finish(res)
@@ -319,6 +344,7 @@ _ALREADY = None
 # answer READY in time, or answered ERROR "did not finish in time"): tell it to let go.
 _RELEASE_AFTER = frozenset({"timeout", "peer", "remote"})
 _RELEASE_AFTER_S = 3.0
+_RETRY_MIN_LEFT_S = 1.0  # a second read with less time left would only delay the recomputation
 _RELEASE_LINGER_MS = 10_000
 
 

@@ -116,6 +116,36 @@ def test_bootstrap_unreachable_is_quick_and_clear():
     assert time.monotonic() - t0 < 2.5
 
 
+@pytest.mark.integration
+def test_register_waits_for_a_late_bootstrap_server_then_gives_up_at_its_deadline():
+    """A TP rank > 0 registers while rank 0 may still be starting the server: a refused
+    connection is retried until the server listens; with nobody listening it is raised
+    once ``wait_s`` has passed."""
+    import threading
+
+    from kvcore.procs import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    started: list = []
+    late = threading.Timer(1.5, lambda: started.append(bootstrap.BootstrapServer("127.0.0.1", port).start()))
+    late.start()
+    try:
+        t0 = time.monotonic()
+        bootstrap.register(url, RegisterPayload("eng-L", 0, 1, 0, "tcp://127.0.0.1:5001"), timeout=2, wait_s=20)
+        assert 1.5 <= time.monotonic() - t0 < 10
+        assert bootstrap.query(url, 5)[0].worker_addr[1][0] == "tcp://127.0.0.1:5001"
+    finally:
+        late.join()
+        for s in started:
+            s.stop()
+    t0 = time.monotonic()
+    with pytest.raises(bootstrap.BootstrapError, match="unreachable"):
+        bootstrap.register(f"http://127.0.0.1:{free_port()}", RegisterPayload("eng-L", 0, 1, 0, "tcp://x:1"),
+                           timeout=1, wait_s=2)
+    assert 1.5 <= time.monotonic() - t0 < 4
+
+
 class _SlowQueryServer:
     """A real HTTP server that answers ``/query`` only once ``busy_until`` (monotonic) has
     passed, like a prefill process busy in a forward pass; one request at a time."""
@@ -260,6 +290,61 @@ def test_te_pair_moves_the_requested_tail_and_releases(pair):
     assert c["descriptors:pulled"] == 3 * 2
     assert pstats.data["counters"]["holds:released"] == 1
     assert set(dstats.data["ops"]) >= {"query", "metadata", "transfer", "ack", "handoff"}
+
+
+class _FailingReads:
+    """FAULT INJECTION (named fake): the real Transfer Engine handle, except that its
+    first ``failures`` reads raise the error Mooncake's sync read returns after a stall
+    (-1). Used because a transient stall of the TCP transport cannot be made on demand."""
+
+    def __init__(self, real, failures: int):
+        self.real, self.failures, self.reads = real, failures, 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def read(self, peer, local, remote, lens):
+        from kvcore.errors import error_for
+
+        self.reads += 1
+        if self.reads <= self.failures:
+            raise error_for(-1, "batch_transfer_sync_read", f"from {peer} (injected)")
+        return self.real.read(peer, local, remote, lens)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("failures", [1, 2])
+def test_a_failed_read_is_tried_once_more_within_the_deadline(pair, failures):
+    """One failed read is repeated and the handoff completes with the right bytes; two
+    fail the handoff as ``transfer`` (the decode side recomputes) and release the hold."""
+    prod, cons, side, puller, pstats, dstats, boot = pair
+    puller.engine = _FailingReads(puller.engine, failures)
+    p_blocks, d_blocks = [5, 6, 7], [30, 31, 32]
+    side.add_hold("p-retry", "xfer-retry", p_blocks)
+    puller.submit(_job(boot, "xfer-retry", 0, d_blocks))
+    res = _wait(puller.take_results)
+    assert puller.engine.reads == 2
+    assert dstats.data["counters"]["retries:transfer"] == 1
+    assert _wait(side.take_finished) == {"p-retry"}  # released either way, not left to expire
+    if failures == 1:
+        assert [(r.ok, r.cause) for r in res] == [(True, "")]
+        assert all((cons.buf[:, d] == prod.buf[:, p]).all() for d, p in zip(d_blocks, p_blocks))
+    else:
+        assert [(r.ok, r.cause) for r in res] == [(False, "transfer")]
+        assert "also the first try" in res[0].detail
+        assert dstats.data["counters"]["failures:transfer"] == 1
+
+
+@pytest.mark.integration
+def test_no_second_read_when_the_deadline_is_near(pair):
+    prod, cons, side, puller, pstats, dstats, boot = pair
+    puller.engine = _FailingReads(puller.engine, 1)
+    side.add_hold("p-near", "xfer-near", [5])
+    # The hold is open, so READY comes at once; the job's deadline is under a second away.
+    puller.submit(_job(boot, "xfer-near", 0, [30], timeout=0.99))
+    res = _wait(puller.take_results)
+    assert [(r.ok, r.cause) for r in res] == [(False, "transfer")] and puller.engine.reads == 1
+    assert "retries:transfer" not in dstats.data["counters"]
 
 
 @pytest.mark.integration

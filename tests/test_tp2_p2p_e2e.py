@@ -73,6 +73,19 @@ def _through_proxy(url: str, prompt: list[int]) -> dict:
     return r.json()
 
 
+def _why_recomputed(pd2) -> str:
+    """What a handoff that fell back to recomputation left behind: the decode side's
+    failure counts by cause and both sides' P2P log lines."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    causes = {s.labels.get("kind", ""): s.value
+              for fam in text_string_to_metric_families(pd2.D.metrics_text()) for s in fam.samples
+              if s.name == "vllm:mctier_p2p_failures_total" and s.value}
+    lines = [ln for e in (pd2.P, pd2.D) for ln in e.proc.tail(400).splitlines()
+             if any(k in ln for k in ("P2P", "p2p", "hold", "bootstrap", "release"))]
+    return f"decode-side failures by cause: {causes}; P2P log lines:\n" + "\n".join(lines[-30:])
+
+
 def test_tp2_handoffs_move_the_kv_and_match_tp2_reference(pd2):
     block_bytes = BLOCK * kv_bytes_per_token(pd2.P.model)
     prompts = [prompt_ids(N, 300 + seed) for seed in (1, 2, 3)]
@@ -87,7 +100,7 @@ def test_tp2_handoffs_move_the_kv_and_match_tp2_reference(pd2):
         t0 = time.monotonic()
         body = _through_proxy(pd2.url, prompt)
         took = time.monotonic() - t0
-        assert cached_tokens(body) >= N - 1, body.get("usage")
+        assert cached_tokens(body) >= N - 1, (body.get("usage"), _why_recomputed(pd2))
         assert body["choices"][0]["token_ids"] == want
         # Both ranks pulled (each its half of the heads), every block of the prompt in total.
         ok = lambda: pd2.D.metric("vllm:mctier_p2p_pulls_total", kind="ok") - ok0  # noqa: E731
