@@ -281,11 +281,12 @@ class Puller:
         """The Transfer Engine read, tried a second time when the first fails and the
         handoff's deadline leaves at least ``_RETRY_MIN_LEFT_S``. A read only fills this
         engine's own blocks and the prefill side still holds its blocks (no PullDone was
-        sent yet), so repeating it is safe. Why at all: a CI run (2026-12-02) lost a TP 2
-        handoff to recomputation about 30 s late with both engines alive, which matches a
-        read that stalled until Mooncake's own transfer timeout (``MC_TRANSFER_TIMEOUT``,
-        30 s); that run's logs were not kept. A read failing for a lasting cause (a dead
-        peer) fails again at once."""
+        sent yet), so repeating it is safe. Why at all: Mooncake's TCP transport was seen to
+        make no progress on a 2-descriptor read for 30 s, with both engines alive (a TP 2
+        pair sharing two cores, 2026-12-02). Its client session then dropped the connection
+        ("no transfer progress within 30s") and the read failed; the prefill side's session
+        tried to send the data 16 s later still. The second read succeeded at once. A read
+        failing for a lasting cause (a dead peer) fails again at once."""
         t0 = time.monotonic()
         try:
             self.engine.read(peer, local, remote, lens)
