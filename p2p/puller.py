@@ -284,9 +284,11 @@ class Puller:
         sent yet), so repeating it is safe. Why at all: Mooncake's TCP transport was seen to
         make no progress on a 2-descriptor read for 30 s, with both engines alive (a TP 2
         pair sharing two cores, 2026-12-02). Its client session then dropped the connection
-        ("no transfer progress within 30s") and the read failed; the prefill side's session
-        tried to send the data 16 s later still. The second read succeeded at once. A read
-        failing for a lasting cause (a dead peer) fails again at once."""
+        ("no transfer progress within 30s") and the read failed. The second read completed
+        15.6 s later, when the prefill side's Transfer Engine moved again (its write to the
+        dropped session failed at that moment): the stall was on the prefill's side and
+        ended within the deadline, so the handoff completed instead of being recomputed. A
+        read failing for a lasting cause (a dead peer) fails again at once."""
         t0 = time.monotonic()
         try:
             self.engine.read(peer, local, remote, lens)
