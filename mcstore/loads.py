@@ -147,7 +147,7 @@ class Loads:
         staged = [j for j, (p, _) in enumerate(per) if 0 < self.stage_above < len(p)]
         end = len(chunks)  # chunks from the first failed one on are recomputed: not fetched
         for j in staged:
-            self._count_io("load", [[0] * (1 + self.verify)])  # one range (and the trailer's)
+            self._count_io("load", [[0]])  # one range: the whole object, its trailer included
             ok[idx[j]], why, missing = self._load_partial(chunks[j])
             if why is not None:
                 cause, gone, end = why, missing, j

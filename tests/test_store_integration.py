@@ -391,15 +391,18 @@ def test_scattered_blocks_stay_under_mooncakes_range_limit():
         c.stop()
 
 
-def test_scattered_chunks_load_through_staging_above_the_configured_ranges():
+@pytest.mark.parametrize("verify", [False, True])
+def test_scattered_chunks_load_through_staging_above_the_configured_ranges(verify):
     """By default a whole chunk whose blocks make more than 4 buffer ranges per KV region
     (``stage_above_ranges_per_region``) is fetched as one range into host staging and copied
     into its pages; one that makes fewer goes straight into them. Chunk 0 lands on
     consecutive blocks (48 ranges: one per region), chunks 1 to 3 on every other block (384):
-    one direct transfer, three staged ones, and every page right."""
+    one direct transfer, three staged ones, and every page right. With checksums, the direct
+    chunk's trailer is a range of its own; a staged chunk's is inside its one range."""
     layers, blocks, cb = _SCATTER
     c = _scatter_cluster()
-    cfg = load_config({"master": c.master_addr, "chunk_tokens": cb * BS}, env={})  # the default: 4 per region
+    cfg = load_config({"master": c.master_addr, "chunk_tokens": cb * BS, "verify_checksums": verify},
+                      env={})  # the default: 4 per region
     w = StoreWorker(cfg, KeySpace(fingerprint({"t": "staged"}), cb * BS), BS, blocks, 0, load=True, save=True)
     buf = torch.randn(layers, blocks, 2, BS, 8).to(torch.bfloat16)  # 1 KiB pages
     w.register_kv_caches({f"l{i}": buf[i] for i in range(layers)})
@@ -417,7 +420,8 @@ def test_scattered_chunks_load_through_staging_above_the_configured_ranges():
         assert _finish_load(w, "l") == set()
         assert torch.equal(buf[:, [b for c in src for b in c]], buf[:, [b for c in dst for b in c]])
         got = w.take_stats().data
-        assert got["counters"]["io_chunks:load"] == n and got["counters"]["io_ranges:load"] == layers + (n - 1)
+        assert got["counters"]["io_chunks:load"] == n
+        assert got["counters"]["io_ranges:load"] == layers + verify + (n - 1)
         assert len(got["ops"]["phase:load_transfer"]) == 1 and len(got["ops"]["phase:load_staging"]) == n - 1
         assert len(got["ops"]["phase:load_copy"]) == n - 1
         assert not any(k.startswith("failures") for k in got["counters"]), got["counters"]
