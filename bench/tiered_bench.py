@@ -218,8 +218,8 @@ def io_cell(r: dict) -> str:
         return "-"
 
     def m(key: str, fmt: str) -> str:
-        v = sorted(x[key] for x in loads)
-        return f"{statistics.median(v):{fmt}} ({v[0]:{fmt}}-{v[-1]:{fmt}})"
+        v = spread([x[key] for x in loads])
+        return f"{v['median']:{fmt}} ({v['min']:{fmt}}-{v['max']:{fmt}})"
     return f"{m('ranges_per_chunk', '.0f')}, {m('gbps', '.2f')}"
 
 
