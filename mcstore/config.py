@@ -32,6 +32,10 @@ Keys (all optional except the master address, which may also come from
                          the engine's blocks are contiguous, up to the chunk's blocks once they
                          scatter) is loaded as one range into a host staging buffer, then copied into
                          its pages (default 4; 0 = never: always straight into the pages)
+    idle_step_ms         pause the engine's scheduler takes at a step that computes nothing (a request
+                         waiting for its load, nothing else to run), so the engine's step loop leaves
+                         the core and the GIL to the load (default: 20 on a CPU engine with TP/PP > 1,
+                         see kvcore.shmspin; 2 otherwise; 0 = never pause)
 
 ``MOONCAKE_CONFIG_PATH`` (Mooncake's own ``mooncake.json``, :mod:`kvcore.mooncake_json`) supplies
 defaults; keys in ``kv_connector_extra_config`` win. The store tier takes master_server_address,
@@ -53,11 +57,17 @@ from typing import Any
 
 import msgspec
 
-from kvcore import mooncake_json
+from kvcore import mooncake_json, shmspin
 from kvcore.config import load, parse_size
 from kvcore.errors import ConfigError
 from kvcore.mooncake_json import P2PHANDSHAKE, metadata_conn_string, split_host_port
 from kvcore.tier import LoadPrior
+
+# A one-rank engine waiting for a load steps with nothing to compute, on the core the load
+# runs on. Pausing each such step 2 ms made the load 0.78 to 0.83x as long and the store hit's
+# TTFT 0.90 to 0.92x at 2K and 8K tokens (bench.store_phases --ab idle_step_ms=2, 2026-12-02);
+# 5 ms was 0.91x at 8K but 1.09x at 2K against 2 (each pause delays noticing the load's end).
+IDLE_STEP_MS_ONE_RANK = 2.0
 
 # Where the composite's (and the router's) load-time fit for this tier starts.
 LOAD_PRIOR = LoadPrior(latency_s=0.02, bandwidth_gbps=1.0)
@@ -104,6 +114,7 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     key_prefix: str = "mct"
     verify_checksums: bool = False
     stage_above_ranges_per_region: float = 4.0
+    idle_step_ms: float | None = None  # None: idle_step_s() picks by the engine's ranks
 
     def __post_init__(self):
         if not self.master:
@@ -129,6 +140,8 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.stage_above_ranges_per_region < 0:
             raise ConfigError("mcstore: stage_above_ranges_per_region must be >= 0 (0 = never), "
                               f"got {self.stage_above_ranges_per_region}")
+        if self.idle_step_ms is not None and not 0 <= self.idle_step_ms <= 1000:
+            raise ConfigError(f"mcstore: idle_step_ms must be within [0, 1000], got {self.idle_step_ms}")
         if self.save_retry_s < 0 or self.save_queue_chunks < 1:
             raise ConfigError("mcstore: save_retry_s must be >= 0 and save_queue_chunks >= 1")
         if self.enable_ssd_offload and not self.ssd_offload_path:
@@ -136,6 +149,13 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if "/" in self.key_prefix or not self.key_prefix:
             raise ConfigError("mcstore: key_prefix must be a non-empty string without '/'")
         self.protocol = self.protocol.strip().lower()
+
+    def idle_step_s(self, multi_rank_cpu: bool) -> float:
+        """Seconds a step that computes nothing pauses: ``idle_step_ms`` if set, else
+        kvcore.shmspin.IDLE_STEP_S on a CPU engine with TP/PP > 1, else IDLE_STEP_MS_ONE_RANK."""
+        if self.idle_step_ms is not None:
+            return self.idle_step_ms / 1e3
+        return shmspin.IDLE_STEP_S if multi_rank_cpu else IDLE_STEP_MS_ONE_RANK / 1e3
 
     @property
     def master_host_port(self) -> tuple[str, int]:

@@ -81,10 +81,12 @@ class StoreConnector(KVConnectorBase_V1, Tier):
         # every rank busy-waits after each such step (kvcore.shmspin). On two cores a TP 2
         # engine waiting for a load so starved the Mooncake master's RPC that the load
         # timed out after 30 s (tests/test_tp2_e2e.py, 3 runs of 4 on an AMD EPYC host).
-        self._idle_step_s = 0.0
-        if shmspin.cpu_ranks(vllm_config):
+        # A one-rank engine spins through such steps too, on the core its load runs on: a
+        # short pause sped the load up (StoreConfig.idle_step_s).
+        multi_rank = shmspin.cpu_ranks(vllm_config)
+        if multi_rank:
             shmspin.shorten()
-            self._idle_step_s = shmspin.IDLE_STEP_S
+        self._idle_step_s = cfg.idle_step_s(multi_rank)
         if role == KVConnectorRole.SCHEDULER:
             warn_pipeline_parallel(vllm_config, "mcstore StoreConnector", logger)
             self._sched = StoreScheduler(cfg, keys, block_size, load=load, save=save)

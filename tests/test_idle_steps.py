@@ -2,6 +2,8 @@
 vLLM's shared-memory queue readers sleep instead of busy-waiting once shortened
 (``kvcore.shmspin``, measured in CPU seconds on a real ``MessageQueue``), and the P2P tier
 paces the steps that compute nothing (``p2p.connector.IDLE_STEP_S``) on such engines only.
+The store tier paces them on every engine: 20 ms with TP/PP > 1 on CPU, 2 ms on one rank
+(``mcstore.config.IDLE_STEP_MS_ONE_RANK``; its effect on a load: ``bench.store_phases``).
 The end-to-end effect: ``tests/test_tp2_p2p_e2e.py``."""
 
 from __future__ import annotations
@@ -82,3 +84,51 @@ def test_idle_steps_are_paced_on_tp2_cpu_engines_only(tp):
     vc = engine_vllm_config(str(model_dir("tiny")), kv, block_size=32, dtype="bfloat16", tensor_parallel_size=tp)
     c = P2PConnector(vc, KVConnectorRole.SCHEDULER)
     assert c.scheduler.idle_step_s == (IDLE_STEP_S if tp > 1 else 0.0)
+
+
+_STORE_PAUSE_CHILD = """
+import json, os, sys, time
+from types import SimpleNamespace
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from kvcore.vllm_glue import KVConnectorRole, engine_vllm_config
+from mcstore.connector import StoreConnector
+
+kv, model, tp = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+kcc = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
+    KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(2)], spec)])
+vc = engine_vllm_config(model, kv, block_size=32, dtype="bfloat16", tensor_parallel_size=tp)
+c = StoreConnector(vc, KVConnectorRole.SCHEDULER, kcc)
+
+def took(tokens):
+    out = SimpleNamespace(total_num_scheduled_tokens=tokens, preempted_req_ids=None, num_scheduled_tokens={})
+    t0 = time.monotonic()
+    c.build_connector_meta(out)
+    return time.monotonic() - t0
+
+print(json.dumps({"pause_s": c._idle_step_s, "busy": took(64), "idle": took(0)}), flush=True)
+# Exits without closing the Mooncake client: closing it in a process that built a vLLM config
+# this way crashed in the Go runtime's signal forwarding (seen only here, not in engines).
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("tp,extra,want_s", [(1, {}, 0.002), (2, {}, 0.02), (1, {"idle_step_ms": 0}, 0.0),
+                                             (1, {"idle_step_ms": 30}, 0.03)])
+def test_store_connector_pauses_only_steps_that_compute_nothing(store_cluster, tp, extra, want_s):
+    """A real StoreConnector (scheduler side, against a real master), in a child process."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.harness import ROOT
+    from tests.store_util import store_kv
+
+    kv = store_kv(store_cluster.master_addr, **extra)
+    r = subprocess.run([sys.executable, "-c", _STORE_PAUSE_CHILD, json.dumps(kv), str(model_dir("tiny")), str(tp)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["pause_s"] == want_s
+    assert got["busy"] < 0.01 and want_s <= got["idle"] < want_s + 0.2, got

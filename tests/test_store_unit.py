@@ -109,6 +109,18 @@ def test_config_defaults_and_sizes():
     assert cfg.local_buffer_size == 32 << 20 and cfg.replicas == 1 and not cfg.hard_pin
 
 
+def test_idle_step_pause_by_engine_ranks_unless_set():
+    from kvcore import shmspin
+    from mcstore.config import IDLE_STEP_MS_ONE_RANK
+
+    default = load_config({"master": "h:1"}, env={})
+    assert default.idle_step_s(multi_rank_cpu=False) == IDLE_STEP_MS_ONE_RANK / 1e3 == 0.002
+    assert default.idle_step_s(multi_rank_cpu=True) == shmspin.IDLE_STEP_S
+    never = load_config({"master": "h:1", "idle_step_ms": 0}, env={})
+    assert never.idle_step_s(False) == never.idle_step_s(True) == 0.0
+    assert load_config({"master": "h:1", "idle_step_ms": 7.5}, env={}).idle_step_s(True) == 0.0075
+
+
 @pytest.mark.parametrize("extra,needle", [
     ({"master": "h:1", "chunk_tokns": 64}, "chunk_tokns"),
     ({}, "no master address"),
@@ -124,6 +136,7 @@ def test_config_defaults_and_sizes():
     ({"master": "etcd://h"}, "etcd endpoint 'h' of master"),
     ({"master": "etcd://h:1,g:2"}, "with ';'"),
     ({"master": "h:1", "stage_above_ranges_per_region": -1}, r"stage_above_ranges_per_region must be >= 0 \(0 = never\)"),
+    ({"master": "h:1", "idle_step_ms": -1}, r"idle_step_ms must be within \[0, 1000\]"),
     ({"master": "h:99999"}, "HOST:PORT"),
 ])
 def test_config_errors_are_clear(extra, needle):
