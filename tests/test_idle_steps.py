@@ -107,7 +107,9 @@ def took(tokens):
     c.build_connector_meta(out)
     return time.monotonic() - t0
 
-print(json.dumps({"pause_s": c._idle_step_s, "busy": took(64), "idle": took(0)}), flush=True)
+# The fastest of several calls: a scheduling hiccup on a busy CI host only lengthens a call.
+print(json.dumps({"pause_s": c._idle_step_s, "busy": min(took(64) for _ in range(5)),
+                  "idle": min(took(0) for _ in range(3))}), flush=True)
 # Exits without closing the Mooncake client: closing it in a process that built a vLLM config
 # this way crashed in the Go runtime's signal forwarding (seen only here, not in engines).
 os._exit(0)
