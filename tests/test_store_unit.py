@@ -40,9 +40,10 @@ def test_links_cover_full_chunks_only_and_chain():
 
 
 def test_chain_digests_each_chunk_as_its_messagepack_array_of_shortest_ints():
-    """The key bytes, spelt out by hand from the MessagePack spec (not by msgspec): a fixarray
-    header, then 0x00-0x7f as one byte, 128-255 as 0xcc + 1 byte, up to 65535 as 0xcd + 2
-    bytes big-endian, up to 2**32-1 as 0xce + 4 bytes. A change here must bump KEY_VERSION."""
+    """The key bytes, spelt out by hand from the MessagePack spec (not by msgspec): the array
+    header (0x90 | n up to 15 items, else 0xdc + 2 bytes big-endian), then 0x00-0x7f as one
+    byte, 128-255 as 0xcc + 1 byte, up to 65535 as 0xcd + 2 bytes big-endian, up to 2**32-1
+    as 0xce + 4 bytes. A change here must bump KEY_VERSION."""
     import hashlib
 
     from mcstore.keys import chain
@@ -50,7 +51,7 @@ def test_chain_digests_each_chunk_as_its_messagepack_array_of_shortest_ints():
     tokens = [5, 200, 40_000, 151_000, 9, 1, 127, 128]
 
     def enc(ts):
-        out = bytes([0x90 | len(ts)])
+        out = bytes([0x90 | len(ts)]) if len(ts) < 16 else b"\xdc" + len(ts).to_bytes(2, "big")
         for t in ts:
             out += (bytes([t]) if t < 128 else b"\xcc" + t.to_bytes(1, "big") if t < 256
                     else b"\xcd" + t.to_bytes(2, "big") if t < 65536 else b"\xce" + t.to_bytes(4, "big"))
@@ -60,6 +61,9 @@ def test_chain_digests_each_chunk_as_its_messagepack_array_of_shortest_ints():
     second = hashlib.sha256(first + enc(tokens[4:])).digest()
     assert chain(b"seed", tokens, 4) == [first, second]
     assert chain(b"seed", tokens + [3, 4, 5], 4) == [first, second]  # a partial chunk has no link
+    # The default chunk, 256 ids up to a 200K vocabulary: every int width, the 16-bit array header.
+    big = [(i * 7919) % 200_000 for i in range(253)] + [0, 127, 200]
+    assert chain(b"seed", big, 256) == [hashlib.sha256(b"seed" + enc(big)).digest()]
 
 
 def test_chain_takes_numpy_ids_and_tuples_as_the_same_ints():
