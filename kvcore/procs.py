@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -13,7 +14,39 @@ from pathlib import Path
 from kvcore.errors import TransferTimeout
 
 
+# Ports picked for listeners come from below the kernel's ephemeral range: a port the kernel
+# handed out (bind to port 0) is free only until the next outgoing connection or ephemeral
+# bind takes it, and one did: a prefill's bootstrap port, picked that way, was taken before
+# the engine bound it (Errno 98, tests/test_router_e2e.py in CI, 2026-12-02). Below 20000 are
+# well-known services and Mooncake's Transfer Engine's own range (12000 to 17000 or so).
+_PICK_FROM = 20000
+_handed: set[int] = set()  # this process's picks, never handed out twice
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, for a listener that a child process will bind: drawn at
+    random below the kernel's ephemeral range (from 20000 up) and checked by binding it; the
+    kernel's own pick (port 0) only when that range is too small or 64 draws found none free."""
+    low = _ephemeral_low()
+    if low - _PICK_FROM >= 1000:
+        for _ in range(64):
+            port = random.randrange(_PICK_FROM, low)
+            if port in _handed:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            _handed.add(port)
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

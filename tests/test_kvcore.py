@@ -272,3 +272,20 @@ def test_degrade_watch_logs_one_rate_limited_error(caplog):
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 2 == w.errors
     assert "bootstrap x5" in errors[0] and "fell back to recomputation" in errors[0]
+
+
+def test_free_port_is_outside_the_kernels_ephemeral_range_bindable_and_not_repeated():
+    """A port the kernel hands out (bind to port 0) can be taken by the next outgoing
+    connection before a child binds it; free_port picks below that range instead."""
+    import socket
+
+    from kvcore import procs
+
+    low = procs._ephemeral_low()
+    ports = [procs.free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    if low - procs._PICK_FROM >= 1000:
+        assert all(procs._PICK_FROM <= p < low for p in ports), (low, ports)
+    for p in ports[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))  # free when handed out
