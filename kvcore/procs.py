@@ -18,7 +18,8 @@ from kvcore.errors import TransferTimeout
 # handed out (bind to port 0) is free only until the next outgoing connection or ephemeral
 # bind takes it, and one did: a prefill's bootstrap port, picked that way, was taken before
 # the engine bound it (Errno 98, tests/test_router_e2e.py in CI, 2026-12-02). Below 20000 are
-# well-known services and Mooncake's Transfer Engine's own range (12000 to 17000 or so).
+# well-known services and the range Mooncake's Transfer Engine draws its RPC ports from
+# (rpc_min_port to rpc_max_port, 15000 to 17000 by default).
 _PICK_FROM = 20000
 _handed: set[int] = set()  # this process's picks, never handed out twice
 
