@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import signal
@@ -24,6 +25,7 @@ _PICK_FROM = 20000
 _handed: set[int] = set()  # this process's picks, never handed out twice
 
 
+@functools.cache  # a host setting: read once per process, not per port
 def _ephemeral_low() -> int:
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])

@@ -274,18 +274,20 @@ def test_degrade_watch_logs_one_rate_limited_error(caplog):
     assert "bootstrap x5" in errors[0] and "fell back to recomputation" in errors[0]
 
 
-def test_free_port_is_outside_the_kernels_ephemeral_range_bindable_and_not_repeated():
+def test_free_port_is_outside_the_kernels_ephemeral_range_bindable_and_not_repeated(monkeypatch):
     """A port the kernel hands out (bind to port 0) can be taken by the next outgoing
-    connection before a child binds it; free_port picks below that range instead."""
+    connection before a child binds it; free_port picks below that range instead, and takes
+    the kernel's pick only when the room below is under 1,000 ports."""
     import socket
 
     from kvcore import procs
 
-    low = procs._ephemeral_low()
+    monkeypatch.setattr(procs, "_ephemeral_low", lambda: 32768)
     ports = [procs.free_port() for _ in range(50)]
     assert len(set(ports)) == 50
-    if low - procs._PICK_FROM >= 1000:
-        assert all(procs._PICK_FROM <= p < low for p in ports), (low, ports)
+    assert all(procs._PICK_FROM <= p < 32768 for p in ports), ports
     for p in ports[:5]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))  # free when handed out
+    monkeypatch.setattr(procs, "_ephemeral_low", lambda: procs._PICK_FROM + 500)
+    assert procs.free_port() >= procs._PICK_FROM + 500  # the kernel's pick, from its own range
