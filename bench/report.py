@@ -100,10 +100,14 @@ def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
 
 
 def _lookup_note(lk: dict) -> str:
-    """The lookup's p99, and its hash chain's where the run measured it apart (since 2026-12-02)."""
+    """The lookup's p99, and its hash chain's where the run measured it apart (since 2026-12-02),
+    and the master's call asked again at once, from busy threads (since 2026-12-02, session 18)."""
     note = f"lookup {lk.get('tokens', 8192) // 1024}K prompt p99 {lk['p99']:.2f} ms"
     if "chain_p99" in lk:
-        note += f" (hash chain p99 {lk['chain_p99']:.2f}, batch_is_exist p99 {lk['exists_p99']:.2f})"
+        note += f" (hash chain p99 {lk['chain_p99']:.2f}, batch_is_exist p99 {lk['exists_p99']:.2f}"
+        if "exists_again_p99" in lk:
+            note += f", asked again at once {lk['exists_again_p99']:.2f}"
+        note += ")"
     return note
 
 
