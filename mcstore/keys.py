@@ -139,6 +139,14 @@ class EngineMeta(msgspec.Struct, kw_only=True):
     key_prefix: str = "mct"
     model: str | None = None  # model_id if configured, else the engine's --model
     fields: dict[str, Any] = msgspec.field(default_factory=dict)  # kvcore.vllm_glue.kv_fingerprint_fields
+    # KEY_VERSION of the mctier that published it. None in what engines published before the
+    # field (2026-12-02), key versions 1 and 2: tools cannot tell those apart.
+    key_version: str | None = None
+
+    def foreign(self) -> bool:
+        """Published by another key version: this mctier computes other keys for the same
+        prompt, so it would neither find that engine's objects nor write ones it reads."""
+        return self.key_version is not None and self.key_version != KEY_VERSION
 
     def key_space(self) -> KeySpace:
         return KeySpace(self.fingerprint, self.chunk_tokens, self.tp_size, self.key_prefix, pp_size=self.pp_size)
@@ -146,7 +154,7 @@ class EngineMeta(msgspec.Struct, kw_only=True):
 
 def engine_meta(ks: KeySpace, key_prefix: str, model: str | None, fields: dict[str, Any]) -> EngineMeta:
     return EngineMeta(fingerprint=ks.fp, chunk_tokens=ks.chunk_tokens, tp_size=ks.tp_size, pp_size=ks.pp_size,
-                      key_prefix=key_prefix, model=model, fields=fields)
+                      key_prefix=key_prefix, model=model, fields=fields, key_version=KEY_VERSION)
 
 
 def meta_key(ks: KeySpace) -> str:

@@ -16,9 +16,10 @@ import pytest
 from kvcore.errors import ConfigError
 from mcstore.client import StoreClient, publish
 from mcstore.config import load_config
-from mcstore.keys import MASTER_INFO_KEY, EngineMeta, KeySpace, MasterInfo, meta_key
+from mcstore.keys import KEY_VERSION, MASTER_INFO_KEY, EngineMeta, KeySpace, MasterInfo, engine_meta, meta_key
 from mcstore.tools.engine import ServerModel, meta_for_server
 from mcstore.tools.inspect import Inspector
+from mcstore.tools.inspect_cli import render
 from tests.store_util import raw_client
 
 CHUNK = 64
@@ -142,6 +143,58 @@ def test_warmup_finds_the_key_space_a_live_engine_published(store_cluster):
             meta_for_server(ServerModel(_FakeServer("x", "/models/never").url), client, client.admin())
     finally:
         server.close()
+        client.close()
+
+
+@pytest.mark.unit
+def test_engines_publish_their_key_version_and_older_metadata_reads_as_unknown():
+    ks = KeySpace("ab" * 32, CHUNK)
+    meta = engine_meta(ks, "mct", "/models/m", {"model": "/models/m"})
+    assert meta.key_version == KEY_VERSION and not meta.foreign()
+    # What engines published before the field: decodes, version unknown, not foreign.
+    old = msgspec.json.decode(b'{"fingerprint": "%s", "chunk_tokens": 64, "tp_size": 1}' % (b"ab" * 32), type=EngineMeta)
+    assert old.key_version is None and not old.foreign()
+    assert msgspec.structs.replace(old, key_version="mctier-store-v1").foreign()
+
+
+@pytest.mark.integration
+def test_key_spaces_of_another_key_version_are_named_and_never_picked(store_cluster):
+    """After an upgrade the store holds the key spaces of engines that ran before it: the
+    summary names their key version, warmup and the router pick this version's, and a
+    lookup or warmup on another version's says so instead of reading every chunk as missing."""
+    model = "/models/upgraded-f"
+    before = _meta("f6", model)  # published before the field: version unknown
+    old = msgspec.structs.replace(_meta("a7", model), key_version="mctier-store-v1")
+    now = msgspec.structs.replace(_meta("b8", model), key_version=KEY_VERSION)
+    only_old = msgspec.structs.replace(_meta("c9", "/models/only-old-g"), key_version="mctier-store-v1")
+    for m in (before, old, now, only_old):
+        _publish(store_cluster.master_addr, m)
+    client = StoreClient.for_tool(store_cluster.master_addr, "test")
+    servers = [_FakeServer("upgraded", model), _FakeServer("only-old", "/models/only-old-g")]
+    insp = Inspector(store_cluster.master_addr)
+    try:
+        sm = ServerModel(servers[0].url)
+        # Three of the model, same block size: the one of this key version, not "pick one".
+        assert meta_for_server(sm, client, client.admin()).fingerprint == now.fingerprint
+        with pytest.raises(ConfigError, match="key version mctier-store-v1"):
+            meta_for_server(sm, client, client.admin(), fingerprint=old.fingerprint[:16])
+        with pytest.raises(ConfigError, match="published by another mctier"):
+            meta_for_server(ServerModel(servers[1].url), client, client.admin())
+        rows = {f.fingerprint: f for f in insp.summary().fingerprints}
+        assert rows[before.fingerprint[:16]].key_version is None
+        assert rows[old.fingerprint[:16]].key_version == "mctier-store-v1"
+        assert rows[now.fingerprint[:16]].key_version == KEY_VERSION
+        text = render(insp.summary())
+        note = next(line for line in text.splitlines() if "of another mctier key version" in line)
+        assert old.fingerprint[:16] in note and only_old.fingerprint[:16] in note
+        assert now.fingerprint[:16] not in note and before.fingerprint[:16] not in note
+        with pytest.raises(ValueError, match="key version mctier-store-v1"):
+            insp.lookup(list(range(3 * CHUNK)), fingerprint=old.fingerprint[:16])
+        assert insp.lookup(list(range(3 * CHUNK)), fingerprint=now.fingerprint[:16]).hit_tokens == 0
+    finally:
+        insp.close()
+        for s in servers:
+            s.close()
         client.close()
 
 

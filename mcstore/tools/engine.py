@@ -31,7 +31,7 @@ from kvcore.errors import ConfigError
 from mcstore.admin import MasterAdmin, Unavailable
 from mcstore.client import StoreClient
 from mcstore.config import StoreConfig, load_config
-from mcstore.keys import META_SUFFIX, EngineMeta, engine_meta
+from mcstore.keys import KEY_VERSION, META_SUFFIX, EngineMeta, engine_meta
 
 # -- kv-transfer-config --------------------------------------------------------------
 
@@ -164,13 +164,18 @@ class ServerModel:
 def meta_for_server(server: ServerModel, client: StoreClient, admin: MasterAdmin,
                     fingerprint: str | None = None, key_prefix: str = "mct") -> EngineMeta:
     """The key space the engine behind ``server`` published when it started (or the one
-    published under ``fingerprint``)."""
+    published under ``fingerprint``). Key spaces of another key version
+    (:meth:`EngineMeta.foreign`) are never returned: this mctier's keys would not be theirs.
+    Of several of the model, those that name this key version win (the others are from
+    engines that ran before an upgrade), then those of the server's block size."""
     if fingerprint:
         fp = fingerprint.lower()
         meta = client.read(f"{key_prefix}/{fp[:16]}/{META_SUFFIX}", EngineMeta)
         if meta is None or not meta.fingerprint.startswith(fp):
             raise ConfigError(f"no key space published under fingerprint {fp[:16]} (key prefix {key_prefix!r}); "
                               f"`mctier inspect summary` lists them")
+        if meta.foreign():
+            raise ConfigError(_foreign_error([meta]))
         return meta
     try:
         metas = published_metas(client, admin)
@@ -179,6 +184,12 @@ def meta_for_server(server: ServerModel, client: StoreClient, admin: MasterAdmin
                           f"or the engine's settings (--model, --kv-config)") from None
     names = {server.name, server.root}
     found = [m for m in metas if m.model in names or m.fields.get("model") in names]
+    foreign = [m for m in found if m.foreign()]
+    found = [m for m in found if not m.foreign()]
+    if not found and foreign:
+        raise ConfigError(_foreign_error(foreign))
+    if len(found) > 1:  # published before and after an upgrade: the current version's
+        found = [m for m in found if m.key_version == KEY_VERSION] or found
     if len(found) > 1 and server.block_size is not None:  # e.g. an older engine of the same model
         same = [m for m in found if {g.get("block_size") for g in m.fields.get("groups", [])} == {server.block_size}]
         found = same or found
@@ -191,6 +202,12 @@ def meta_for_server(server: ServerModel, client: StoreClient, admin: MasterAdmin
                           f"Otherwise pass the engine's settings (--model, --kv-config)")
     raise ConfigError(f"several key spaces were published for model {server.root!r}: "
                       + ", ".join(m.fingerprint[:16] for m in found) + "; pick one with --fingerprint")
+
+
+def _foreign_error(metas: list[EngineMeta]) -> str:
+    return ("key space " + ", ".join(f"{m.fingerprint[:16]} (key version {m.key_version})" for m in metas)
+            + f" was published by another mctier; this one computes {KEY_VERSION} keys, which that engine "
+            "would not find: use the mctier the engine runs")
 
 
 # -- prompts ---------------------------------------------------------------------------

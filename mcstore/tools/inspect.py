@@ -37,7 +37,7 @@ from kvcore.errors import ConfigError, is_leased, is_not_found, is_rpc_down
 from kvcore.procs import port_open
 from mcstore.admin import MasterAdmin, Unavailable
 from mcstore.client import StoreClient
-from mcstore.keys import META_SUFFIX, EngineMeta, KeySpace
+from mcstore.keys import KEY_VERSION, META_SUFFIX, EngineMeta, KeySpace
 from mcstore.tools.engine import Renderer, meta_from_args, read_kv_config, store_config
 from mcstore.tools.results import (
     ChunkInfo,
@@ -164,6 +164,9 @@ class Inspector:
         if meta is None or not meta.fingerprint.startswith(fp):
             raise NotFound(f"no metadata for fingerprint {fp[:16]} (engines publish it when they start; "
                            f"`mctier inspect summary` lists them); pass the engine settings (--model/--kv-config)")
+        if meta.foreign():  # its chunks would all read as missing: say why instead
+            raise ValueError(f"fingerprint {fp[:16]} was published by mctier key version {meta.key_version}; this "
+                             f"one computes {KEY_VERSION} keys: look it up with the mctier that engine runs")
         return meta.key_space()
 
     def _replicas(self, keys: Sequence[str]) -> dict[str, Replicas]:
@@ -189,7 +192,7 @@ class Inspector:
             if parsed[2] == META_SUFFIX:
                 meta = self.read_meta(parsed[1])
                 if meta is not None:
-                    fs.model, fs.chunk_tokens = meta.model, meta.chunk_tokens
+                    fs.model, fs.chunk_tokens, fs.key_version = meta.model, meta.chunk_tokens, meta.key_version
                 continue
             fs.objects += 1
             fs.bytes += r.bytes

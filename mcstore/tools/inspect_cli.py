@@ -9,6 +9,7 @@ import sys
 import msgspec
 
 from kvcore.errors import ConfigError
+from mcstore.keys import KEY_VERSION
 from mcstore.tools.engine import add_engine_args
 from mcstore.tools.inspect import Inspector, NotFound, Unavailable
 from mcstore.tools.results import KeyList, Lookup, RemoveResult, Stats, Summary
@@ -21,12 +22,23 @@ _ALWAYS = ("master_key_count", "master_allocated_bytes", "master_total_capacity_
            "master_active_clients")
 
 
+def _version(v: str | None) -> str:
+    """``this`` for this mctier's key version, the version for another, ``?`` when not published."""
+    return "?" if v is None else "this" if v == KEY_VERSION else v
+
+
 def render(obj) -> str:
     if isinstance(obj, Summary):
-        rows = [[f.fingerprint, f.model or "?", f.chunk_tokens or "?", f.chunks, f.objects, fmt_bytes(f.bytes),
-                 f"{f.memory.objects} / {fmt_bytes(f.memory.bytes)}", f"{f.disk.objects} / {fmt_bytes(f.disk.bytes)}"]
+        rows = [[f.fingerprint, f.model or "?", f.chunk_tokens or "?", _version(f.key_version), f.chunks, f.objects,
+                 fmt_bytes(f.bytes), f"{f.memory.objects} / {fmt_bytes(f.memory.bytes)}",
+                 f"{f.disk.objects} / {fmt_bytes(f.disk.bytes)}"]
                 for f in obj.fingerprints]
-        out = [table(["fingerprint", "model", "chunk", "chunks", "objects", "bytes", "memory", "disk"], rows)]
+        out = [table(["fingerprint", "model", "chunk", "keys", "chunks", "objects", "bytes", "memory", "disk"], rows)]
+        old = [f.fingerprint for f in obj.fingerprints if f.key_version not in (None, KEY_VERSION)]
+        if old:
+            out.append(f"\n{len(old)} key space(s) of another mctier key version (this one: {KEY_VERSION}); their "
+                       f"objects are not read by engines of this version: `mctier inspect remove <fingerprint>` "
+                       f"frees them once no engine of that version runs: " + ", ".join(old))
         out.append(f"\n{obj.keys} keys, {fmt_bytes(obj.bytes)}; not ours: {obj.other_keys} keys, "
                    f"{fmt_bytes(obj.other_bytes)}")
         out.append(table(["segment", "used", "capacity"],

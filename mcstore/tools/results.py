@@ -18,6 +18,7 @@ class FingerprintSummary(msgspec.Struct, kw_only=True):
     fingerprint: str
     model: str | None = None
     chunk_tokens: int | None = None
+    key_version: str | None = None  # EngineMeta.key_version (None: not published, or before the field)
     objects: int = 0
     chunks: int = 0
     bytes: int = 0
