@@ -195,7 +195,7 @@ class Bench:
                                    env={**client_env("127.0.0.1"), "VLLM_HOST_IP": "127.0.0.1"}))
         proc.wait_port(port, 60)
         url = f"http://127.0.0.1:{port}"
-        self.dep.wait_http(url, proc, 60)
+        self.dep.wait_router(url, proc, 60)
         return url, proc
 
     def warm(self, url: str, tag: str) -> None:

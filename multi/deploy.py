@@ -101,7 +101,27 @@ class Deployment:
                     self.log_dir / "proxy.log")
         self.track(proc)
         proc.wait_port(port, 30)
-        return f"http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{port}"
+        self.wait_router(url, proc)
+        return url
+
+    @staticmethod
+    def wait_router(url: str, proc: Proc, timeout: float = 120) -> None:
+        """Until ``mctier proxy`` at ``url`` is healthy and has settled its tokenizer: loading it
+        takes seconds of CPU (transformers), which a benchmark's first timed requests would
+        otherwise share their cores with."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                raise RuntimeError(f"{proc.name} exited; log tail:\n{proc.tail()}")
+            try:
+                r = requests.get(url + "/health", timeout=2)
+                if r.status_code == 200 and r.json().get("tokenizer") != "loading":
+                    return
+            except (requests.RequestException, ValueError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{proc.name} not ready (healthy, tokenizer loaded) after {timeout}s; see {proc.log_path}")
 
     @staticmethod
     def wait_http(url: str, proc: Proc, timeout: float = 300) -> None:

@@ -31,7 +31,17 @@ class Prompts:
         self.path, self.timeout = tokenizer, timeout
         self._renderer = None
         self._tried = False
+        self._done = False
         self._lock = asyncio.Lock()
+
+    @property
+    def state(self) -> str:
+        """``loading`` until the tokenizer is settled (the router starts loading it; a string
+        prompt waits for it meanwhile), then ``local`` (this process tokenizes) or
+        ``instances`` (a string prompt asks an instance's ``/tokenize``)."""
+        if not self._done:
+            return "loading"
+        return "local" if self._renderer is not None else "instances"
 
     async def load(self, session: aiohttp.ClientSession, pool):
         """The local tokenizer (loaded at most once), or None."""
@@ -42,17 +52,20 @@ class Prompts:
             if self._tried:
                 return self._renderer
             self._tried = True
-            path = self.path or await self._root(session, pool)
-            if path and (self.path or os.path.isdir(path)):
-                from mcstore.tools.engine import Renderer
+            try:
+                path = self.path or await self._root(session, pool)
+                if path and (self.path or os.path.isdir(path)):
+                    from mcstore.tools.engine import Renderer
 
-                try:
-                    self._renderer = await asyncio.to_thread(Renderer, path)
-                    logger.info("tokenizer: %s", path)
-                except Exception as e:  # noqa: BLE001 - ConfigError and whatever transformers raises
-                    logger.warning("no local tokenizer (%s); asking the instances' /tokenize", e)
-            else:
-                logger.info("no local tokenizer: asking the instances' /tokenize")
+                    try:
+                        self._renderer = await asyncio.to_thread(Renderer, path)
+                        logger.info("tokenizer: %s", path)
+                    except Exception as e:  # noqa: BLE001 - ConfigError and whatever transformers raises
+                        logger.warning("no local tokenizer (%s); asking the instances' /tokenize", e)
+                else:
+                    logger.info("no local tokenizer: asking the instances' /tokenize")
+            finally:
+                self._done = True  # also when cancelled: never "loading" for ever
             return self._renderer
 
     async def _root(self, session: aiohttp.ClientSession, pool) -> str | None:

@@ -212,7 +212,10 @@ class Router(Proxy):
             ok = bool(self.pool.role("decode")) and (bool(self.pool.role("prefill")) or self.chooser.policy == "kv")
         else:
             ok = bool(self.pool.role("plain"))
-        return web.json_response({"healthy": ok, "instances": body}, status=200 if ok else 503)
+        # "tokenizer" (multi.prompts.Prompts.state): a router still loading it routes token-id
+        # prompts as usual, but holds string prompts until it is loaded, and spends CPU on it.
+        return web.json_response({"healthy": ok, "tokenizer": self.prompts.state, "instances": body},
+                                 status=200 if ok else 503)
 
     async def models(self, request: web.Request) -> web.Response:
         up = self.pool.role("decode") or self.pool.role("plain")

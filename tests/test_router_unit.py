@@ -328,3 +328,26 @@ def test_decode_instance_by_load_then_by_what_it_holds():
     d1.outstanding, d1.waiting = 3, 2
     r = c.choose(pool, len(tokens), matcher(index, tokens), 32 * 64, None)
     assert (r.kind, r.target, r.plan) == ("direct", d0, "store")
+
+
+def test_prompts_state_is_loading_until_the_tokenizer_is_settled_either_way(tiny_model, tmp_path):
+    """What the router's /health reports as "tokenizer" (benchmarks wait for it to settle)."""
+    import asyncio
+
+    import aiohttp
+
+    from multi.prompts import Prompts
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            local = Prompts(tokenizer=str(tiny_model))
+            assert local.state == "loading"
+            assert await local.load(session, None) is not None
+            assert local.state == "local"
+            assert await local.token_ids(session, None, "/v1/completions", {"prompt": "hello"})
+            missing = Prompts(tokenizer=str(tmp_path))  # a directory without a tokenizer
+            assert missing.state == "loading"
+            assert await missing.load(session, None) is None
+            assert missing.state == "instances"
+
+    asyncio.run(run())
