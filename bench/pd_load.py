@@ -23,7 +23,11 @@ shared and no prefix cache helps):
    2 s then 1 s by default: the share of the instance's time the arrivals' prefills take
    is what decides how much P/D pays, so the benchmark shows two such loads);
 3. when every arrival has ended, the streams are cancelled (the client closes the
-   connection; the engine aborts them: part of what is checked is that nothing is left).
+   connection; the engine aborts them: part of what is checked is that nothing is left);
+4. the control: new streams of other 64-token prompts, the same pause, then a window as
+   long as the one just measured with no arrivals (``--no-control`` leaves it out). The
+   streams' TPOT there is what their own growth costs (their context grows over the
+   window), so the rise from it to the window with arrivals is what the arrivals cost.
 
 Measured from the client, from the ``continuous_usage_stats`` of every chunk (a chunk's gap
 over the tokens it added, :func:`gaps`), in the window where arrivals are in flight (first
@@ -135,8 +139,11 @@ def cpu_seconds(pids: dict[str, int], alone: frozenset[str] = frozenset()) -> di
     return out
 
 
-async def workload(url: str, a: argparse.Namespace, seed: int, pids: dict[str, int] | None = None) -> dict:
-    """``pids``: name -> PID of the processes whose CPU use over the window is reported."""
+async def workload(url: str, a: argparse.Namespace, seed: int, pids: dict[str, int] | None = None,
+                   quiet_s: float | None = None) -> dict:
+    """``pids``: name -> PID of the processes whose CPU use over the window is reported.
+    With ``quiet_s``, the control: no arrivals, the window is ``quiet_s`` seconds of the
+    streams alone."""
     pids = {**(pids or {}), "client": os.getpid()}  # the client alone: the engines are its children
     streams = prompts(seed, a.streams, STREAM_PROMPT)
     arrivals = prompts(seed + 1, a.arrivals, a.prompt_len)
@@ -152,10 +159,16 @@ async def workload(url: str, a: argparse.Namespace, seed: int, pids: dict[str, i
             await asyncio.sleep(a.interval)  # a baseline of undisturbed decode steps
             done = []
             cpu0 = cpu_seconds(pids, CLIENT)
-            for p in arrivals:
-                done.append(asyncio.create_task(arrival(session, url, p)))
-                await asyncio.sleep(a.interval)
-            arr = await asyncio.wait_for(asyncio.gather(*done), REQUEST_TIMEOUT_S)
+            if quiet_s is None:
+                for p in arrivals:
+                    done.append(asyncio.create_task(arrival(session, url, p)))
+                    await asyncio.sleep(a.interval)
+                arr = await asyncio.wait_for(asyncio.gather(*done), REQUEST_TIMEOUT_S)
+                w0, w1 = arr[0]["sent"], max(x["end"] for x in arr)
+            else:
+                arr, w0 = [], time.monotonic()
+                await asyncio.sleep(quiet_s)
+                w1 = time.monotonic()
             cpu1 = cpu_seconds(pids, CLIENT)
             if any(t.done() for t in tasks):  # a stream that ended early did not see the whole window
                 for t in tasks:
@@ -166,7 +179,6 @@ async def workload(url: str, a: argparse.Namespace, seed: int, pids: dict[str, i
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-    w0, w1 = arr[0]["sent"], max(x["end"] for x in arr)
     inside = [gaps(t, w0, w1) for t in ticks]
     before = [gaps(t, t_stream, w0) for t in ticks]
     # The CPU snapshots bracket the window (taken just before the first arrival is sent and
@@ -188,13 +200,15 @@ def summary(reps: list[dict]) -> dict:
     repetitions together."""
     pool = {k: [x for r in reps for x in r[k] if x is not None] for k in ("tpot", "tpot_before", "itl",
                                                                           "arrival_ttft")}
+    control = [x for r in reps for x in (r.get("control") or {}).get("tpot", []) if x is not None]
     names = sorted({k for r in reps for k in r.get("cores", {})})
     cores = {k: pct([r["cores"][k] for r in reps if k in r.get("cores", {})], 0.5) for k in names}
     return {"cores": cores, "tpot_p50": pct(pool["tpot"], 0.5), "tpot_p99": pct(pool["tpot"], 0.99),
             "tpot_p50_before": pct(pool["tpot_before"], 0.5), "itl_p50": pct(pool["itl"], 0.5),
             "itl_p99": pct(pool["itl"], 0.99), "itl_max": max(pool["itl"], default=None),
             "streams": len(pool["tpot"]), "tokens_in_window": len(pool["itl"]),
-            "arrival_ttft_p50": pct(pool["arrival_ttft"], 0.5), "arrival_ttft_p90": pct(pool["arrival_ttft"], 0.9)}
+            "arrival_ttft_p50": pct(pool["arrival_ttft"], 0.5), "arrival_ttft_p90": pct(pool["arrival_ttft"], 0.9),
+            "control_tpot_p50": pct(control, 0.5), "control_tpot_p99": pct(control, 0.99)}
 
 
 class Bench:
@@ -215,7 +229,9 @@ class Bench:
                                               "--port", str(port), "--timeout", "600", *args],
                                    self.dep.log_dir / f"router-{port}.log", cwd=str(ROOT)))
         proc.wait_port(port, 60)
-        return f"http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{port}"
+        self.dep.wait_router(url, proc)
+        return url
 
     def url(self, name: str) -> str:
         if name == "one":
@@ -245,13 +261,20 @@ class Bench:
                     # deployment, so each runs the same prompts).
                     seed = self.a.seed + 10 * rep + 1000 * (k + 1)
                     pids = {p.name: p.popen.pid for p in self.dep.procs}
-                    row["reps"].append(asyncio.run(workload(url, a, seed=seed, pids=pids)))
+                    res = asyncio.run(workload(url, a, seed=seed, pids=pids))
+                    if self.a.control:
+                        # Other stream prompts (seed + 5: no other run's), the window just measured.
+                        res["control"] = asyncio.run(workload(url, a, seed=seed + 5, pids=pids,
+                                                              quiet_s=res["window_s"]))
+                    row["reps"].append(res)
                     r = summary(row["reps"][-1:])
                     print(f"[pd_load] {name} every {a.interval:g} s, rep {rep}: streams' TPOT p50 "
                           f"{r['tpot_p50'] * 1e3:.1f} ms, worst {max(row['reps'][-1]['tpot']) * 1e3:.1f} ms in the "
                           f"window ({r['tpot_p50_before'] * 1e3:.1f} before); ITL p99 {r['itl_p99'] * 1e3:.0f} ms, "
                           f"max {r['itl_max'] * 1e3:.0f} ms; arrivals TTFT p50 {r['arrival_ttft_p50']:.2f} s; "
-                          "cores " + ", ".join(f"{k} {v:.2f}" for k, v in r["cores"].items()), flush=True)
+                          + (f"without arrivals TPOT p50 {r['control_tpot_p50'] * 1e3:.1f} ms; "
+                             if r["control_tpot_p50"] is not None else "")
+                          + "cores " + ", ".join(f"{k} {v:.2f}" for k, v in r["cores"].items()), flush=True)
                 row.update(summary(row["reps"]))
         except Exception as e:  # noqa: BLE001 - one broken deployment must not lose the others
             err = f"{type(e).__name__}: {e}"[:2000]
@@ -270,20 +293,22 @@ def render(rec: dict) -> str:
              f"{rec['machine']['dtype']}). TPOT: each stream's time per output token while arrivals were in "
              "flight (percentiles over streams); ITL: the gaps between its tokens (percentiles over tokens).", "",
              "| deployment | arrival every (s) | TPOT p50 (ms) | TPOT p99 (ms) | TPOT p50 before arrivals (ms) "
-             "| ITL p99 (ms) | ITL max (ms) | arrivals TTFT p50 (s) | arrivals TTFT p90 (s) | TPOT p99 / one's |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| ITL p99 (ms) | ITL max (ms) | arrivals TTFT p50 (s) | arrivals TTFT p90 (s) | TPOT p99 / one's "
+             "| control: TPOT p50 / p99 without arrivals (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     ok_rows = [r for r in rec["rows"] if "error" not in r]
     one = {r["interval"]: r for r in ok_rows if r["deployment"] == "one"}
     f = lambda v, s=1e3, d=0: "-" if v is None else f"{v * s:.{d}f}"  # noqa: E731
     for r in rec["rows"]:
         if "error" in r:
-            lines.append(f"| {r['deployment']} | {r['interval']:g} | failed: {r['error'][:120]} |" + "  |" * 7)
+            lines.append(f"| {r['deployment']} | {r['interval']:g} | failed: {r['error'][:120]} |" + "  |" * 8)
             continue
         base = one.get(r["interval"])
         ratio = f"{r['tpot_p99'] / base['tpot_p99']:.2f}" if base else "-"
         lines.append(f"| {r['deployment']} | {r['interval']:g} | {f(r['tpot_p50'], d=1)} | {f(r['tpot_p99'], d=1)} | "
                      f"{f(r['tpot_p50_before'], d=1)} | {f(r['itl_p99'])} | {f(r['itl_max'])} | "
-                     f"{f(r['arrival_ttft_p50'], 1, 2)} | {f(r['arrival_ttft_p90'], 1, 2)} | {ratio} |")
+                     f"{f(r['arrival_ttft_p50'], 1, 2)} | {f(r['arrival_ttft_p90'], 1, 2)} | {ratio} | "
+                     f"{f(r.get('control_tpot_p50'), d=1)} / {f(r.get('control_tpot_p99'), d=1)} |")
     lines += ["", "Where the cores went while arrivals were in flight (CPU seconds per second of window, "
                   "median over repetitions; 2.0 is both cores):", ""]
     for r in ok_rows:
@@ -309,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, help="default 3 (1 with --quick)")
     ap.add_argument("--deployments", default="one,two,pd")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-control", dest="control", action="store_false",
+                    help="leave out the window without arrivals after each repetition")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "pd_load"))
     a = ap.parse_args(argv)
     a.arrivals = a.arrivals or (4 if a.quick else 8)

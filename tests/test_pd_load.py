@@ -37,6 +37,13 @@ def test_a_streams_tpot_is_its_window_time_over_its_tokens_pooled_over_repetitio
     assert s["streams"] == 3 and s["tpot_p50"] == approx(0.2) and s["tpot_p99"] == approx(0.298)
     assert s["itl_max"] == 0.5 and s["itl_p50"] == approx(0.2) and s["tokens_in_window"] == 6
     assert s["tpot_p50_before"] == approx(0.1) and s["arrival_ttft_p50"] == approx(2.0)
+    assert s["control_tpot_p50"] is None  # no repetition had a control window
+    # The control windows (no arrivals) pooled over repetitions: one rep with none of its own.
+    reps[0]["control"] = {"tpot": [0.05, 0.07], "arrival_ttft": []}
+    reps[1]["control"] = {"tpot": [None, 0.09], "arrival_ttft": []}
+    s = summary(reps)
+    assert s["control_tpot_p50"] == approx(0.07) and s["control_tpot_p99"] == approx(0.0896)
+    assert s["tpot_p50"] == approx(0.2)  # the arrivals' windows are unchanged by it
 
 
 def test_cores_are_the_median_share_per_process_over_repetitions_and_count_a_tree_or_the_client_alone():
@@ -81,13 +88,15 @@ def test_the_report_names_each_process_share_of_the_cores_and_the_target_per_int
     rec = {"args": {"streams": 4, "prompt_len": 2048, "arrivals": 8, "reps": 3}, "date": "d",
            "machine": {"cpu": "c", "dtype": "bfloat16"},
            "rows": [row("one", 0.020, {"one": 0.95, "client": 0.1}),
-                    row("pd", 0.012, {"prefill-0": 0.9, "decode-1": 0.8, "proxy": 0.2, "client": 0.1}),
+                    {**row("pd", 0.012, {"prefill-0": 0.9, "decode-1": 0.8, "proxy": 0.2, "client": 0.1}),
+                     "control_tpot_p50": 0.0091, "control_tpot_p99": 0.0104},
                     {"deployment": "two", "interval": 2.0, "error": "RuntimeError: boom"}]}
     md = render(rec)
     assert "- one, every 2 s: one 0.95, client 0.10 (total 1.05)" in md
     assert "- pd, every 2 s: prefill-0 0.90, decode-1 0.80, proxy 0.20, client 0.10 (total 2.00)" in md
     assert "| two | 2 | failed: RuntimeError: boom |" in md
     assert "arrivals every 2 s: 0.60x, missed." in md
+    assert "| 0.60 | 9.1 / 10.4 |" in md and "| 1.00 | - / - |" in md  # control: pd had one, one had none
 
 
 def test_neighbour_summary_pools_streams_per_condition_and_compares_with_quiet():
