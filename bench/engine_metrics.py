@@ -31,3 +31,38 @@ def load_io(url: str, before: dict) -> dict:
     chunks = d("vllm:mctier_store_io_chunks_total", "load")
     return {"ranges_per_chunk": d("vllm:mctier_store_io_ranges_total", "load") / chunks if chunks else 0.0,
             "seconds": seconds, "gbps": d("vllm:mctier_store_loaded_bytes_total") / seconds / 1e9 if seconds else 0.0}
+
+
+# Host counters that grow when a process writes into memory it never touched before, or the
+# kernel has to find memory for it: transparent huge pages, compaction, direct reclaim.
+VMSTAT = ("thp_fault_alloc", "thp_fault_fallback", "compact_stall", "allocstall_normal", "pgscan_direct",
+          "pgmajfault")
+
+
+def host_counters(pid: int) -> dict[str, float]:
+    """Minor and major page faults of ``pid`` and its descendants (``/proc/<pid>/stat``; an
+    engine is an API server, an engine core and a worker) and the host's :data:`VMSTAT`
+    counters (``/proc/vmstat``). A process that ended in between is left out."""
+    import psutil
+
+    out = {"minflt": 0.0, "majflt": 0.0}
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        procs = []
+    for p in procs:
+        try:
+            # Fields after the command name (which may hold spaces): minflt is field 10, majflt 12.
+            fields = open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out["minflt"] += int(fields[7])
+        out["majflt"] += int(fields[9])
+    with open("/proc/vmstat") as f:
+        vm = dict(line.split() for line in f)
+    out.update({k: float(vm.get(k, 0)) for k in VMSTAT})
+    return out
+
+
+def counters_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in after}

@@ -52,7 +52,7 @@ from bench.common import QUIET_S, Checker, long_context_args, machine, rotated, 
 from bench.report import plot, publish, render_markdown, render_table  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
-from bench.engine_metrics import load_io, settle_metric  # noqa: E402
+from bench.engine_metrics import VMSTAT, counters_delta, host_counters, load_io, settle_metric  # noqa: E402
 from multi.deploy import Deployment, metrics, tiered_config  # noqa: E402
 
 SECTIONS = ("store_hit", "ssd_hit", "pd", "composite", "raw")
@@ -98,8 +98,10 @@ def stock_config(role: str, master: str, bootstrap_port: int) -> dict:
 # ---------------------------------------------------------------- sections
 
 def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int], reps: int,
-              rng: random.Random, check: Checker) -> list[dict]:
-    """``peers``: name -> (writer URL on core 0, reader URL on core 1)."""
+              rng: random.Random, check: Checker, reader_pid: int | None = None) -> list[dict]:
+    """``peers``: name -> (writer URL on core 0, reader URL on core 1). With ``reader_pid``
+    (our reader's), each of its loads also reports the page faults of its processes and the
+    host's THP, compaction and reclaim counters over its request (``ours_load``)."""
     rows = []
     for n_pfx in prefixes:
         t: dict[str, list[float]] = {k: [] for k in ("floor", "miss", *peers, *(f"{p}_store_miss" for p in peers))}
@@ -123,9 +125,11 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
                     io0 = metrics(reader) if who == "ours" else None
                     got[f"{who}_store_miss"] = stream(writer, pfx + sa, MAX_TOKENS)
                     time.sleep(SETTLE_S)
+                    c0 = host_counters(reader_pid) if io0 is not None and reader_pid else None
                     got[who] = stream(reader, pfx + sb, MAX_TOKENS)
+                    c1 = host_counters(reader_pid) if c0 is not None else None
                     if io0 is not None and rep:
-                        io.append(load_io(reader, io0))
+                        io.append({**load_io(reader, io0), **(counters_delta(c0, c1) if c0 else {})})
             n = n_pfx + SUFFIX
             check.same("store_hit", "floor (vLLM prefix cache) cached tokens", n, [got["floor"].cached], [n_pfx])
             for p in peers:
@@ -152,6 +156,11 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
               f"{med['floor']['median'] * 1e3:6.0f} ms  " + "  ".join(
                   f"{p} {med[p]['median'] * 1e3:6.0f} ms (x{row[f'{p}_vs_floor']:.2f} floor, "
                   f"hit {row['hit_tokens'][p]:.0f})" for p in peers), flush=True)
+        if "minflt" in row.get("ours_load", {}):
+            ld = row["ours_load"]
+            print(f"        ours: load {ld['gbps']:.2f} GB/s, {ld['ranges_per_chunk']:.1f} ranges per chunk; reader's "
+                  f"page faults {ld['minflt']:.0f} minor, {ld['majflt']:.0f} major; host "
+                  + ", ".join(f"{k} {ld[k]:.0f}" for k in VMSTAT), flush=True)
     return rows
 
 
@@ -339,7 +348,8 @@ def run(a: argparse.Namespace) -> int:
             dep.wait_http(*w)
             dep.wait_http(*r)
         print(f"[bench] store_hit: TTFT of a prompt whose prefix another engine stored ({reps} reps):", flush=True)
-        return store_hit(base_url, {k: (w[0], r[0]) for k, (w, r) in engines.items()}, prefixes, reps, rng, check)
+        return store_hit(base_url, {k: (w[0], r[0]) for k, (w, r) in engines.items()}, prefixes, reps, rng, check,
+                         reader_pid=engines["ours"][1][1].popen.pid)
 
     def run_ssd_hit() -> list[dict]:
         print("[bench] ssd_hit: starting an SSD-offload store, a writer (core 0) and a reader (core 1)", flush=True)
