@@ -39,18 +39,24 @@ VMSTAT = ("thp_fault_alloc", "thp_fault_fallback", "compact_stall", "allocstall_
           "pgmajfault")
 
 
-def host_counters(pid: int) -> dict[str, float]:
-    """Minor and major page faults of ``pid`` and its descendants (``/proc/<pid>/stat``; an
-    engine is an API server, an engine core and a worker) and the host's :data:`VMSTAT`
-    counters (``/proc/vmstat``). A process that ended in between is left out."""
+def process_tree(pid: int, alone: bool = False) -> list:
+    """``pid``'s ``psutil.Process`` with its descendants (an engine is an API server, an engine
+    core and a worker), or alone; empty if it has ended."""
     import psutil
 
-    out = {"minflt": 0.0, "majflt": 0.0}
     try:
-        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        root = psutil.Process(pid)
+        return [root] if alone else [root, *root.children(recursive=True)]
     except psutil.Error:
-        procs = []
-    for p in procs:
+        return []
+
+
+def host_counters(pid: int) -> dict[str, float]:
+    """Minor and major page faults of ``pid`` and its descendants (``/proc/<pid>/stat``) and
+    the host's :data:`VMSTAT` counters (``/proc/vmstat``). A process that ended in between is
+    left out."""
+    out = {"minflt": 0.0, "majflt": 0.0}
+    for p in process_tree(pid):
         try:
             # Fields after the command name (which may hold spaces): minflt is field 10, majflt 12.
             fields = open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1].split()

@@ -62,6 +62,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.client import sse_events  # noqa: E402
+from bench.engine_metrics import process_tree  # noqa: E402
 from bench.common import machine  # noqa: E402
 from bench.sim.report import pct  # noqa: E402
 from bench.suite import p2p_config  # noqa: E402
@@ -124,10 +125,8 @@ def cpu_seconds(pids: dict[str, int], alone: frozenset[str] = frozenset()) -> di
     out = {}
     for name, pid in pids.items():
         total = 0.0
-        try:
-            root = psutil.Process(pid)
-            tree = [root] if name in alone else [root, *root.children(recursive=True)]
-        except psutil.Error:
+        tree = process_tree(pid, alone=name in alone)
+        if not tree:
             continue
         for p in tree:
             try:

@@ -129,6 +129,13 @@ META_SUFFIX = "meta"
 MASTER_INFO_KEY = "mctier/master"
 
 
+def foreign_version(key_version: str | None) -> bool:
+    """Another key version than this mctier's (None: not published, unknown): this mctier
+    computes other keys for the same prompt, so it would neither find that engine's objects
+    nor write ones it reads."""
+    return key_version is not None and key_version != KEY_VERSION
+
+
 class EngineMeta(msgspec.Struct, kw_only=True):
     """One engine configuration's key space; published under ``{prefix}/{fp16}/meta``."""
 
@@ -144,9 +151,7 @@ class EngineMeta(msgspec.Struct, kw_only=True):
     key_version: str | None = None
 
     def foreign(self) -> bool:
-        """Published by another key version: this mctier computes other keys for the same
-        prompt, so it would neither find that engine's objects nor write ones it reads."""
-        return self.key_version is not None and self.key_version != KEY_VERSION
+        return foreign_version(self.key_version)
 
     def key_space(self) -> KeySpace:
         return KeySpace(self.fingerprint, self.chunk_tokens, self.tp_size, self.key_prefix, pp_size=self.pp_size)

@@ -105,37 +105,30 @@ class Deployment:
         self.wait_router(url, proc)
         return url
 
-    @staticmethod
-    def wait_router(url: str, proc: Proc, timeout: float = 120) -> None:
+    @classmethod
+    def wait_router(cls, url: str, proc: Proc, timeout: float = 120) -> None:
         """Until ``mctier proxy`` at ``url`` is healthy and has settled its tokenizer: loading it
         takes seconds of CPU (transformers), which a benchmark's first timed requests would
         otherwise share their cores with."""
+        cls.wait_http(url, proc, timeout, ready=lambda r: r.json().get("tokenizer") != "loading",
+                      what="healthy, tokenizer loaded")
+
+    @staticmethod
+    def wait_http(url: str, proc: Proc, timeout: float = 300, ready=None, what: str = "") -> None:
+        """Until ``url``'s ``/health`` answers 200 (and ``ready(response)``, if given, is true)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not proc.alive():
                 raise RuntimeError(f"{proc.name} exited; log tail:\n{proc.tail()}")
             try:
                 r = requests.get(url + "/health", timeout=2)
-                if r.status_code == 200 and r.json().get("tokenizer") != "loading":
+                if r.status_code == 200 and (ready is None or ready(r)):
                     return
-            except (requests.RequestException, ValueError):
+            except (requests.RequestException, ValueError):  # ValueError: a body that is not JSON
                 pass
             time.sleep(0.5)
-        raise TimeoutError(f"{proc.name} not ready (healthy, tokenizer loaded) after {timeout}s; see {proc.log_path}")
-
-    @staticmethod
-    def wait_http(url: str, proc: Proc, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not proc.alive():
-                raise RuntimeError(f"{proc.name} exited; log tail:\n{proc.tail()}")
-            try:
-                if requests.get(url + "/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{proc.name} not ready after {timeout}s; see {proc.log_path}")
+        raise TimeoutError(f"{proc.name} not ready{f' ({what})' if what else ''} after {timeout}s; "
+                           f"see {proc.log_path}")
 
     def stop(self, procs: list[Proc] | None = None) -> None:
         """Stop ``procs`` (default: all, and the store cluster) in reverse order of start."""

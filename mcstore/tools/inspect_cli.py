@@ -9,7 +9,7 @@ import sys
 import msgspec
 
 from kvcore.errors import ConfigError
-from mcstore.keys import KEY_VERSION
+from mcstore.keys import KEY_VERSION, foreign_version
 from mcstore.tools.engine import add_engine_args
 from mcstore.tools.inspect import Inspector, NotFound, Unavailable
 from mcstore.tools.results import KeyList, Lookup, RemoveResult, Stats, Summary
@@ -34,7 +34,7 @@ def render(obj) -> str:
                  f"{f.disk.objects} / {fmt_bytes(f.disk.bytes)}"]
                 for f in obj.fingerprints]
         out = [table(["fingerprint", "model", "chunk", "keys", "chunks", "objects", "bytes", "memory", "disk"], rows)]
-        old = [f.fingerprint for f in obj.fingerprints if f.key_version not in (None, KEY_VERSION)]
+        old = [f.fingerprint for f in obj.fingerprints if foreign_version(f.key_version)]
         if old:
             out.append(f"\n{len(old)} key space(s) of another mctier key version (this one: {KEY_VERSION}); their "
                        f"objects are not read by engines of this version: `mctier inspect remove <fingerprint>` "
