@@ -6,6 +6,7 @@ import importlib.metadata as md
 import json
 import os
 import platform
+import signal
 import statistics
 from pathlib import Path
 
@@ -81,3 +82,13 @@ def long_context_args(tokens: int, positions: int = MODEL_POSITIONS) -> list[str
     if tokens <= positions:
         return []
     return ["--max-model-len", str(tokens), "--hf-overrides", json.dumps({"max_position_embeddings": tokens})]
+
+
+def term_as_interrupt() -> None:
+    """SIGTERM raises KeyboardInterrupt in the main thread, so that a benchmark stopped with
+    ``kill`` runs its ``finally`` and stops every process it started, as after Ctrl-C."""
+
+    def on_signal(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 from multi.deploy import metrics
@@ -22,15 +23,18 @@ def settle_metric(url: str, name: str, before: dict, want_count: float = 1.0) ->
 def load_io(url: str, before: dict) -> dict:
     """A store reader's one load since ``before``: buffer ranges per whole chunk handed to
     Mooncake (fewest while its blocks are contiguous, one per KV region; more as they
-    scatter) and GB/s over the load's duration (``vllm:mctier_store_load_seconds``)."""
+    scatter), GB/s over the load's duration (``vllm:mctier_store_load_seconds``), and the
+    bytes and whole chunks it loaded."""
     seconds, _ = settle_metric(url, "vllm:mctier_store_load_seconds", before)
     after = metrics(url)
 
     def d(name: str, kind: str = "") -> float:
         return after.get((name, kind), 0.0) - before.get((name, kind), 0.0)
     chunks = d("vllm:mctier_store_io_chunks_total", "load")
+    loaded = d("vllm:mctier_store_loaded_bytes_total")
     return {"ranges_per_chunk": d("vllm:mctier_store_io_ranges_total", "load") / chunks if chunks else 0.0,
-            "seconds": seconds, "gbps": d("vllm:mctier_store_loaded_bytes_total") / seconds / 1e9 if seconds else 0.0}
+            "seconds": seconds, "gbps": loaded / seconds / 1e9 if seconds else 0.0, "bytes": loaded,
+            "chunks": chunks}
 
 
 # Host counters that grow when a process writes into memory it never touched before, or the
@@ -72,3 +76,25 @@ def host_counters(pid: int) -> dict[str, float]:
 
 def counters_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: after[k] - before.get(k, 0.0) for k in after}
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds each thread of ``pid`` and its descendants has run
+    (``/proc/<pid>/task/<tid>/schedstat``, nanoseconds, unlike ``stat``'s 10 ms ticks),
+    by process and thread name, and ``main`` for a process's first thread, else its thread id
+    (threads a library starts keep their creator's name): ``"VLLM::Worker/VLLM::Worker/main"``."""
+    out: dict[str, float] = {}
+    for p in process_tree(pid):
+        try:
+            pname = open(f"/proc/{p.pid}/comm").read().strip()
+            tids = os.listdir(f"/proc/{p.pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                name = open(f"/proc/{p.pid}/task/{tid}/comm").read().strip()
+                ns = int(open(f"/proc/{p.pid}/task/{tid}/schedstat").read().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue  # the thread ended in between
+            out[f"{pname}/{name}/{'main' if int(tid) == p.pid else tid}"] = ns / 1e9
+    return out

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.client import sse_events  # noqa: E402
+from bench.common import term_as_interrupt  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
 from multi.deploy import Deployment, metrics, tiered_config  # noqa: E402
@@ -124,6 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-dir")
     a = ap.parse_args(argv)
+    term_as_interrupt()  # kill runs the cleanup, as Ctrl-C does
 
     from multi.models import build
 

@@ -43,7 +43,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import QUIET_S, machine  # noqa: E402
+from bench.common import QUIET_S, machine, term_as_interrupt  # noqa: E402
 from bench.pd_load import MODEL_NAME, cpu_seconds, gaps, prompts, stream, tpot  # noqa: E402
 from multi.deploy import Deployment  # noqa: E402
 
@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "neighbour"))
     a = ap.parse_args(argv)
+    term_as_interrupt()  # kill runs the cleanup, as Ctrl-C does
     from multi.models import build
 
     out = Path(a.out)

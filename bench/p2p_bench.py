@@ -26,6 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench.common import term_as_interrupt  # noqa: E402
+
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 BLOCK = 32
@@ -93,6 +96,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
+    term_as_interrupt()  # kill runs the cleanup, as Ctrl-C does
     if args.producer:
         producer(args)
         return 0

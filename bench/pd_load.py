@@ -51,7 +51,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import sys
 import time
 from pathlib import Path
@@ -63,7 +62,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.client import sse_events  # noqa: E402
 from bench.engine_metrics import process_tree  # noqa: E402
-from bench.common import machine  # noqa: E402
+from bench.common import machine, term_as_interrupt  # noqa: E402
 from bench.sim.report import pct  # noqa: E402
 from bench.suite import p2p_config  # noqa: E402
 from kvcore.procs import Proc, free_port  # noqa: E402
@@ -355,10 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     model = a.model if os.path.isdir(a.model) else str(build(a.model, cache / "models" / a.model))
     b = Bench(a, model, out)
 
-    def on_signal(*_):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
+    term_as_interrupt()
     t0 = time.monotonic()
     rec = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(model), "model": a.model,
            "args": {k: v for k, v in vars(a).items() if k != "out"}, "rows": []}

@@ -41,6 +41,10 @@ def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         io = all("ours_load" in x for x in r["store_hit"])  # runs before 2026-12-01 lack it
         if io:
             head += ["ours: ranges/chunk", "ours: load GB/s"]
+        probed = io and all("raw_gbps" in x["ours_load"] for x in r["store_hit"])  # since 2026-12-02
+        if probed:
+            head += ["raw get on the reader's core, GB/s: one range per chunk", "same ranges as the load",
+                     "floor + raw read /floor"]
         rows = []
         for x in r["store_hit"]:
             t = x["ttft"]
@@ -51,6 +55,9 @@ def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                 row.append(_x(t["ours"]["median"] / t["lmcache"]["median"]))
             if io:
                 row += [f"{x['ours_load']['ranges_per_chunk']:.0f}", f"{x['ours_load']['gbps']:.2f}"]
+            if probed:
+                row += [f"{x['ours_load']['raw_gbps']:.2f}", f"{x['ours_load']['raw_ranges_gbps']:.2f}",
+                        _x(x["ours_raw_bound_vs_floor"])]
             rows.append(row)
         out.append(("1. Store-hit TTFT, ms: median (min-max); a fresh engine reads a prefix another engine stored",
                     head, rows))

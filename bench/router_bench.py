@@ -52,7 +52,6 @@ import argparse
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -64,7 +63,7 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine  # noqa: E402
+from bench.common import machine, term_as_interrupt  # noqa: E402
 from bench.router_report import plot, render_markdown, render_table, router_view, summarize  # noqa: E402
 from kvcore.procs import Proc, free_port  # noqa: E402
 from mcstore.server import StoreCluster, client_env  # noqa: E402
@@ -336,10 +335,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({per_token} B/token, {dtype}); prefix working set {working} tokens = {working / cap:.2f}x one engine",
           flush=True)
 
-    def on_signal(*_):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
+    term_as_interrupt()
     t0 = time.monotonic()
     errors = {}
     try:

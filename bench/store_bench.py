@@ -26,6 +26,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import term_as_interrupt  # noqa: E402
 from mcstore.server import CLIENT_ENV  # noqa: E402
 
 for _k, _v in CLIENT_ENV.items():
@@ -72,6 +73,7 @@ def main() -> int:
     ap.add_argument("--verify", action="store_true", help="tier with its (opt-in) xxh3 trailer check")
     ap.add_argument("--json", help="also write the figures to this file")
     a = ap.parse_args()
+    term_as_interrupt()  # kill runs the cleanup, as Ctrl-C does
     n = a.chunks
     blocks = n * BLOCKS_PER_CHUNK + 1
     logs = Path(tempfile.mkdtemp(prefix="store-bench-"))

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.client import ids, stream  # noqa: E402
-from bench.common import Checker, long_context_args, machine, rotated  # noqa: E402
+from bench.common import Checker, long_context_args, machine, rotated, term_as_interrupt  # noqa: E402
 from bench.suite import SETTLE_S, SUFFIX, store_config  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
 from multi.deploy import Deployment  # noqa: E402
@@ -120,6 +120,7 @@ def run(a: argparse.Namespace) -> int:
     rows = []
     prefixes = [int(x) for x in a.prefixes.split(",")]
     long = long_context_args(max(prefixes) + SUFFIX + 64)  # past 8,192 positions: --hf-overrides
+    term_as_interrupt()
     try:
         dep.cluster = StoreCluster(log_dir=out / "logs", segment_size=4 << 30).start()
         master = dep.cluster.master_addr

@@ -36,23 +36,23 @@ import argparse
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import lmcache_peer, ssd_hit  # noqa: E402
+from bench import lmcache_peer, raw_probe, ssd_hit  # noqa: E402
 from bench.client import complete, ids, stream  # noqa: E402
-from bench.common import QUIET_S, Checker, long_context_args, machine, rotated, spread  # noqa: E402
+from bench.common import QUIET_S, Checker, long_context_args, machine, rotated, spread, term_as_interrupt  # noqa: E402
 from bench.report import plot, publish, render_markdown, render_table  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
-from bench.engine_metrics import VMSTAT, counters_delta, host_counters, load_io, settle_metric  # noqa: E402
+from bench.engine_metrics import VMSTAT, counters_delta, host_counters, load_io, settle_metric, thread_cpu  # noqa: E402
 from multi.deploy import Deployment, metrics, tiered_config  # noqa: E402
 
 SECTIONS = ("store_hit", "ssd_hit", "pd", "composite", "raw")
@@ -98,10 +98,15 @@ def stock_config(role: str, master: str, bootstrap_port: int) -> dict:
 # ---------------------------------------------------------------- sections
 
 def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int], reps: int,
-              rng: random.Random, check: Checker, reader_pid: int | None = None) -> list[dict]:
+              rng: random.Random, check: Checker, reader_pid: int | None = None,
+              probe: Callable[[int, int, int], dict] | None = None) -> list[dict]:
     """``peers``: name -> (writer URL on core 0, reader URL on core 1). With ``reader_pid``
     (our reader's), each of its loads also reports the page faults of its processes and the
-    host's THP, compaction and reclaim counters over its request (``ours_load``)."""
+    host's THP, compaction and reclaim counters over its request (``ours_load``). With
+    ``probe(chunks, chunk_bytes, ranges)`` (:func:`bench.raw_probe.run` on the reader's core),
+    each of our reader's hits is followed by the raw get of the same bytes in a plain process
+    on that core: into one buffer per chunk (``ours_load["raw_gbps"]``) and into as many ranges
+    per chunk as the hit's load had (``raw_ranges_gbps``)."""
     rows = []
     for n_pfx in prefixes:
         t: dict[str, list[float]] = {k: [] for k in ("floor", "miss", *peers, *(f"{p}_store_miss" for p in peers))}
@@ -126,10 +131,21 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
                     got[f"{who}_store_miss"] = stream(writer, pfx + sa, MAX_TOKENS)
                     time.sleep(SETTLE_S)
                     c0 = host_counters(reader_pid) if io0 is not None and reader_pid else None
+                    th0 = thread_cpu(reader_pid) if c0 is not None else None
                     got[who] = stream(reader, pfx + sb, MAX_TOKENS)
+                    th1 = thread_cpu(reader_pid) if th0 is not None else None
                     c1 = host_counters(reader_pid) if c0 is not None else None
                     if io0 is not None and rep:
                         io.append({**load_io(reader, io0), **(counters_delta(c0, c1) if c0 else {})})
+                        if th0 is not None:
+                            io[-1]["threads"] = {k: v - th0.get(k, 0.0) for k, v in th1.items()
+                                                 if v - th0.get(k, 0.0) > 1e-3}
+                        if probe is not None and got[who].cached >= n_pfx and io[-1]["bytes"] > 0:  # a whole hit
+                            time.sleep(QUIET_S)  # the reader spins after its request, on the probe's core
+                            chunks, ranges = n_pfx // CHUNK, max(1, round(io[-1]["ranges_per_chunk"]))
+                            pr = probe(chunks, round(io[-1]["bytes"] / chunks), ranges)
+                            io[-1]["raw_gbps"] = statistics.median(pr["gbps"])
+                            io[-1]["raw_ranges_gbps"] = statistics.median(pr.get("gbps_ranges", pr["gbps"]))
             n = n_pfx + SUFFIX
             check.same("store_hit", "floor (vLLM prefix cache) cached tokens", n, [got["floor"].cached], [n_pfx])
             for p in peers:
@@ -147,7 +163,14 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
         row = {"prompt_tokens": n_pfx + SUFFIX, "prefix_tokens": n_pfx, "ttft": med,
                "hit_tokens": {p: statistics.median(h) for p, h in hits.items()}}
         if io:
-            row["ours_load"] = {k: statistics.median(x[k] for x in io) for k in io[0]}
+            # Keys every load has (a partial hit is not probed).
+            common = [k for k in io[0] if k != "threads" and all(k in x for x in io)]
+            row["ours_load"] = {k: statistics.median(x[k] for x in io) for k in common}
+            if "threads" in io[0]:  # CPU seconds per reader thread over the hit's request, median
+                names = {k for x in io for k in x["threads"]}
+                row["ours_load"]["threads"] = dict(sorted(
+                    ((k, statistics.median(x["threads"].get(k, 0.0) for x in io)) for k in names),
+                    key=lambda kv: -kv[1]))
         for p in peers:
             row[f"{p}_vs_floor"] = med[p]["median"] / med["floor"]["median"]
             row[f"{p}_vs_miss"] = med[p]["median"] / med["miss"]["median"]
@@ -156,6 +179,20 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
               f"{med['floor']['median'] * 1e3:6.0f} ms  " + "  ".join(
                   f"{p} {med[p]['median'] * 1e3:6.0f} ms (x{row[f'{p}_vs_floor']:.2f} floor, "
                   f"hit {row['hit_tokens'][p]:.0f})" for p in peers), flush=True)
+        if "raw_gbps" in row.get("ours_load", {}):
+            ld = row["ours_load"]
+            # A hit computes the same suffix as the floor, so with the load at the raw rate it
+            # would take the floor plus the raw read of its bytes.
+            floor = med["floor"]["median"]
+            row["ours_raw_bound_vs_floor"] = (floor + ld["bytes"] / ld["raw_gbps"] / 1e9) / floor
+            print(f"        ours: load {ld['gbps']:.2f} GB/s in the reader; on its core just after, raw get "
+                  f"{ld['raw_gbps']:.2f} GB/s, into {ld['ranges_per_chunk']:.0f} ranges per chunk "
+                  f"{ld['raw_ranges_gbps']:.2f}; floor + raw read of the same bytes = x{row['ours_raw_bound_vs_floor']:.2f}"
+                  " floor", flush=True)
+        if row.get("ours_load", {}).get("threads"):
+            ld = row["ours_load"]
+            print(f"        ours: reader's CPU over the hit's request (load {ld['seconds'] * 1e3:.0f} ms): " + ", ".join(
+                f"{k} {v * 1e3:.0f} ms" for k, v in list(ld["threads"].items())[:6]), flush=True)
         if "minflt" in row.get("ours_load", {}):
             ld = row["ours_load"]
             print(f"        ours: load {ld['gbps']:.2f} GB/s, {ld['ranges_per_chunk']:.1f} ranges per chunk; reader's "
@@ -311,10 +348,7 @@ def run(a: argparse.Namespace) -> int:
     dep = Deployment(out / "logs")
     errors: dict[str, str] = {}
 
-    def on_signal(*_):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
+    term_as_interrupt()
     t_start = time.monotonic()
 
     def section(name: str, fn) -> None:
@@ -349,7 +383,8 @@ def run(a: argparse.Namespace) -> int:
             dep.wait_http(*r)
         print(f"[bench] store_hit: TTFT of a prompt whose prefix another engine stored ({reps} reps):", flush=True)
         return store_hit(base_url, {k: (w[0], r[0]) for k, (w, r) in engines.items()}, prefixes, reps, rng, check,
-                         reader_pid=engines["ours"][1][1].popen.pid)
+                         reader_pid=engines["ours"][1][1].popen.pid,
+                         probe=None if a.no_raw_probe else (lambda n, b, r: raw_probe.run(master, n, b, core=1, ranges=r)))
 
     def run_ssd_hit() -> list[dict]:
         print("[bench] ssd_hit: starting an SSD-offload store, a writer (core 0) and a reader (core 1)", flush=True)
@@ -424,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
                                            "(default 4096,7936; quick 2048)")
     ap.add_argument("--no-lmcache", action="store_true",
                     help="leave LMCache out of store_hit (recorded in the JSON and the table)")
+    ap.add_argument("--no-raw-probe", action="store_true",
+                    help="leave out the raw get on the reader's core after each of our store hits (bench/raw_probe.py)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--publish", action="store_true",
                     help="write the table and plot into README.md (between its bench markers) and docs/")

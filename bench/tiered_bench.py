@@ -59,7 +59,6 @@ import argparse
 import json
 import os
 import random
-import signal
 import statistics
 import sys
 import time
@@ -69,7 +68,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.client import complete, ids, stream  # noqa: E402
-from bench.common import QUIET_S, Checker, long_context_args, machine, spread  # noqa: E402
+from bench.common import QUIET_S, Checker, long_context_args, machine, spread, term_as_interrupt  # noqa: E402
 from bench.engine_metrics import load_io  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
@@ -285,10 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                           "engine_extra": extra}, "cells": []}
     t0 = time.monotonic()
 
-    def on_signal(*_):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
+    term_as_interrupt()
     try:
         dep.cluster = StoreCluster(log_dir=out / "logs", segment_size=8 << 30).start()
         master, boot = dep.cluster.master_addr, free_port()

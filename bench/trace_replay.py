@@ -76,7 +76,6 @@ import argparse
 import json
 import os
 import random
-import signal
 import sys
 import time
 from dataclasses import replace
@@ -90,7 +89,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import trace  # noqa: E402
 from bench.client import complete, ids, stream  # noqa: E402
-from bench.common import machine  # noqa: E402
+from bench.common import machine, term_as_interrupt  # noqa: E402
 from bench.router_bench import Bench, bench_serve  # noqa: E402
 from bench.router_report import router_view  # noqa: E402
 from bench.sim import decisions  # noqa: E402
@@ -412,10 +411,7 @@ def main(argv: list[str] | None = None) -> int:
                                          "prompts_cut_to_model": cut, "model_positions": positions},
               "max_model_len": max_len, "deployments": b.results}
 
-    def on_signal(*_):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
+    term_as_interrupt()
     t0, errors = time.monotonic(), {}
     try:
         for name, run in (("plain", b.deployment_plain), ("tiered", b.deployment_tiered)):

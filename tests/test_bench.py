@@ -17,6 +17,7 @@ import sys
 
 import psutil
 import pytest
+import requests
 
 from tests.harness import ROOT
 
@@ -53,6 +54,10 @@ def test_quick_bench_measures_every_section(quick):
         # Our reader's load, from its own metrics: at least one range per chunk (a KV region's
         # run of blocks), and a rate.
         assert row["ours_load"]["ranges_per_chunk"] >= 1 and row["ours_load"]["gbps"] > 0
+        # The raw get of the same bytes on the reader's core, just after: a rate, and a
+        # bound above the floor (the floor plus a read that takes time).
+        assert row["ours_load"]["raw_gbps"] > 0 and row["ours_load"]["raw_ranges_gbps"] > 0
+        assert row["ours_raw_bound_vs_floor"] > 1
     # The SSD row read the whole prefix from DRAM, and again after it was pushed to disk.
     assert [x["prefix_tokens"] for x in r["ssd_hit"]] == [2048]
     assert all(x["hit_tokens"] == {"dram": 2048, "ssd": 2048} and x["filler_mib"] > 0 and x["dram_resident_min"] == 1
@@ -204,3 +209,28 @@ def test_decision_bench_quick_measures_every_cell_with_the_same_tokens(tmp_path)
     assert [c["unchecked"] for c in r["cells"]] == [[]] * 4
     assert r["token_checks"] == 28 and r["token_mismatches"] == []
     assert len(r["pids"]) >= 6 and [p for p in r["pids"] if not _gone(p)] == []
+
+
+def test_raw_probe_reads_its_bytes_back_on_one_core_and_removes_them(store_cluster):
+    from bench import raw_probe
+
+    def keys() -> set[str]:
+        r = requests.get(f"http://127.0.0.1:{store_cluster.metrics_port}/get_all_keys", timeout=5)
+        r.raise_for_status()
+        return set(r.text.split())
+
+    before = keys()
+    r = raw_probe.run(store_cluster.master_addr, chunks=4, chunk_bytes=(1 << 20) + 1, core=0, reps=2, ranges=3,
+                      timeout=120)
+    assert r["bytes"] == 4 * ((1 << 20) + 1) and r["ranges"] == 3
+    # Every read returned each object's whole size (else the probe raises): one rate per read.
+    assert len(r["gbps"]) == len(r["gbps_ranges"]) == 2 and all(g > 0 for g in r["gbps"] + r["gbps_ranges"])
+    assert keys() == before  # its objects removed: nothing left in the store
+
+
+def test_raw_probe_failure_is_an_error_not_a_rate():
+    from bench import raw_probe
+    from kvcore.procs import free_port
+
+    with pytest.raises(RuntimeError, match="raw probe failed"):
+        raw_probe.run(f"127.0.0.1:{free_port()}", chunks=1, chunk_bytes=1 << 20, core=0, reps=1, timeout=120)
