@@ -36,6 +36,9 @@ Keys (all optional except the master address, which may also come from
                          waiting for its load, nothing else to run), so the engine's step loop leaves
                          the core and the GIL to the load (default: 20 on a CPU engine with TP/PP > 1,
                          see kvcore.shmspin; 2 otherwise; 0 = never pause)
+    load_thread_nice     nice value of the worker's load thread, which waits for each Mooncake get by
+                         polling it without pause, so that the poll leaves the core to the transfer
+                         (default 19, the lowest priority; 0 = as the engine's other threads)
 
 ``MOONCAKE_CONFIG_PATH`` (Mooncake's own ``mooncake.json``, :mod:`kvcore.mooncake_json`) supplies
 defaults; keys in ``kv_connector_extra_config`` win. The store tier takes master_server_address,
@@ -115,6 +118,7 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     verify_checksums: bool = False
     stage_above_ranges_per_region: float = 4.0
     idle_step_ms: float | None = None  # None: idle_step_s() picks by the engine's ranks
+    load_thread_nice: int = 19
 
     def __post_init__(self):
         if not self.master:
@@ -140,6 +144,8 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.stage_above_ranges_per_region < 0:
             raise ConfigError("mcstore: stage_above_ranges_per_region must be >= 0 (0 = never), "
                               f"got {self.stage_above_ranges_per_region}")
+        if not 0 <= self.load_thread_nice <= 19:
+            raise ConfigError(f"mcstore: load_thread_nice must be within [0, 19], got {self.load_thread_nice}")
         if self.idle_step_ms is not None and not 0 <= self.idle_step_ms <= 1000:
             raise ConfigError(f"mcstore: idle_step_ms must be within [0, 1000], got {self.idle_step_ms}")
         if self.save_retry_s < 0 or self.save_queue_chunks < 1:

@@ -22,6 +22,7 @@ in the same step.
 from __future__ import annotations
 
 import ctypes
+import os
 import queue
 import threading
 import time
@@ -116,10 +117,29 @@ class StoreWorker(Loads):
                     len(self.geo.regions), self.chunk_bytes, self.cfg.chunk_tokens)
 
     def _start_threads(self) -> None:
-        for name, fn in (("load", self._load_loop), ("save", self._save_loop)):
-            t = threading.Thread(target=fn, name=f"mcstore-{name}", daemon=True)
+        for name, fn, nice in (("load", self._load_loop, self.cfg.load_thread_nice), ("save", self._save_loop, 0)):
+            t = threading.Thread(target=self._io_thread, args=(fn, nice), name=f"mcstore-{name}", daemon=True)
             t.start()
             self._threads.append(t)
+
+    def _io_thread(self, loop, nice: int) -> None:
+        # Mooncake's batch get waits for its transfer by polling its status without a pause
+        # (the pip wheels are built without USE_EVENT_DRIVEN_COMPLETION). On an engine pinned
+        # to one core, that poll takes the core from Mooncake's own TCP thread, which moves
+        # the bytes. A lower priority for the thread that polls (a per-thread nice value on
+        # Linux) leaves the core to the transfer. Not the save thread: a save runs after its
+        # request, while the engine's worker busy-waits for the next step (kvcore.shmspin),
+        # and at nice 19 it got so little of the core that saves took 5x longer
+        # (bench.store_phases --ab, 2026-12-02).
+        if nice:
+            try:
+                tid = threading.get_native_id()
+                # Never a higher priority than the engine's own (that would need privileges).
+                os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+            except (OSError, AttributeError) as e:  # not Linux, or not permitted: run as is
+                logger.warning("mcstore: could not set the nice value of %s to %d: %s",
+                               threading.current_thread().name, nice, e)
+        loop()
 
     def _ptrs(self, block_ids: list[int]) -> tuple[list[int], list[int]]:
         rs = self.geo.ranges(block_ids)

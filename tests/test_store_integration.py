@@ -62,6 +62,22 @@ def _finish_load(w, rid):
     return w.get_block_ids_with_load_errors()
 
 
+@pytest.mark.parametrize("nice", [19, 0])
+def test_load_thread_runs_at_its_nice_value_and_the_save_thread_at_the_engines(store_cluster, nice):
+    import os
+
+    w, _ = _worker(store_cluster.master_addr, load_thread_nice=nice)
+    try:
+        threads = {t.name: t for t in w._threads}
+        _until(lambda: all(t.native_id for t in threads.values()))
+        base = os.getpriority(os.PRIO_PROCESS, 0)  # this test's own (the engine's, in an engine)
+        # The thread sets its own value as it starts.
+        _until(lambda: os.getpriority(os.PRIO_PROCESS, threads["mcstore-load"].native_id) == max(base, nice))
+        assert os.getpriority(os.PRIO_PROCESS, threads["mcstore-save"].native_id) == base
+    finally:
+        w.close()
+
+
 def test_save_then_load_zero_copy_roundtrip(store_cluster):
     w, buf = _worker(store_cluster.master_addr)
     try:

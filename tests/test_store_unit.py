@@ -173,6 +173,7 @@ def test_idle_step_pause_by_engine_ranks_unless_set():
     ({"master": "etcd://h:1,g:2"}, "with ';'"),
     ({"master": "h:1", "stage_above_ranges_per_region": -1}, r"stage_above_ranges_per_region must be >= 0 \(0 = never\)"),
     ({"master": "h:1", "idle_step_ms": -1}, r"idle_step_ms must be within \[0, 1000\]"),
+    ({"master": "h:1", "load_thread_nice": 20}, r"load_thread_nice must be within \[0, 19\]"),
     ({"master": "h:99999"}, "HOST:PORT"),
 ])
 def test_config_errors_are_clear(extra, needle):
