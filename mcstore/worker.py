@@ -124,13 +124,15 @@ class StoreWorker(Loads):
 
     def _io_thread(self, loop, nice: int) -> None:
         # Mooncake's batch get waits for its transfer by polling its status without a pause
-        # (the pip wheels are built without USE_EVENT_DRIVEN_COMPLETION). On an engine pinned
-        # to one core, that poll takes the core from Mooncake's own TCP thread, which moves
-        # the bytes. A lower priority for the thread that polls (a per-thread nice value on
-        # Linux) leaves the core to the transfer. Not the save thread: a save runs after its
-        # request, while the engine's worker busy-waits for the next step (kvcore.shmspin),
-        # and at nice 19 it got so little of the core that saves took 5x longer
-        # (bench.store_phases --ab, 2026-12-02).
+        # (perf shows the calling thread in TcpTransport::getTransferStatus throughout;
+        # event-driven completion is a Mooncake build option, off by default). On an engine
+        # pinned to one core, that poll takes the core from Mooncake's own TCP thread, which
+        # moves the bytes. A lower priority for the thread that polls (a per-thread nice
+        # value on Linux) leaves the core to the transfer. The thread's own Python work (the
+        # pick-up, the recheck, staged copies) runs at that priority too: a load starts about
+        # 1 ms later. Not the save thread: a save runs after its request, while the engine's
+        # worker busy-waits for the next step (kvcore.shmspin), and at nice 19 saves took up
+        # to 5x longer (bench.store_phases --ab, 2026-12-02).
         if nice:
             try:
                 tid = threading.get_native_id()
