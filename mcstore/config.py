@@ -38,7 +38,8 @@ Keys (all optional except the master address, which may also come from
                          see kvcore.shmspin; 2 otherwise; 0 = never pause)
     load_thread_nice     nice value of the worker's load thread, which waits for each Mooncake get by
                          polling it without pause, so that the poll leaves the core to the transfer
-                         (default 19, the lowest priority; 0 = as the engine's other threads)
+                         (default: 19, the lowest priority, on a CPU engine; 0 elsewhere, where it was
+                         not measured; 0 = as the engine's other threads)
 
 ``MOONCAKE_CONFIG_PATH`` (Mooncake's own ``mooncake.json``, :mod:`kvcore.mooncake_json`) supplies
 defaults; keys in ``kv_connector_extra_config`` win. The store tier takes master_server_address,
@@ -118,7 +119,7 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     verify_checksums: bool = False
     stage_above_ranges_per_region: float = 4.0
     idle_step_ms: float | None = None  # None: idle_step_s() picks by the engine's ranks
-    load_thread_nice: int = 19
+    load_thread_nice: int | None = None  # None: load_nice() picks by the platform
 
     def __post_init__(self):
         if not self.master:
@@ -144,7 +145,7 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.stage_above_ranges_per_region < 0:
             raise ConfigError("mcstore: stage_above_ranges_per_region must be >= 0 (0 = never), "
                               f"got {self.stage_above_ranges_per_region}")
-        if not 0 <= self.load_thread_nice <= 19:
+        if self.load_thread_nice is not None and not 0 <= self.load_thread_nice <= 19:
             raise ConfigError(f"mcstore: load_thread_nice must be within [0, 19], got {self.load_thread_nice}")
         if self.idle_step_ms is not None and not 0 <= self.idle_step_ms <= 1000:
             raise ConfigError(f"mcstore: idle_step_ms must be within [0, 1000], got {self.idle_step_ms}")
@@ -162,6 +163,13 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.idle_step_ms is not None:
             return self.idle_step_ms / 1e3
         return shmspin.IDLE_STEP_S if multi_rank_cpu else IDLE_STEP_MS_ONE_RANK / 1e3
+
+    def load_nice(self, device_type: str) -> int:
+        """Nice value of the load thread: ``load_thread_nice`` if set, else 19 on a CPU engine
+        (measured there: mcstore.worker) and 0 on others."""
+        if self.load_thread_nice is not None:
+            return self.load_thread_nice
+        return 19 if device_type == "cpu" else 0
 
     @property
     def master_host_port(self) -> tuple[str, int]:

@@ -117,7 +117,8 @@ class StoreWorker(Loads):
                     len(self.geo.regions), self.chunk_bytes, self.cfg.chunk_tokens)
 
     def _start_threads(self) -> None:
-        for name, fn, nice in (("load", self._load_loop, self.cfg.load_thread_nice), ("save", self._save_loop, 0)):
+        load_nice = self.cfg.load_nice(current_platform().device_type)
+        for name, fn, nice in (("load", self._load_loop, load_nice), ("save", self._save_loop, 0)):
             t = threading.Thread(target=self._io_thread, args=(fn, nice), name=f"mcstore-{name}", daemon=True)
             t.start()
             self._threads.append(t)

@@ -145,6 +145,13 @@ def test_config_defaults_and_sizes():
     assert cfg.local_buffer_size == 32 << 20 and cfg.replicas == 1 and not cfg.hard_pin
 
 
+def test_load_thread_nice_is_19_on_cpu_and_0_elsewhere_unless_set():
+    assert load_config({"master": "h:1"}, env={}).load_nice("cpu") == 19
+    assert load_config({"master": "h:1"}, env={}).load_nice("cuda") == 0
+    assert load_config({"master": "h:1", "load_thread_nice": 5}, env={}).load_nice("cuda") == 5
+    assert load_config({"master": "h:1", "load_thread_nice": 0}, env={}).load_nice("cpu") == 0
+
+
 def test_idle_step_pause_by_engine_ranks_unless_set():
     from kvcore import shmspin
     from mcstore.config import IDLE_STEP_MS_ONE_RANK
