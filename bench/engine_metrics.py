@@ -24,7 +24,7 @@ def load_io(url: str, before: dict) -> dict:
     """A store reader's one load since ``before``: buffer ranges per whole chunk handed to
     Mooncake (fewest while its blocks are contiguous, one per KV region; more as they
     scatter), GB/s over the load's duration (``vllm:mctier_store_load_seconds``), and the
-    bytes and whole chunks it loaded."""
+    bytes it loaded."""
     seconds, _ = settle_metric(url, "vllm:mctier_store_load_seconds", before)
     after = metrics(url)
 
@@ -33,8 +33,7 @@ def load_io(url: str, before: dict) -> dict:
     chunks = d("vllm:mctier_store_io_chunks_total", "load")
     loaded = d("vllm:mctier_store_loaded_bytes_total")
     return {"ranges_per_chunk": d("vllm:mctier_store_io_ranges_total", "load") / chunks if chunks else 0.0,
-            "seconds": seconds, "gbps": loaded / seconds / 1e9 if seconds else 0.0, "bytes": loaded,
-            "chunks": chunks}
+            "seconds": seconds, "gbps": loaded / seconds / 1e9 if seconds else 0.0, "bytes": loaded}
 
 
 # Host counters that grow when a process writes into memory it never touched before, or the

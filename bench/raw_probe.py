@@ -82,9 +82,8 @@ def run(master: str, chunks: int, chunk_bytes: int, core: int, reps: int = 3, ra
 
     proc = subprocess.run(
         [sys.executable, "-m", "bench.raw_probe", "--master", master, "--chunks", str(chunks),
-         "--chunk-bytes", str(chunk_bytes), "--reps", str(reps), "--ranges", str(ranges)],
+         "--chunk-bytes", str(chunk_bytes), "--reps", str(reps), "--ranges", str(ranges), "--core", str(core)],
         capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).resolve().parent.parent,
-        preexec_fn=lambda: os.sched_setaffinity(0, {core}),
     )
     if proc.returncode != 0:
         raise RuntimeError(f"raw probe failed ({proc.returncode}): {proc.stderr[-2000:]}")
