@@ -45,6 +45,10 @@ def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         if probed:
             head += ["raw get on the reader's core, GB/s: one range per chunk", "same ranges as the load",
                      "floor + raw read /floor"]
+        prev = "previous" in r["store_hit"][0]["ttft"]  # since 2026-12-03
+        if prev:
+            head += ["previous load path", "previous /floor", "ours/previous", "previous: ranges/chunk",
+                     "previous: load GB/s"]
         rows = []
         for x in r["store_hit"]:
             t = x["ttft"]
@@ -58,6 +62,11 @@ def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
             if probed:
                 row += [f"{x['ours_load']['raw_gbps']:.2f}", f"{x['ours_load']['raw_ranges_gbps']:.2f}",
                         _x(x["ours_raw_bound_vs_floor"])]
+            if prev:
+                pl = x.get("previous_load") or {}
+                row += [_ms(t["previous"]), _x(x["previous_vs_floor"]),
+                        _x(t["ours"]["median"] / t["previous"]["median"]),
+                        f"{pl['ranges_per_chunk']:.0f}" if pl else "-", f"{pl['gbps']:.2f}" if pl else "-"]
             rows.append(row)
         out.append(("1. Store-hit TTFT, ms: median (min-max); a fresh engine reads a prefix another engine stored",
                     head, rows))
@@ -126,6 +135,10 @@ def verdicts(r: dict) -> list[str]:
         behind = [x["prompt_tokens"] for x in sh if x["ttft"]["ours"]["median"] > x["ttft"]["lmcache"]["median"]]
         lines.append("store hit TTFT <= LMCache's at every length: "
                      + ("met" if not behind else f"NOT met at {behind} tokens"))
+    if sh and "previous" in sh[0]["ttft"]:
+        lines.append("store hit TTFT, default load path / the previous one (before issue 17): " + ", ".join(
+            f"{x['prompt_tokens']} tokens {x['ttft']['ours']['median'] / x['ttft']['previous']['median']:.2f}"
+            for x in sh))
     big = [x for x in sh if x["prompt_tokens"] >= 2048]
     if big:
         far = [x["prompt_tokens"] for x in big if x["ours_vs_floor"] > 1.5]
@@ -205,7 +218,7 @@ def plot(r: dict, path: Path) -> None:
         if key == "store_hit":
             xs = [x["prompt_tokens"] for x in r[key]]
             labels = {"miss": "miss (recompute)", "floor": "vLLM prefix cache (floor)", "ours": "StoreConnector",
-                      "lmcache": "LMCache MP"}
+                      "previous": "StoreConnector, previous load path", "lmcache": "LMCache MP"}
             for k, label in labels.items():
                 if k in r[key][0]["ttft"]:
                     _errorline(ax, xs, [x["ttft"][k] for x in r[key]], label)

@@ -74,11 +74,17 @@ PREFIXES = {"quick": [512, 2048], "full": [512, 1024, 2048, 4096, 7936, 16384, 3
 SSD_PREFIXES = {"quick": [2048], "full": [4096, 7936]}
 
 
-def store_config(master: str) -> dict:
+# The store tier's load path before issue 17 (2026-11-30): straight into the pages however
+# scattered, no pause at empty steps, the load thread at the engine's priority. Its reader is
+# the store-hit table's "previous default path" column, until that path is removed.
+PREVIOUS_LOAD_PATH = {"stage_above_ranges_per_region": 0, "idle_step_ms": 0, "load_thread_nice": 0}
+
+
+def store_config(master: str, **extra) -> dict:
     # A failed load is recomputed, as an operator would configure it (vLLM's default fails the request).
     return {"kv_connector": "StoreConnector", "kv_connector_module_path": "mcstore", "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"master": master, "chunk_tokens": CHUNK}}
+            "kv_connector_extra_config": {"master": master, "chunk_tokens": CHUNK, **extra}}
 
 
 def p2p_config(role: str, bootstrap_port: int) -> dict:
@@ -99,19 +105,26 @@ def stock_config(role: str, master: str, bootstrap_port: int) -> dict:
 
 def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int], reps: int,
               rng: random.Random, check: Checker, reader_pid: int | None = None,
-              probe: Callable[[int, int, int], dict] | None = None) -> list[dict]:
-    """``peers``: name -> (writer URL on core 0, reader URL on core 1). With ``reader_pid``
+              probe: Callable[[int, int, int], dict] | None = None,
+              also_read: dict[str, tuple[str, str]] | None = None) -> list[dict]:
+    """``peers``: name -> (writer URL on core 0, reader URL on core 1). ``also_read``: name ->
+    (peer, reader URL on core 1), a second reader of what that peer's writer stored (the
+    same prompt, the reader order rotating by repetition, ``QUIET_S`` apart); its loads'
+    ranges per chunk and rate go to ``{name}_load``. With ``reader_pid``
     (our reader's), each of its loads also reports the page faults of its processes and the
     host's THP, compaction and reclaim counters over its request (``ours_load``). With
     ``probe(chunks, chunk_bytes, ranges)`` (:func:`bench.raw_probe.run` on the reader's core),
     each of our reader's hits is followed by the raw get of the same bytes in a plain process
     on that core: into one buffer per chunk (``ours_load["raw_gbps"]``) and into as many ranges
     per chunk as the hit's load had (``raw_ranges_gbps``)."""
+    also_read = also_read or {}
+    readers = {**{p: (p, url) for p, (_, url) in peers.items()}, **also_read}  # name -> (peer, reader URL)
     rows = []
     for n_pfx in prefixes:
-        t: dict[str, list[float]] = {k: [] for k in ("floor", "miss", *peers, *(f"{p}_store_miss" for p in peers))}
-        hits: dict[str, list[int]] = {p: [] for p in peers}
+        t: dict[str, list[float]] = {k: [] for k in ("floor", "miss", *readers, *(f"{p}_store_miss" for p in peers))}
+        hits: dict[str, list[int]] = {p: [] for p in readers}
         io: list[dict] = []
+        also_io: dict[str, list[dict]] = {name: [] for name in also_read}
         for rep in range(reps + 1):
             pfx, sa, sb = ids(n_pfx, rng), ids(SUFFIX, rng), ids(SUFFIX, rng)
             got: dict[str, object] = {}
@@ -126,10 +139,18 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
                     got["floor"] = stream(base, pfx + sb, MAX_TOKENS)
                 else:
                     writer, reader = peers[who]
+                    second = [name for name, (peer, _) in also_read.items() if peer == who]
                     # Before the writer's request: a scrape runs on the reader's core.
                     io0 = metrics(reader) if who == "ours" else None
+                    also0 = {name: metrics(also_read[name][1]) for name in second}
                     got[f"{who}_store_miss"] = stream(writer, pfx + sa, MAX_TOKENS)
                     time.sleep(SETTLE_S)
+                    order = rotated([who, *second], rep)
+                    for name in order[:order.index(who)]:
+                        got[name] = stream(also_read[name][1], pfx + sb, MAX_TOKENS)
+                        if rep:
+                            also_io[name].append(load_io(also_read[name][1], also0[name]))
+                        time.sleep(QUIET_S)  # the same core as the next reader
                     c0 = host_counters(reader_pid) if io0 is not None and reader_pid else None
                     th0 = thread_cpu(reader_pid) if c0 is not None else None
                     got[who] = stream(reader, pfx + sb, MAX_TOKENS)
@@ -146,11 +167,17 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
                             pr = probe(chunks, round(io[-1]["bytes"] / chunks), ranges)
                             io[-1]["raw_gbps"] = statistics.median(pr["gbps"])
                             io[-1]["raw_ranges_gbps"] = statistics.median(pr.get("gbps_ranges", pr["gbps"]))
+                    for name in order[order.index(who) + 1:]:
+                        time.sleep(QUIET_S)
+                        got[name] = stream(also_read[name][1], pfx + sb, MAX_TOKENS)
+                        if rep:
+                            also_io[name].append(load_io(also_read[name][1], also0[name]))
             n = n_pfx + SUFFIX
             check.same("store_hit", "floor (vLLM prefix cache) cached tokens", n, [got["floor"].cached], [n_pfx])
             for p in peers:
                 check.same("store_hit", f"{p} writer vs cold run", n, got[f"{p}_store_miss"].token_ids,
                            got["miss"].token_ids)
+            for p in readers:
                 check.same("store_hit", f"{p} hit vs vLLM prefix-cache hit", n, got[p].token_ids,
                            got["floor"].token_ids)
                 if rep:
@@ -171,14 +198,17 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
                 row["ours_load"]["threads"] = dict(sorted(
                     ((k, statistics.median(x["threads"].get(k, 0.0) for x in io)) for k in names),
                     key=lambda kv: -kv[1]))
-        for p in peers:
+        for name, xs in also_io.items():
+            if xs:
+                row[f"{name}_load"] = {k: statistics.median(x[k] for x in xs) for k in ("ranges_per_chunk", "gbps")}
+        for p in readers:
             row[f"{p}_vs_floor"] = med[p]["median"] / med["floor"]["median"]
             row[f"{p}_vs_miss"] = med[p]["median"] / med["miss"]["median"]
         rows.append(row)
         print(f"  {n_pfx + SUFFIX:>5} tokens  miss {med['miss']['median'] * 1e3:7.0f} ms  floor "
               f"{med['floor']['median'] * 1e3:6.0f} ms  " + "  ".join(
                   f"{p} {med[p]['median'] * 1e3:6.0f} ms (x{row[f'{p}_vs_floor']:.2f} floor, "
-                  f"hit {row['hit_tokens'][p]:.0f})" for p in peers), flush=True)
+                  f"hit {row['hit_tokens'][p]:.0f})" for p in readers), flush=True)
         if "raw_gbps" in row.get("ours_load", {}):
             ld = row["ours_load"]
             # A hit computes the same suffix as the floor, so with the load at the raw rate it
@@ -371,6 +401,8 @@ def run(a: argparse.Namespace) -> int:
         print("[bench] store_hit: starting writers (core 0) and readers (core 1)", flush=True)
         engines = {"ours": (dep.engine("store-writer", model, 0, store_config(master), extra=long),
                             dep.engine("store-reader", model, 1, store_config(master), extra=long))}
+        previous = None if a.no_previous_path else dep.engine(
+            "store-reader-previous", model, 1, store_config(master, **PREVIOUS_LOAD_PATH), extra=long)
         if lmc_python:
             _, port = lmcache_peer.start_server(out / "logs", l1_gb=2, track=dep.track)
             kv = lmcache_peer.kv_config(port)
@@ -381,10 +413,13 @@ def run(a: argparse.Namespace) -> int:
         for w, r in engines.values():
             dep.wait_http(*w)
             dep.wait_http(*r)
+        if previous is not None:
+            dep.wait_http(*previous)
         print(f"[bench] store_hit: TTFT of a prompt whose prefix another engine stored ({reps} reps):", flush=True)
         return store_hit(base_url, {k: (w[0], r[0]) for k, (w, r) in engines.items()}, prefixes, reps, rng, check,
                          reader_pid=engines["ours"][1][1].popen.pid,
-                         probe=None if a.no_raw_probe else (lambda n, b, r: raw_probe.run(master, n, b, core=1, ranges=r)))
+                         probe=None if a.no_raw_probe else (lambda n, b, r: raw_probe.run(master, n, b, core=1, ranges=r)),
+                         also_read={"previous": ("ours", previous[0])} if previous is not None else None)
 
     def run_ssd_hit() -> list[dict]:
         print("[bench] ssd_hit: starting an SSD-offload store, a writer (core 0) and a reader (core 1)", flush=True)
@@ -459,6 +494,9 @@ def main(argv: list[str] | None = None) -> int:
                                            "(default 4096,7936; quick 2048)")
     ap.add_argument("--no-lmcache", action="store_true",
                     help="leave LMCache out of store_hit (recorded in the JSON and the table)")
+    ap.add_argument("--no-previous-path", action="store_true",
+                    help="store_hit: leave out the reader on the store tier's load path before issue 17 "
+                         "(PREVIOUS_LOAD_PATH: no host staging, no pause at empty steps, load thread at nice 0)")
     ap.add_argument("--no-raw-probe", action="store_true",
                     help="leave out the raw get on the reader's core after each of our store hits (bench/raw_probe.py)")
     ap.add_argument("--seed", type=int, default=0)

@@ -48,9 +48,12 @@ def test_quick_bench_measures_every_section(quick):
     assert r["quick"] and r["sections"] == ["store_hit", "ssd_hit", "pd", "composite", "raw"]
     assert r["lmcache"] and r["lmcache"] != "unknown"
     for row in r["store_hit"]:
-        assert set(row["ttft"]) >= {"miss", "floor", "ours", "lmcache"}
-        # Both stores served the whole shared prefix: the cell compares hits, not misses.
-        assert row["hit_tokens"] == {"ours": row["prefix_tokens"], "lmcache": row["prefix_tokens"]}
+        assert set(row["ttft"]) >= {"miss", "floor", "ours", "lmcache", "previous"}
+        # Both stores served the whole shared prefix, and so did our store to the reader on the
+        # previous load path: the cell compares hits, not misses.
+        n = row["prefix_tokens"]
+        assert row["hit_tokens"] == {"ours": n, "lmcache": n, "previous": n}
+        assert row["previous_load"]["ranges_per_chunk"] >= 1 and row["previous_load"]["gbps"] > 0
         # Our reader's load, from its own metrics: at least one range per chunk (a KV region's
         # run of blocks), and a rate.
         assert row["ours_load"]["ranges_per_chunk"] >= 1 and row["ours_load"]["gbps"] > 0
@@ -71,9 +74,9 @@ def test_quick_bench_measures_every_section(quick):
 def test_quick_bench_checks_tokens_across_configurations(quick):
     _, out = quick
     r = json.loads((out / "bench.json").read_text())
-    # store_hit: 2 lengths x 2 repetitions x (1 + 2 per store); ssd_hit: 1 x 2 x 3; pd: 2 x 2 x 2;
-    # composite: 1 x 2 x 2.
-    assert r["token_checks"] >= 2 * 2 * 5 + 1 * 2 * 3 + 2 * 2 * 2 + 2 * 2
+    # store_hit: 2 lengths x 2 repetitions x (1 + 2 per store + the previous load path's reader);
+    # ssd_hit: 1 x 2 x 3; pd: 2 x 2 x 2; composite: 1 x 2 x 2.
+    assert r["token_checks"] >= 2 * 2 * 6 + 1 * 2 * 3 + 2 * 2 * 2 + 2 * 2
     assert r["token_mismatches"] == []
 
 
