@@ -10,7 +10,9 @@ prefix length, each repetition writes a fresh prefix on the writer and reads it 
 reader (a whole-prefix store hit), then the script takes the difference of both engines'
 store metrics
 (:mod:`mcstore.metrics`): time per phase of the saves and loads, buffer ranges per chunk,
-bytes, and the rate of Mooncake's own transfer call. The reader's tokens are checked
+bytes, and the rate of Mooncake's own transfer call; and the reader's per-request times from
+vLLM (queued until first scheduled, which holds the load; scheduled until the first token),
+beside the TTFT of the writer's prefix-cache hit on the reader's prompt. The reader's tokens are checked
 against the writer's prefix-cache hit on the same prompt. Prints a table and writes
 ``store_phases.json`` to ``--out``.
 
@@ -45,13 +47,19 @@ PHASES = ("load_queue", "load_transfer", "load_staging", "load_copy", "load_rech
           "save_queue", "save_exists", "save_transfer")
 
 
+# vLLM's own per-request times (engine-core timestamps): queued from arrival until first
+# scheduled (a store hit waits its load there), then scheduled until the first token.
+REQUEST_SUMS = {"vllm:request_queue_time_seconds_sum": "queue_s", "vllm:request_prefill_time_seconds_sum": "prefill_s"}
+
+
 def scrape(url: str) -> dict[str, float]:
-    """The store tier's series of one engine, keyed ``name`` or ``name{label}``."""
+    """The store tier's series of one engine, and vLLM's per-request time sums
+    (``REQUEST_SUMS``), keyed ``name`` or ``name{label}``."""
     out: dict[str, float] = {}
     text = requests.get(url + "/metrics", timeout=10).text
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if not s.name.startswith("vllm:mctier_store_") or s.name.endswith("_bucket"):
+            if s.name.endswith("_bucket") or not (s.name.startswith("vllm:mctier_store_") or s.name in REQUEST_SUMS):
                 continue
             label = s.labels.get("phase") or s.labels.get("kind") or ""
             key = f"{s.name}{{{label}}}" if label else s.name
@@ -70,7 +78,8 @@ def summarise(d: dict[str, float], n_req: int) -> dict:
     row = {"phase_s": per,
            "load_s": d.get("vllm:mctier_store_load_seconds_sum", 0.0) / n_req,
            "save_s": d.get("vllm:mctier_store_save_seconds_sum", 0.0) / n_req,
-           "lookup_s": d.get("vllm:mctier_store_lookup_seconds_sum", 0.0) / n_req}
+           "lookup_s": d.get("vllm:mctier_store_lookup_seconds_sum", 0.0) / n_req,
+           **{k: d.get(name, 0.0) / n_req for name, k in REQUEST_SUMS.items()}}
     row["failures"] = {k.split("{", 1)[1].rstrip("}"): v for k, v in d.items()
                        if k.startswith("vllm:mctier_store_failures_total{")}
     for kind in ("load", "save"):
@@ -96,7 +105,10 @@ def _settings(pairs: list[str]) -> dict:
 
 def _print(name: str, n_pfx: int, row: dict) -> None:
     ld, sv = row["load"], row["save"]
-    print(f"{name:>10} {n_pfx:>6} tokens  TTFT {row['reader_ttft_s'] * 1e3:6.0f} ms | load {ld['load_s'] * 1e3:6.1f} ms: "
+    print(f"{name:>10} {n_pfx:>6} tokens  TTFT {row['reader_ttft_s'] * 1e3:6.0f} ms (writer's prefix-cache hit "
+          f"{row['floor_ttft_s'] * 1e3:.0f}) | reader queued {ld['queue_s'] * 1e3:.1f} ms, scheduled to first token "
+          f"{ld['prefill_s'] * 1e3:.1f}"
+          f" | load {ld['load_s'] * 1e3:6.1f} ms: "
           + " ".join(f"{p[5:]} {ld['phase_s'][p] * 1e3:.1f}" for p in PHASES[:5])
           + f" | {ld['load_ranges_per_chunk'] or 0:.0f} ranges/chunk, {ld['load_transfer_gbps'] or 0:.2f} GB/s"
           + f" | save {sv['save_s'] * 1e3:6.1f} ms: " + " ".join(f"{p[5:]} {sv['phase_s'][p] * 1e3:.1f}" for p in PHASES[5:])
@@ -136,7 +148,7 @@ def run(a: argparse.Namespace) -> int:
             dep.wait_http(r_url, r)
         urls = {name: (w[0], r[0]) for name, (w, r) in pairs.items()}
         for n_pfx in prefixes:
-            before, ttft = {}, {name: [] for name in configs}
+            before, ttft, floor = {}, {name: [] for name in configs}, {name: [] for name in configs}
             for rep in range(a.reps + 1):
                 for name in rotated(list(configs), rep):
                     w_url, r_url = urls[name]
@@ -150,6 +162,7 @@ def run(a: argparse.Namespace) -> int:
                     check.same("store_phases", f"{name}: reader hit tokens", n_pfx + SUFFIX, [got.cached], [n_pfx])
                     if rep:
                         ttft[name].append(got.ttft)
+                        floor[name].append(want.ttft)
                     time.sleep(SETTLE_S)  # the other pair's engines go quiet before the next one is timed
                 if rep == 0:  # warm-up: not in the figures
                     before = {name: (scrape(w), scrape(r)) for name, (w, r) in urls.items()}
@@ -158,7 +171,7 @@ def run(a: argparse.Namespace) -> int:
                 dw = delta(scrape(w_url), before[name][0])
                 dr = delta(scrape(r_url), before[name][1])
                 row = {"config": name, "settings": configs[name], "prefix_tokens": n_pfx,
-                       "reader_ttft_s": statistics.median(ttft[name]),
+                       "reader_ttft_s": statistics.median(ttft[name]), "floor_ttft_s": statistics.median(floor[name]),
                        "load": summarise(dr, a.reps), "save": summarise(dw, a.reps)}
                 rows.append(row)
                 _print(name, n_pfx, row)
