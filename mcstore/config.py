@@ -34,8 +34,9 @@ Keys (all optional except the master address, which may also come from
                          its pages (default 4; 0 = never: always straight into the pages)
     idle_step_ms         pause the engine's scheduler takes at a step that computes nothing (a request
                          waiting for its load, nothing else to run), so the engine's step loop leaves
-                         the core and the GIL to the load (default: 20 on a CPU engine with TP/PP > 1,
-                         see kvcore.shmspin; 2 otherwise; 0 = never pause)
+                         the core and the GIL to the load; never at the step that starts a load
+                         (default: 20 on a CPU engine with TP/PP > 1, see kvcore.shmspin; 2 otherwise;
+                         0 = never pause)
     load_thread_nice     nice value of the worker's load thread, which waits for each Mooncake get by
                          polling it without pause, so that the poll leaves the core to the transfer
                          (default: 19, the lowest priority, on a CPU engine; 0 elsewhere, where it was

@@ -186,8 +186,9 @@ class P2PScheduler:
         return True
 
     def build_connector_meta(self, idle: bool = False) -> P2PMetadata:
-        """This step's metadata; ``idle``: the step schedules no tokens."""
-        if idle and self.idle_step_s:
-            time.sleep(self.idle_step_s)
+        """This step's metadata; ``idle``: the step schedules no tokens (it pauses
+        ``idle_step_s``, unless it starts a pull, which the pause would only delay)."""
         meta, self._meta = self._meta, P2PMetadata()
+        if idle and self.idle_step_s and not meta.recvs:
+            time.sleep(self.idle_step_s)
         return meta

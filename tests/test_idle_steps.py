@@ -60,7 +60,7 @@ def test_shortened_shm_reader_sleeps_instead_of_spinning():
     assert spinning > 0.15 and sleeping < min(0.05, spinning / 5), (spinning, sleeping)
 
 
-def test_p2p_scheduler_pauses_only_steps_that_compute_nothing():
+def test_p2p_scheduler_pauses_only_steps_that_compute_nothing_and_start_no_pull():
     from p2p.config import load_config
     from p2p.scheduler import P2PScheduler
 
@@ -73,6 +73,11 @@ def test_p2p_scheduler_pauses_only_steps_that_compute_nothing():
     s.build_connector_meta(idle=True)
     idle = time.monotonic() - t0
     assert busy < 0.01 and 0.05 <= idle < 0.5, (busy, idle)
+    s._meta.recvs.append(object())  # a pull this step starts (its spec is not read here)
+    t0 = time.monotonic()
+    meta = s.build_connector_meta(idle=True)
+    starting = time.monotonic() - t0
+    assert len(meta.recvs) == 1 and starting < 0.01, starting
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -107,9 +112,15 @@ def took(tokens):
     c.build_connector_meta(out)
     return time.monotonic() - t0
 
+def starting_a_load():
+    from mcstore.protocol import LoadJob
+    c._sched._loads.append(LoadJob("req-0", [], 20.0))  # as plan_load leaves it for this step
+    return took(0)
+
 # The fastest of several calls: a scheduling hiccup on a busy CI host only lengthens a call.
 print(json.dumps({"pause_s": c._idle_step_s, "busy": min(took(64) for _ in range(5)),
-                  "idle": min(took(0) for _ in range(3))}), flush=True)
+                  "idle": min(took(0) for _ in range(3)), "starting": min(starting_a_load() for _ in range(3))}),
+      flush=True)
 # Exits without closing the Mooncake client: closing it in a process that built a vLLM config
 # this way crashed in the Go runtime's signal forwarding (seen only here, not in engines).
 os._exit(0)
@@ -118,8 +129,9 @@ os._exit(0)
 
 @pytest.mark.parametrize("tp,extra,want_s", [(1, {}, 0.002), (2, {}, 0.02), (1, {"idle_step_ms": 0}, 0.0),
                                              (1, {"idle_step_ms": 30}, 0.03)])
-def test_store_connector_pauses_only_steps_that_compute_nothing(store_cluster, tp, extra, want_s):
-    """A real StoreConnector (scheduler side, against a real master), in a child process."""
+def test_store_connector_pauses_only_steps_that_compute_nothing_and_start_no_load(store_cluster, tp, extra, want_s):
+    """A real StoreConnector (scheduler side, against a real master), in a child process:
+    a step that computes nothing pauses, unless it starts a load."""
     import json
     import subprocess
     import sys
@@ -134,3 +146,4 @@ def test_store_connector_pauses_only_steps_that_compute_nothing(store_cluster, t
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["pause_s"] == want_s
     assert got["busy"] < 0.01 and want_s <= got["idle"] < want_s + 0.2, got
+    assert got["starting"] < 0.01, got
