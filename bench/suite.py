@@ -9,7 +9,9 @@ readers, decode and the single-instance baseline on core 1), in one invocation:
 1. store_hit: TTFT of a prompt whose prefix another engine stored, read by an engine
    that never saw it: this project's ``StoreConnector`` (Mooncake on loopback) and
    LMCache in multi-process mode (``lmcache server`` + ``LMCacheMPConnector``), against
-   vLLM's own prefix-cache hit on one engine (the floor) and a miss (the ceiling).
+   vLLM's own prefix-cache hit on one engine (the floor) and a miss (the ceiling). A
+   second reader of ours, on the store tier's load path before issue 17
+   (``PREVIOUS_LOAD_PATH``), reads the same stored prefixes, taking turns with the first.
    ssd_hit: the same read from chunks Mooncake offloaded to disk (``bench/ssd_hit.py``),
    against their DRAM copies and a miss.
 2. pd: decode-side TTFT and total time of 1P1D (``P2PConnector`` through
