@@ -20,6 +20,30 @@ def settle_metric(url: str, name: str, before: dict, want_count: float = 1.0) ->
         time.sleep(0.1)
 
 
+# vLLM's own per-request times (engine-core timestamps): queued from arrival until first
+# scheduled (a store hit waits for its load there), then scheduled until the first token.
+REQUEST_TIMES = {"vllm:request_queue_time_seconds": "queue_s", "vllm:request_prefill_time_seconds": "prefill_s"}
+_REQUEST_SERIES = tuple(f"{n}_{s}" for n in REQUEST_TIMES for s in ("sum", "count"))
+
+
+def request_sums(url: str) -> dict:
+    """The engine's sums and counts of :data:`REQUEST_TIMES`, to pass to :func:`request_times`."""
+    return metrics(url, _REQUEST_SERIES)
+
+
+def request_times(url: str, before: dict) -> dict:
+    """The times of the one request the engine finished since ``before`` (``queue_s``,
+    ``prefill_s``), once it has exported them (waits up to 3 s)."""
+    deadline = time.monotonic() + 3.0
+    while True:
+        after = request_sums(url)
+        done = all(after.get((f"{n}_count", ""), 0.0) > before.get((f"{n}_count", ""), 0.0) for n in REQUEST_TIMES)
+        if done or time.monotonic() > deadline:
+            return {key: after.get((f"{n}_sum", ""), 0.0) - before.get((f"{n}_sum", ""), 0.0)
+                    for n, key in REQUEST_TIMES.items()}
+        time.sleep(0.1)
+
+
 def load_io(url: str, before: dict) -> dict:
     """A store reader's one load since ``before``: buffer ranges per whole chunk handed to
     Mooncake (fewest while its blocks are contiguous, one per KV region; more as they

@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.client import ids, stream  # noqa: E402
 from bench.common import Checker, long_context_args, machine, rotated, term_as_interrupt  # noqa: E402
+from bench.engine_metrics import REQUEST_TIMES  # noqa: E402
 from bench.suite import SETTLE_S, SUFFIX, store_config  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
 from multi.deploy import Deployment  # noqa: E402
@@ -47,9 +48,7 @@ PHASES = ("load_queue", "load_transfer", "load_staging", "load_copy", "load_rech
           "save_queue", "save_exists", "save_transfer")
 
 
-# vLLM's own per-request times (engine-core timestamps): queued from arrival until first
-# scheduled (a store hit waits its load there), then scheduled until the first token.
-REQUEST_SUMS = {"vllm:request_queue_time_seconds_sum": "queue_s", "vllm:request_prefill_time_seconds_sum": "prefill_s"}
+REQUEST_SUMS = {f"{name}_sum": key for name, key in REQUEST_TIMES.items()}
 
 
 def scrape(url: str) -> dict[str, float]:

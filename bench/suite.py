@@ -54,7 +54,8 @@ from bench.common import QUIET_S, Checker, long_context_args, machine, rotated, 
 from bench.report import plot, publish, render_markdown, render_table  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
-from bench.engine_metrics import VMSTAT, counters_delta, host_counters, load_io, settle_metric, thread_cpu  # noqa: E402
+from bench.engine_metrics import (VMSTAT, counters_delta, host_counters, load_io, request_sums,  # noqa: E402
+                                  request_times, settle_metric, thread_cpu)
 from multi.deploy import Deployment, metrics, tiered_config  # noqa: E402
 
 SECTIONS = ("store_hit", "ssd_hit", "pd", "composite", "raw")
@@ -127,6 +128,7 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
         hits: dict[str, list[int]] = {p: [] for p in readers}
         io: list[dict] = []
         also_io: dict[str, list[dict]] = {name: [] for name in also_read}
+        floor_times: list[dict] = []
         for rep in range(reps + 1):
             pfx, sa, sb = ids(n_pfx, rng), ids(SUFFIX, rng), ids(SUFFIX, rng)
             got: dict[str, object] = {}
@@ -137,13 +139,17 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
                     # miss ends inside that engine's spin (QUIET_S). The run without this pause
                     # (2026-12-01 13:21) put the store hits at 512 and 1,024 tokens at 0.74x and
                     # 0.72x the floor, which is suspect.
+                    rq0 = request_sums(base)
                     time.sleep(QUIET_S)
                     got["floor"] = stream(base, pfx + sb, MAX_TOKENS)
+                    if rep:
+                        floor_times.append(request_times(base, rq0))
                 else:
                     writer, reader = peers[who]
                     second = [name for name, (peer, _) in also_read.items() if peer == who]
                     # Before the writer's request: a scrape runs on the reader's core.
                     io0 = metrics(reader) if who == "ours" else None
+                    rq0 = request_sums(reader) if io0 is not None else None
                     also0 = {name: metrics(also_read[name][1]) for name in second}
                     got[f"{who}_store_miss"] = stream(writer, pfx + sa, MAX_TOKENS)
                     time.sleep(SETTLE_S)
@@ -159,7 +165,8 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
                     th1 = thread_cpu(reader_pid) if th0 is not None else None
                     c1 = host_counters(reader_pid) if c0 is not None else None
                     if io0 is not None and rep:
-                        io.append({**load_io(reader, io0), **(counters_delta(c0, c1) if c0 else {})})
+                        io.append({**load_io(reader, io0), **(counters_delta(c0, c1) if c0 else {}),
+                                   **request_times(reader, rq0)})
                         if th0 is not None:
                             io[-1]["threads"] = {k: v - th0.get(k, 0.0) for k, v in th1.items()
                                                  if v - th0.get(k, 0.0) > 1e-3}
@@ -200,6 +207,8 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
                 row["ours_load"]["threads"] = dict(sorted(
                     ((k, statistics.median(x["threads"].get(k, 0.0) for x in io)) for k in names),
                     key=lambda kv: -kv[1]))
+        if floor_times:  # the floor's own split, beside ours_load's queue_s / prefill_s
+            row["floor_times"] = {k: statistics.median(x[k] for x in floor_times) for k in floor_times[0]}
         for name, xs in also_io.items():
             if xs:
                 row[f"{name}_load"] = {k: statistics.median(x[k] for x in xs) for k in ("ranges_per_chunk", "gbps")}
@@ -221,6 +230,11 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
                   f"{ld['raw_gbps']:.2f} GB/s, into {ld['ranges_per_chunk']:.0f} ranges per chunk "
                   f"{ld['raw_ranges_gbps']:.2f}; floor + raw read of the same bytes = x{row['ours_raw_bound_vs_floor']:.2f}"
                   " floor", flush=True)
+        if "queue_s" in row.get("ours_load", {}) and "floor_times" in row:
+            ld, fl = row["ours_load"], row["floor_times"]
+            print(f"        ours: queued {ld['queue_s'] * 1e3:.1f} ms (its load {ld['seconds'] * 1e3:.1f}), scheduled to "
+                  f"first token {ld['prefill_s'] * 1e3:.1f}; floor: queued {fl['queue_s'] * 1e3:.1f}, scheduled to "
+                  f"first token {fl['prefill_s'] * 1e3:.1f} (vLLM's request times)", flush=True)
         if row.get("ours_load", {}).get("threads"):
             ld = row["ours_load"]
             print(f"        ours: reader's CPU over the hit's request (load {ld['seconds'] * 1e3:.0f} ms): " + ", ".join(

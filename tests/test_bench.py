@@ -61,6 +61,10 @@ def test_quick_bench_measures_every_section(quick):
         # bound above the floor (the floor plus a read that takes time).
         assert row["ours_load"]["raw_gbps"] > 0 and row["ours_load"]["raw_ranges_gbps"] > 0
         assert row["ours_raw_bound_vs_floor"] > 1
+        # vLLM's own times of our hit (queued through its load, then to the first token) and
+        # of the floor's request.
+        assert row["ours_load"]["queue_s"] > 0 and row["ours_load"]["prefill_s"] > 0
+        assert row["floor_times"]["prefill_s"] > 0
     # The SSD row read the whole prefix from DRAM, and again after it was pushed to disk.
     assert [x["prefix_tokens"] for x in r["ssd_hit"]] == [2048]
     assert all(x["hit_tokens"] == {"dram": 2048, "ssd": 2048} and x["filler_mib"] > 0 and x["dram_resident_min"] == 1
