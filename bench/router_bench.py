@@ -2,7 +2,7 @@
 least-outstanding routing, and P/D behind the router against plain engines, measured by
 vLLM's own client (``vllm bench serve``), side by side in one run (not a test).
 
-    .venv/bin/python -m bench.router_bench [--quick] [--out DIR]    (``make bench`` runs it too)
+    .venv/bin/python -m bench.router_bench [--quick] [--policies kv,...] [--out DIR]    (``make bench`` runs it too)
 
 Deployments, one after the other on the same two cores (``small`` model, block size 32):
 
@@ -14,6 +14,8 @@ Deployments, one after the other on the same two cores (``small`` model, block s
   the store view), ``round-robin``, ``least-outstanding``.
 - B, plain: two engines without a connector, one per core, behind
   ``mctier proxy --plain U1 U2 --policy round-robin`` and ``--policy kv``.
+
+``--policies`` keeps some of the routers (the admission pair always runs the kv one).
 
 Workloads (``--max-concurrency 4`` closed loop, 16 output tokens, ``--ignore-eos``):
 
@@ -242,6 +244,9 @@ class Bench:
         return row
 
     # ---- deployments
+    def policies(self, deployment: str) -> list[str]:
+        return [p for p in POLICIES[deployment] if not self.a.policies or p in self.a.policies]
+
     def workloads(self) -> list[str]:
         every = ["prefix"] + (["chat"] if self.sc.chat else []) + (["short"] if self.sc.short_prompts else [])
         return [w for w in every if not self.a.workloads or w in self.a.workloads]
@@ -268,7 +273,7 @@ class Bench:
                 self.dep.stop(self.dep.procs[n0:])
         base = ["--prefill", *prefills, "--decode", d_url]
         for w in self.workloads():
-            for pol in POLICIES["pd"]:
+            for pol in self.policies("pd"):
                 extra = ["--store", master] if pol == "kv" else []
                 self.run(w, "pd", pol, base + ["--policy", pol] + extra)
         if not self.a.workloads or "admission" in self.a.workloads:
@@ -298,7 +303,7 @@ class Bench:
         for i, u in enumerate(urls):
             self.warm(u, f"plain-{i}")
         for w in self.workloads():
-            for pol in POLICIES["plain"]:
+            for pol in self.policies("plain"):
                 self.run(w, "plain", pol, ["--plain", *urls, "--policy", pol])
 
 
@@ -308,10 +313,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="prefix workload and the admission pair, few prompts")
     ap.add_argument("--model", default="small", help="built-in preset (as bench/suite.py: small) or a model directory")
     ap.add_argument("--workloads", type=lambda v: v.split(","), help="some of prefix,chat,short,admission")
+    ap.add_argument("--policies", type=lambda v: v.split(","),
+                    help="some of kv,round-robin,least-outstanding (default all; plain has no least-outstanding run)")
     ap.add_argument("--ttft-slo", type=float, help="admission target in seconds (default: p90 TTFT of the kv run)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "router"))
     a = ap.parse_args(argv)
+    known = set(POLICIES["pd"]) | set(POLICIES["plain"])
+    if a.policies and not set(a.policies) <= known:
+        ap.error(f"--policies: unknown {sorted(set(a.policies) - known)}; known: {sorted(known)}")
 
     from kvcore.platform import engine_dtype, kv_bytes_per_token
     from multi.models import build

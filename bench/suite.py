@@ -431,6 +431,7 @@ def run(a: argparse.Namespace) -> int:
             dep.wait_http(*r)
         if previous is not None:
             dep.wait_http(*previous)
+        dep.wait_http(base_url, base)
         print(f"[bench] store_hit: TTFT of a prompt whose prefix another engine stored ({reps} reps):", flush=True)
         return store_hit(base_url, {k: (w[0], r[0]) for k, (w, r) in engines.items()}, prefixes, reps, rng, check,
                          reader_pid=engines["ours"][1][1].popen.pid,
@@ -439,6 +440,7 @@ def run(a: argparse.Namespace) -> int:
 
     def run_ssd_hit() -> list[dict]:
         print("[bench] ssd_hit: starting an SSD-offload store, a writer (core 0) and a reader (core 1)", flush=True)
+        dep.wait_http(base_url, base)
         return ssd_hit.run_section(dep, model, base_url, out, ssd_prefixes, reps, store_config, long, rng, check,
                                    CHUNK, SUFFIX, MAX_TOKENS)
 
@@ -447,6 +449,7 @@ def run(a: argparse.Namespace) -> int:
               flush=True)
         p_url, d_url, proxy = pair(lambda b: p2p_config("kv_producer", b), lambda b: p2p_config("kv_consumer", b),
                                    free_port())
+        dep.wait_http(base_url, base)
         print(f"[bench] pd: 1P1D through the proxy vs one instance ({reps} reps):", flush=True)
         return pd(base_url, p_url, d_url, proxy, lengths, reps, rng, check)
 
@@ -458,14 +461,16 @@ def run(a: argparse.Namespace) -> int:
                                 lambda b: tiered_config("kv_consumer", master, b), free_port())}
         pairs["stock"] = pair(lambda b: stock_config("kv_producer", master, b),
                               lambda b: stock_config("kv_consumer", master, b), free_port())
+        dep.wait_http(base_url, base)
         print(f"[bench] composite: decode-side TTFT, half of the prompt in the store ({reps} reps):", flush=True)
         return composite(base_url, pairs, [n for n in lengths if n >= 1024] or lengths, reps, rng, check)
 
     try:
         dep.cluster = StoreCluster(log_dir=out / "logs", segment_size=4 << 30).start()
         master = dep.cluster.master_addr
+        # The no-connector engine starts with the first section's engines (each section waits
+        # for it before its first request): started alone it leaves a core idle for ~25 s.
         base_url, base = dep.engine("base", model, 1, None, extra=long)
-        dep.wait_http(base_url, base)
         section("store_hit", run_store_hit)
         section("ssd_hit", run_ssd_hit)
         section("pd", run_pd)

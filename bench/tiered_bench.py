@@ -288,9 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dep.cluster = StoreCluster(log_dir=out / "logs", segment_size=8 << 30).start()
         master, boot = dep.cluster.master_addr, free_port()
+        # The reference starts beside the pair (started after it, it would leave a core idle).
+        base_url, base = dep.engine("reference", model, 1, None, extra=extra)
         p_url, d_url, proxy = dep.pd_pair(model, tiered_config("kv_producer", master, boot),
                                           tiered_config("kv_consumer", master, free_port()), boot, extra=extra)
-        base_url, base = dep.engine("reference", model, 1, None, extra=extra)
         dep.wait_http(base_url, base)
         urls = {"prefill": p_url, "decode": d_url, "proxy": proxy, "base": base_url}
         cell(urls, "with prefill", 513, 0.5, 1, rng, 0)  # untimed: the first handoff and loads set things up
