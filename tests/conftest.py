@@ -27,11 +27,16 @@ class Baseline:
         prefix cache, the same split as a connector hit of that length (see ``reference_tokens``)."""
         key = (tuple(prompt), max_tokens, cached_prefix, tuple(map(tuple, writers or ())))
         if key not in self._memo:
-            if self._engine is None:
-                name = "baseline" if self.dtype is None else f"baseline-{self.dtype}"
-                self._engine = start_engines(Engine(name, core=self.core, dev_mode=True, dtype=self.dtype))[0]
-            self._memo[key] = reference_tokens(self._engine, prompt, max_tokens, cached_prefix, writers)
+            self._memo[key] = reference_tokens(self.engine(), prompt, max_tokens, cached_prefix, writers)
         return self._memo[key]
+
+    def engine(self) -> Engine:
+        """The reference engine (started on first use), for a test module that drives it with
+        :func:`tests.harness.reference_tokens` itself: one engine start fewer than its own."""
+        if self._engine is None:
+            name = "baseline" if self.dtype is None else f"baseline-{self.dtype}"
+            self._engine = start_engines(Engine(name, core=self.core, dev_mode=True, dtype=self.dtype))[0]
+        return self._engine
 
     def top_logprobs(self, prompt: list[int], max_tokens: int, k: int = 5) -> list[dict[int, float]]:
         """Per generated position, the ``k`` most likely token ids and their logprobs, from a cold
@@ -50,6 +55,17 @@ def baseline(tiny_model):
     b = Baseline()
     yield b
     b.close()
+
+
+@pytest.fixture(scope="session")
+def tp2_ref():
+    """The no-connector TP 2 reference (tiny, ranks on cores 0 and 1, dev mode) of both TP 2
+    modules: its process starts here, and the first module's ``start_engines`` waits for it
+    beside its own engines; the second finds it ready (one TP 2 start fewer). Modules must not
+    stop it."""
+    e = Engine("tp2-ref", 0, tp=2, dev_mode=True)
+    yield e
+    e.stop()
 
 
 @pytest.fixture(scope="module")

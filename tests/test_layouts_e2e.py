@@ -74,10 +74,10 @@ def test_every_layer_sliding_model_is_refused_at_startup(store_cluster, connecto
 
 @pytest.fixture(scope="module")
 def swa_ref():
-    """No connector, hybrid allocator off: the KV layout the connector engines get."""
+    """No connector, hybrid allocator off: the KV layout the connector engines get. Its
+    process starts here; each test waits for it after its own engines, which start beside it."""
     e = Engine("swa-ref", 0, model=model_dir("tiny-swa"), dev_mode=True,
                extra_args=["--disable-hybrid-kv-cache-manager"])
-    start_engines(e)
     yield e
     e.stop()
 
@@ -88,6 +88,7 @@ def test_interleaved_model_store_hit_matches_reference(store_cluster, swa_ref):
     b = Engine("swa-store-B", 1, kv_config=store_kv(store_cluster.master_addr), model=model)
     try:
         start_engines(a, b)
+        swa_ref.wait_ready()
         p = prompt_ids(PREFIX + 88, 41)
         q = p[:PREFIX] + prompt_ids(100, 42)
         before = all_keys(store_cluster)
@@ -119,6 +120,7 @@ def test_interleaved_model_p2p_handoff_matches_reference(swa_ref):
     proxy = None
     try:
         start_engines(p, d)
+        swa_ref.wait_ready()
         proxy, url = start_proxy("swa-proxy", f"{p.url}@http://127.0.0.1:{boot_port}", d.url, 120, wait_s=90)
         # The P2P tier pulls the whole prompt's KV (the partial last block too), computed in
         # the prefill's one pass: the reference is that one pass (as in tests/test_p2p_e2e.py).

@@ -5,8 +5,8 @@ with ``TieredConnector`` (the tiny model, store chunks of 256 tokens), each publ
 vLLM's KV events over ZMQ; the router with the exact store view (``--store``) and
 the events (``--kv-events``), its cost model on its priors (``calibrate: false``, so
 the routes do not depend on this machine's speed) with the decode instance's compute
-always weighed (``idle_compute_s: 0``); and a no-connector reference
-engine. Every answer's greedy ids equal the reference's for the same computation
+always weighed (``idle_compute_s: 0``); and the session's no-connector reference
+engine (``conftest.baseline``). Every answer's greedy ids equal the reference's for the same computation
 (``reference_tokens``: the passes that produced the KV it reused, then the prompt).
 
 Prompts have ``N - 1`` a multiple of the block size: a handed-off request's decode
@@ -59,7 +59,7 @@ def events_args(name: str) -> list[str]:
 
 
 class Routed:
-    def __init__(self, cluster):
+    def __init__(self, cluster, base: Engine):
         self.master = cluster.master_addr
         self.boot = {"p1": free_port(), "p2": free_port()}
         ev = {k: events_args(f"router-{k}") for k in ("p1", "p2", "d")}
@@ -69,8 +69,8 @@ class Routed:
                          extra_args=ev["p2"], dev_mode=True)
         self.d = Engine("router-D", core=1, kv_config=tiered("kv_consumer", self.master, free_port()),
                         extra_args=ev["d"])
-        self.base = Engine("router-baseline", core=0, dev_mode=True)
-        start_engines(self.p1, self.p2, self.d, self.base)
+        start_engines(self.p1, self.p2, self.d)
+        self.base = base  # the session's no-connector engine (tiny, core 0): not started or stopped here
         self.decision_log = os.path.join(IPC_DIR, "decisions.jsonl")
         self.proxy, self.url = self.router("router", extra=["--decision-log", self.decision_log])
         self.idle = {e.name: e.metric("vllm:kv_cache_usage_perc") for e in self.engines()}
@@ -126,13 +126,13 @@ class Routed:
 
     def stop(self) -> None:
         self.proxy.stop()
-        for e in (*self.engines(), self.base):
+        for e in self.engines():
             e.stop()
 
 
 @pytest.fixture(scope="module")
-def rt(store_cluster):
-    r = Routed(store_cluster)
+def rt(store_cluster, baseline):
+    r = Routed(store_cluster, baseline.engine())
     yield r
     r.stop()
 

@@ -41,10 +41,10 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def tp2(cluster):
+def tp2(cluster, tp2_ref):
     a = Engine("tp2-store-A", 0, kv_config=store_kv(cluster.master_addr), tp=2)
     b = Engine("tp2-store-B", 0, kv_config=store_kv(cluster.master_addr), tp=2)
-    ref = Engine("tp2-ref", 0, tp=2, dev_mode=True)
+    ref = tp2_ref  # the session's (conftest): not stopped here
     start_engines(a, b, ref)
     try:
         # A TP > 1 engine compiles a small vocabulary-masking kernel at its first forward
@@ -53,7 +53,7 @@ def tp2(cluster):
             e.tokens(prompt_ids(40, 900 + i), 1)
         yield a, b, ref
     finally:
-        for e in (a, b, ref):
+        for e in (a, b):
             e.stop()
 
 

@@ -30,7 +30,7 @@ MAX_TOKENS = 8
 
 
 class PD2:
-    def __init__(self, tmp):
+    def __init__(self, tmp, ref: Engine):
         self.boot_port = free_port()
         self.corrupt_flag = tmp / "corrupt-now"
         self.P = Engine("tp2-p2p-P", 0, tp=2, kv_config={
@@ -41,14 +41,14 @@ class PD2:
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"transfer_timeout_s": 60,
                                           "debug_corrupt_received_kv": str(self.corrupt_flag)}})
-        self.ref = Engine("tp2-p2p-ref", 0, tp=2, dev_mode=True)
+        self.ref = ref  # the session's TP 2 reference (conftest): not stopped here
         self.proxy = None
         self.url = ""
 
 
 @pytest.fixture(scope="module")
-def pd2(tmp_path_factory):
-    env = PD2(tmp_path_factory.mktemp("tp2p2p"))
+def pd2(tmp_path_factory, tp2_ref):
+    env = PD2(tmp_path_factory.mktemp("tp2p2p"), tp2_ref)
     try:
         start_engines(env.P, env.D, env.ref)
         # A TP > 1 engine compiles a small vocabulary-masking kernel at its first forward
@@ -61,7 +61,7 @@ def pd2(tmp_path_factory):
     finally:
         if env.proxy is not None:
             env.proxy.stop(grace=5)
-        for e in (env.P, env.D, env.ref):
+        for e in (env.P, env.D):
             e.stop()
 
 
