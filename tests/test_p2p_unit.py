@@ -297,8 +297,10 @@ class _FailingReads:
     first ``failures`` reads raise the error Mooncake's sync read returns after a stall
     (-1). Used because a transient stall of the TCP transport cannot be made on demand."""
 
-    def __init__(self, real, failures: int):
-        self.real, self.failures, self.reads = real, failures, 0
+    def __init__(self, real, failures: int, fail_at: float | None = None):
+        # fail_at: a monotonic time the failing read stalls until (as a stalled read does)
+        # before it fails; None fails at once.
+        self.real, self.failures, self.reads, self.fail_at = real, failures, 0, fail_at
 
     def __getattr__(self, name):
         return getattr(self.real, name)
@@ -308,6 +310,8 @@ class _FailingReads:
 
         self.reads += 1
         if self.reads <= self.failures:
+            if self.fail_at is not None:
+                time.sleep(max(0.0, self.fail_at - time.monotonic()))
             raise error_for(-1, "batch_transfer_sync_read", f"from {peer} (injected)")
         return self.real.read(peer, local, remote, lens)
 
@@ -338,10 +342,13 @@ def test_a_failed_read_is_tried_once_more_within_the_deadline(pair, failures):
 @pytest.mark.integration
 def test_no_second_read_when_the_deadline_is_near(pair):
     prod, cons, side, puller, pstats, dstats, boot = pair
-    puller.engine = _FailingReads(puller.engine, 1)
+    # The read stalls until 0.4 s before the job's deadline, then fails: less than the second
+    # a retry needs is left. (A job whose whole deadline was under a second failed as
+    # "timeout" in a loaded CI run: the steps before the read took it all.)
+    job = _job(boot, "xfer-near", 0, [30], timeout=5.0)
+    puller.engine = _FailingReads(puller.engine, 1, fail_at=job.deadline - 0.4)
     side.add_hold("p-near", "xfer-near", [5])
-    # The hold is open, so READY comes at once; the job's deadline is under a second away.
-    puller.submit(_job(boot, "xfer-near", 0, [30], timeout=0.99))
+    puller.submit(job)
     res = _wait(puller.take_results)
     assert [(r.ok, r.cause) for r in res] == [(False, "transfer")] and puller.engine.reads == 1
     assert "retries:transfer" not in dstats.data["counters"]
