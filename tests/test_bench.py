@@ -1,11 +1,16 @@
-"""The benchmark harness itself (``python -m bench.suite --quick``), so that it cannot rot.
+"""The benchmark harness itself, so that it cannot rot: ``make test-bench``.
 
-Runs the reduced matrix for real: a Mooncake master, the store tier's writer and
-reader engines, LMCache's server and engines from their own virtualenv, a 1P1D pair,
-the TieredConnector and stock MultiConnector pairs, and the raw-API benchmarks.
-Asserts what the harness promises (every section and configuration measured, greedy
-tokens identical across configurations, the outputs written, every process it
-started gone afterwards), never how fast anything was.
+The tests marked ``bench_harness`` run the benchmark programs' reduced versions for real
+(``bench.suite --quick``, ``bench.router_bench --quick``, ``bench.trace_replay --quick``,
+``bench.tiered_bench --quick``): a Mooncake master, the store tier's writer and reader
+engines, LMCache's server and engines from their own virtualenv, 1P1D pairs, the
+TieredConnector and stock MultiConnector pairs, routers, and the raw-API benchmarks. They
+assert what the harness promises (every section and configuration measured, greedy tokens
+identical across configurations, the outputs written, every process it started gone
+afterwards), never how fast anything was. They take about 15 minutes here, so ``make test``
+deselects them (``-m "not bench_harness"``; pytest reports them as deselected) to stay
+within CI's budget on the slower CPU class; ``make test-bench`` runs them, and so does a
+plain ``pytest tests``. The raw probe's two tests below need no engine and run in both.
 """
 
 from __future__ import annotations
@@ -36,13 +41,14 @@ def _gone(pid: int) -> bool:
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     # One store-hit length (the quick default has two): every code path of the section runs
-    # on each, and one engine start's worth of CI time goes to tests that find more.
+    # on each, and the check is one engine start shorter.
     proc = subprocess.run([sys.executable, "-m", "bench.suite", "--quick", "--prefixes", "2048", "--out", str(out)],
                           cwd=str(ROOT), capture_output=True, text=True, timeout=2100)
     (out / "stdout.txt").write_text(proc.stdout + proc.stderr)
     return proc, out
 
 
+@pytest.mark.bench_harness
 def test_quick_bench_measures_every_section(quick):
     proc, out = quick
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -78,6 +84,7 @@ def test_quick_bench_measures_every_section(quick):
     assert r["raw"]["store"]["gbps"]["tier_load"] > 0 and r["raw"]["p2p"]["gbps"]["tier_transfer"] > 0
 
 
+@pytest.mark.bench_harness
 def test_quick_bench_checks_tokens_across_configurations(quick):
     _, out = quick
     r = json.loads((out / "bench.json").read_text())
@@ -87,6 +94,7 @@ def test_quick_bench_checks_tokens_across_configurations(quick):
     assert r["token_mismatches"] == []
 
 
+@pytest.mark.bench_harness
 def test_quick_bench_writes_outputs_and_stops_everything(quick):
     _, out = quick
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -110,13 +118,14 @@ def test_quick_bench_writes_outputs_and_stops_everything(quick):
     assert left == []
 
 
+@pytest.mark.bench_harness
 def test_router_bench_quick_reports_every_row(tmp_path):
     """``python -m bench.router_bench --quick --policies kv,round-robin``: the P/D deployment
     behind the kv and round-robin routers, the plain one behind both, the admission pair;
     every row measured with finite numbers, every request through the routers answered
     except the 429s of admission, every process gone. No assertion on speed. (The full run's
     least-outstanding router is one more ``--policy`` value through the same code; left out
-    here for CI's time.)"""
+    here to keep the check short.)"""
     import math
 
     proc = subprocess.run([sys.executable, "-m", "bench.router_bench", "--quick", "--policies", "kv,round-robin",
@@ -145,6 +154,7 @@ def test_router_bench_quick_reports_every_row(tmp_path):
     assert [p for p in r["pids"] if not _gone(p)] == []
 
 
+@pytest.mark.bench_harness
 def test_trace_replay_quick_runs_both_deployments_and_feeds_the_simulator(tmp_path):
     """``python -m bench.trace_replay --quick`` on 8 requests of the scaled conversation
     trace: both deployments served every request, the token accounting adds up, the speeds
@@ -191,6 +201,7 @@ def test_trace_replay_quick_runs_both_deployments_and_feeds_the_simulator(tmp_pa
     assert all(len(x["candidates"]) == 2 for x in map(json.loads, (tmp_path / "decisions-tiered.jsonl").open()))
 
 
+@pytest.mark.bench_harness
 def test_decision_bench_quick_measures_every_cell_with_the_same_tokens(tmp_path):
     """``python -m bench.tiered_bench --quick --lengths 257``: both layouts at 0% and 100%
     stored, every source timed, the plan ``auto`` chose read from the decode engine (and, for

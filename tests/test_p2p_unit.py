@@ -254,10 +254,15 @@ def pair(boot):
     pstats, dstats = TierStats(), TierStats()
     side = SideChannel(prod.geo.regions, prod.engine.addr, pstats, lock, abort_timeout_s=3.0)
     bootstrap.register(boot.url, RegisterPayload("eng-P", 0, 0, 0, side.addr), timeout=5)
-    puller = Puller(cons.geo, cons.engine, dstats, lock, bootstrap_timeout_s=2, peer_silence_timeout_s=2)
+    # The bootstrap call gets the product's default 5 s: the server is a thread of this test
+    # process, and a loaded CI run once kept it from answering a 2 s /query (the late-prefill
+    # test then failed as "bootstrap"). Peer silence stays 2 s for the dead-peer test.
+    puller = Puller(cons.geo, cons.engine, dstats, lock, bootstrap_timeout_s=5, peer_silence_timeout_s=2)
     yield prod, cons, side, puller, pstats, dstats, boot
     puller.close()
     side.close()
+    prod.engine.close()
+    cons.engine.close()
 
 
 def _job(boot, tid, start, blocks, timeout=10.0, engine="eng-P", url=None):
