@@ -25,7 +25,11 @@ get ``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2`` and a ``sitecustom
 vLLM loads its AVX2 kernel library and bf16 linears fall back as they do on AMD EPYC.
 The environment variables alone are not enough: vLLM would still load its AMX
 kernels and its AMX attention dies on a SIGILL without oneDNN having asked the kernel
-for AMX state.
+for AMX state. Simulated engines also get their own torch inductor cache
+(``TORCHINDUCTOR_CACHE_DIR``, the usual one with ``-simavx2`` appended): torch reused
+kernels its native engines compiled, and vLLM's compiled vocabulary mask of a TP 2 engine
+then gave out-of-range token ids (``IndexError`` in the embedding on the first request;
+with a fresh cache the same engine answers). A real AVX2 machine never mixes the two.
 """
 
 from __future__ import annotations
@@ -135,9 +139,25 @@ def engine_env(core: int | None = None) -> dict[str, str]:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
     if simulated_isa() == "avx2":
         sim = str(Path(__file__).resolve().parent / "simcpu")
+        env["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache_dir() + "-simavx2"
         env.update({"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", SIMULATE_ENV: "avx2",
                     "PYTHONPATH": os.pathsep.join(p for p in (sim, os.environ.get("PYTHONPATH", "")) if p)})
     return env
+
+
+def _inductor_cache_dir() -> str:
+    """torch inductor's cache directory for this process's engines: ``TORCHINDUCTOR_CACHE_DIR``
+    or torch's default, ``<tmp>/torchinductor_<user>``."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    import getpass
+    import tempfile
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (containers)
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
 
 
 class Platform:

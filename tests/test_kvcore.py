@@ -246,11 +246,16 @@ def test_avx2_simulation_hides_avx512_and_amx(monkeypatch):
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert env["ATEN_CPU_CAPABILITY"] == "avx2" and env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
     assert (Path(env["PYTHONPATH"].split(":")[0]) / "sitecustomize.py").is_file()
+    # Its own inductor cache, never the native engines' kernels.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/ind")
+    assert engine_env(1)["TORCHINDUCTOR_CACHE_DIR"] == "/tmp/ind-simavx2"
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert engine_env(1)["TORCHINDUCTOR_CACHE_DIR"].endswith("-simavx2")
     monkeypatch.setenv("MCTIER_SIMULATE_CPU", "avx512")
     with pytest.raises(ValueError, match="avx2"):
         cpu_flags(AMX_CPUINFO)
     monkeypatch.delenv("MCTIER_SIMULATE_CPU")
-    assert "ATEN_CPU_CAPABILITY" not in engine_env(0)
+    assert "ATEN_CPU_CAPABILITY" not in engine_env(0) and "TORCHINDUCTOR_CACHE_DIR" not in engine_env(0)
 
 
 @pytest.mark.unit
