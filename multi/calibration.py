@@ -23,8 +23,13 @@ class OnlineFit:
       checks starts 0.1x, 10x and 40x off).
     - The prior: the starting coefficients, worth ``prior_weight`` samples (a ridge term
       in the rescaled coordinates), fading with ``forget`` like every sample.
-    - Outliers: after the first 3 samples, a sample more than ``clip`` times off the
-      current prediction is clipped to that factor, so one wild sample moves the fit little.
+    - Outliers: after the first ``clip_after`` samples (3 by default), a sample more than
+      ``clip`` times off the current prediction is clipped to that factor, so one wild sample
+      moves the fit little. A fit whose first sample is often wild uses ``clip_after=0``:
+      the cost model's load fits, whose first handoff can pay a connection's set-up and
+      the remote prefill's misestimate (a CI run's first P2P sample was 49x its estimate,
+      and with the prior worth 0.3 samples the fit then priced a 2,000-token handoff above
+      recomputing it). Then the prior is trusted within ``clip`` until samples move it.
     - Bounds: every coefficient stays within ``[lower, upper]``.
     - ``floor`` (seconds): samples shorter than it are weighted as if they took ``floor``,
       for a quantity that is legitimately near 0 (a wait): relative errors would let one
@@ -41,6 +46,7 @@ class OnlineFit:
         forget: float = 0.97,
         clip: float = 4.0,
         floor: float = 0.0,
+        clip_after: int = 3,
     ):
         self.coef = np.asarray(prior, dtype=float)
         self.lower = np.asarray(lower, dtype=float)
@@ -53,6 +59,7 @@ class OnlineFit:
         self.forget = forget
         self.clip = clip
         self.floor = floor
+        self.clip_after = clip_after
         self.samples = 0
         self.clipped = 0
 
@@ -63,7 +70,7 @@ class OnlineFit:
         if not np.isfinite(y) or y <= 0:
             return
         pred = self.predict(x)
-        if self.samples >= 3 and pred > 0 and not pred / self.clip <= y <= pred * self.clip:
+        if self.samples >= self.clip_after and pred > 0 and not pred / self.clip <= y <= pred * self.clip:
             self.clipped += 1
             y = min(max(y, pred / self.clip), pred * self.clip)
         w = 1.0 / max(y, self.floor)  # relative error: (coef . x - y) / y, absolute below the floor

@@ -172,7 +172,7 @@ class CostModel:
             p = self.cfg.tiers.get(tier) or prior or LoadPrior()
             fit = self.loads[tier] = self._fit([p.latency_s, 1 / (p.bandwidth_gbps * gb)],
                                                lower=[0.0, 1 / (1000 * gb)], upper=[30.0, 1 / (1e-3 * gb)],
-                                               scale=[1.0, 1e9])
+                                               scale=[1.0, 1e9], clip_after=0)
         return fit
 
     def load_s(self, reach: TierReach, nbytes: float) -> float:

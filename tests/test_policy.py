@@ -7,6 +7,7 @@ import random
 import pytest
 
 from kvcore.plan import Source
+from kvcore.tier import LoadPrior
 from multi.calibration import OnlineFit
 from multi.config import load_config
 from mcstore.config import composite_role
@@ -92,6 +93,22 @@ def test_fit_converges_and_resists_outliers():
         want = sum(a * b for a, b in zip(true, x))
         assert 0.7 < fit.predict(x) / want < 1.4, (n, c)
     assert fit.clipped >= 1
+
+
+def test_a_wild_first_load_sample_moves_the_load_fit_at_most_clip_times():
+    """A cost model's load fit clips from its first sample (a first handoff can pay a
+    connection's set-up): one sample 49x its estimate leaves the next estimate within 4x
+    of the prior's; a plain fit (clip after 3) follows that sample almost all the way."""
+    model = CostModel(PolicyConfig())
+    prior = LoadPrior(latency_s=0.002, bandwidth_gbps=2.0)
+    fit = model.load_fit("p2p", prior)
+    small, big = 160e3, 8e6
+    before = fit.predict([1.0, big])
+    fit.update([1.0, small], 49 * fit.predict([1.0, small]))
+    assert fit.predict([1.0, big]) <= 4.0 * before * 1.01 and fit.clipped == 1
+    plain = OnlineFit([0.002, 1 / 2e9], lower=[0.0, 1e-12], upper=[30.0, 1e-3], scale=[1.0, 1e9])
+    plain.update([1.0, small], 49 * plain.predict([1.0, small]))
+    assert plain.predict([1.0, small]) > 20 * (0.002 + small / 2e9) and plain.clipped == 0
 
 
 def test_fit_stays_within_bounds():
