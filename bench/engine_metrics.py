@@ -106,18 +106,39 @@ def thread_cpu(pid: int) -> dict[str, float]:
     (``/proc/<pid>/task/<tid>/schedstat``, nanoseconds, unlike ``stat``'s 10 ms ticks),
     by process and thread name, and ``main`` for a process's first thread, else its thread id
     (threads a library starts keep their creator's name): ``"VLLM::Worker/VLLM::Worker/main"``."""
+    return _threads([p.pid for p in process_tree(pid)], tag_pid=False)
+
+
+def host_thread_cpu(exclude: int | None = None) -> dict[str, float]:
+    """:func:`thread_cpu` for every process on the host except ``exclude`` and its
+    descendants, keyed ``"<process>[<pid>]/<thread>/<main or tid>"``: who else ran while
+    one engine served a request (two engines of a benchmark share each core)."""
+    skip = {p.pid for p in process_tree(exclude)} if exclude else set()
+    return _threads([int(d) for d in os.listdir("/proc") if d.isdigit() and int(d) not in skip], tag_pid=True)
+
+
+def _comm(path: str) -> str:
+    # A kernel worker's name ends with the workqueue it last served ("kworker/1:1-mm_percpu_wq"),
+    # which changes from one read to the next: keep the thread's own part.
+    name = open(path).read().strip()
+    return name.split("-", 1)[0] if name.startswith("kworker/") else name
+
+
+def _threads(pids: list[int], tag_pid: bool) -> dict[str, float]:
     out: dict[str, float] = {}
-    for p in process_tree(pid):
+    for pid in pids:
         try:
-            pname = open(f"/proc/{p.pid}/comm").read().strip()
-            tids = os.listdir(f"/proc/{p.pid}/task")
+            pname = _comm(f"/proc/{pid}/comm")
+            tids = os.listdir(f"/proc/{pid}/task")
         except OSError:
-            continue
+            continue  # the process ended in between
+        if tag_pid:
+            pname = f"{pname}[{pid}]"
         for tid in tids:
             try:
-                name = open(f"/proc/{p.pid}/task/{tid}/comm").read().strip()
-                ns = int(open(f"/proc/{p.pid}/task/{tid}/schedstat").read().split()[0])
+                name = _comm(f"/proc/{pid}/task/{tid}/comm")
+                ns = int(open(f"/proc/{pid}/task/{tid}/schedstat").read().split()[0])
             except (OSError, ValueError, IndexError):
                 continue  # the thread ended in between
-            out[f"{pname}/{name}/{'main' if int(tid) == p.pid else tid}"] = ns / 1e9
+            out[f"{pname}/{name}/{'main' if int(tid) == pid else tid}"] = ns / 1e9
     return out

@@ -55,7 +55,7 @@ from bench.report import plot, publish, render_markdown, render_table  # noqa: E
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
 from bench.engine_metrics import (VMSTAT, counters_delta, host_counters, load_io, request_sums,  # noqa: E402
-                                  request_times, settle_metric, thread_cpu)
+                                  request_times, settle_metric, thread_cpu, host_thread_cpu)
 from multi.deploy import Deployment, metrics, tiered_config  # noqa: E402
 
 SECTIONS = ("store_hit", "ssd_hit", "pd", "composite", "raw")
@@ -114,8 +114,11 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
     (peer, reader URL on core 1), a second reader of what that peer's writer stored (the
     same prompt, the reader order rotating by repetition, ``QUIET_S`` apart); its loads'
     ranges per chunk and rate go to ``{name}_load``. With ``reader_pid``
-    (our reader's), each of its loads also reports the page faults of its processes and the
-    host's THP, compaction and reclaim counters over its request (``ours_load``). With
+    (our reader's), each of its loads also reports the page faults of its processes, the
+    host's THP, compaction and reclaim counters, and the CPU time of every thread of the
+    reader (``threads``) and of every other process on the host (``others``: the engines
+    sharing its core, both stores' servers, kernel workers) over its request
+    (``ours_load``). With
     ``probe(chunks, chunk_bytes, ranges)`` (:func:`bench.raw_probe.run` on the reader's core),
     each of our reader's hits is followed by the raw get of the same bytes in a plain process
     on that core: into one buffer per chunk (``ours_load["raw_gbps"]``) and into as many ranges
@@ -161,7 +164,9 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
                         time.sleep(QUIET_S)  # the same core as the next reader
                     c0 = host_counters(reader_pid) if io0 is not None and reader_pid else None
                     th0 = thread_cpu(reader_pid) if c0 is not None else None
+                    oth0 = host_thread_cpu(exclude=reader_pid) if c0 is not None else None
                     got[who] = stream(reader, pfx + sb, MAX_TOKENS)
+                    oth1 = host_thread_cpu(exclude=reader_pid) if oth0 is not None else None
                     th1 = thread_cpu(reader_pid) if th0 is not None else None
                     c1 = host_counters(reader_pid) if c0 is not None else None
                     if io0 is not None and rep:
@@ -170,6 +175,11 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
                         if th0 is not None:
                             io[-1]["threads"] = {k: v - th0.get(k, 0.0) for k, v in th1.items()
                                                  if v - th0.get(k, 0.0) > 1e-3}
+                            io[-1]["others"] = {k: v - oth0.get(k, 0.0) for k, v in oth1.items()
+                                                if v - oth0.get(k, 0.0) > 1e-3}
+                            top = sorted(io[-1]["others"].items(), key=lambda kv: -kv[1])[:4]
+                            print(f"        rep {rep}: ours {got[who].ttft * 1e3:.0f} ms, load {io[-1]['seconds'] * 1e3:.0f} ms;"
+                                  " others' CPU: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in top), flush=True)
                         if probe is not None and got[who].cached >= n_pfx and io[-1]["bytes"] > 0:  # a whole hit
                             time.sleep(QUIET_S)  # the reader spins after its request, on the probe's core
                             chunks, ranges = n_pfx // CHUNK, max(1, round(io[-1]["ranges_per_chunk"]))
@@ -200,13 +210,16 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
                "hit_tokens": {p: statistics.median(h) for p, h in hits.items()}}
         if io:
             # Keys every load has (a partial hit is not probed).
-            common = [k for k in io[0] if k != "threads" and all(k in x for x in io)]
+            common = [k for k in io[0] if k not in ("threads", "others") and all(k in x for x in io)]
             row["ours_load"] = {k: statistics.median(x[k] for x in io) for k in common}
-            if "threads" in io[0]:  # CPU seconds per reader thread over the hit's request, median
-                names = {k for x in io for k in x["threads"]}
-                row["ours_load"]["threads"] = dict(sorted(
-                    ((k, statistics.median(x["threads"].get(k, 0.0) for x in io)) for k in names),
-                    key=lambda kv: -kv[1]))
+            # CPU seconds per thread over the hit's request, median: the reader's threads, and
+            # every other process's (the engines sharing its core, the stores' servers).
+            for key in ("threads", "others"):
+                if key in io[0]:
+                    names = {k for x in io for k in x[key]}
+                    row["ours_load"][key] = dict(sorted(
+                        ((k, statistics.median(x[key].get(k, 0.0) for x in io)) for k in names),
+                        key=lambda kv: -kv[1]))
         if floor_times:  # the floor's own split, beside ours_load's queue_s / prefill_s
             row["floor_times"] = {k: statistics.median(x[k] for x in floor_times) for k in floor_times[0]}
         for name, xs in also_io.items():
@@ -239,6 +252,8 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
             ld = row["ours_load"]
             print(f"        ours: reader's CPU over the hit's request (load {ld['seconds'] * 1e3:.0f} ms): " + ", ".join(
                 f"{k} {v * 1e3:.0f} ms" for k, v in list(ld["threads"].items())[:6]), flush=True)
+            print("        other processes' CPU over it: " + ", ".join(
+                f"{k} {v * 1e3:.0f} ms" for k, v in list(ld.get("others", {}).items())[:8]), flush=True)
         if "minflt" in row.get("ours_load", {}):
             ld = row["ours_load"]
             print(f"        ours: load {ld['gbps']:.2f} GB/s, {ld['ranges_per_chunk']:.1f} ranges per chunk; reader's "

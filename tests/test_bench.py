@@ -258,3 +258,31 @@ def test_raw_probe_failure_is_an_error_not_a_rate():
 
     with pytest.raises(RuntimeError, match="raw probe failed"):
         raw_probe.run(f"127.0.0.1:{free_port()}", chunks=1, chunk_bytes=1 << 20, core=0, reps=1, timeout=120)
+
+
+def test_host_thread_cpu_sees_a_busy_process_and_leaves_out_the_excluded_tree():
+    """The store-hit section's "other processes' CPU": a child spinning 0.3 s shows about
+    that much under its own pid; excluding this process leaves out it and its child."""
+    import time
+
+    from bench.engine_metrics import host_thread_cpu
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time\nsys.stdin.readline()\n"
+                              "t = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+                              "sys.stdin.readline()"], stdin=subprocess.PIPE, text=True)
+    try:
+        time.sleep(0.5)  # the interpreter has started and waits
+        before = host_thread_cpu()
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        time.sleep(1.0)
+        after = host_thread_cpu()
+        excluded = host_thread_cpu(exclude=os.getpid())
+    finally:
+        child.stdin.close()
+        child.wait(timeout=10)
+    mine = {k: v - before.get(k, 0.0) for k, v in after.items() if f"[{child.pid}]/" in k}
+    assert 0.25 <= sum(mine.values()) <= 0.6, mine
+    assert any(f"[{os.getpid()}]/" in k for k in after)
+    assert not any(f"[{pid}]/" in k for k in excluded for pid in (os.getpid(), child.pid))
+    assert not any(k.startswith("kworker/") and "-" in k.split("[", 1)[0] for k in after)
