@@ -173,10 +173,8 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
                         io.append({**load_io(reader, io0), **(counters_delta(c0, c1) if c0 else {}),
                                    **request_times(reader, rq0)})
                         if th0 is not None:
-                            io[-1]["threads"] = {k: v - th0.get(k, 0.0) for k, v in th1.items()
-                                                 if v - th0.get(k, 0.0) > 1e-3}
-                            io[-1]["others"] = {k: v - oth0.get(k, 0.0) for k, v in oth1.items()
-                                                if v - oth0.get(k, 0.0) > 1e-3}
+                            for key, (a, b) in (("threads", (th0, th1)), ("others", (oth0, oth1))):
+                                io[-1][key] = {k: v for k, v in counters_delta(a, b).items() if v > 1e-3}
                             top = sorted(io[-1]["others"].items(), key=lambda kv: -kv[1])[:4]
                             print(f"        rep {rep}: ours {got[who].ttft * 1e3:.0f} ms, load {io[-1]['seconds'] * 1e3:.0f} ms;"
                                   " others' CPU: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in top), flush=True)
