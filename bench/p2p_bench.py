@@ -4,8 +4,9 @@ server and side channel holding the blocks) and this consumer (decode side: the 
 Puller).
 
 1. Throughput, side by side in one run: the tier's pull (side-channel metadata, coalesced
-   page runs, one ``batch_transfer_sync_read``, acknowledgement) against a raw
-   ``batch_transfer_sync_write`` (and ``_read``) of the very same descriptors.
+   page runs read as asynchronous batches waited for with pauses, acknowledgement) against
+   Mooncake's raw ``batch_transfer_sync_write`` (and ``_read``, which waits by spinning) of
+   the very same descriptors.
 2. Handoff latency breakdown (bootstrap query, metadata, transfer, acknowledgement) for
    prompts of 512, 2K and 8K tokens with the geometry of a real model's KV cache.
 

@@ -8,7 +8,7 @@ One job per request, run on a small thread pool. Phases, each bounded:
 2. metadata  side-channel :class:`PullRequest`; the prefill worker answers WAIT
              heartbeats until its request finished, then READY with its regions and
              block ids; silence longer than ``peer_silence_timeout_s`` = dead peer
-3. transfer  ``batch_transfer_sync_read`` of coalesced page runs from the Transfer
+3. transfer  a read of coalesced page runs (:meth:`TransferEngineHandle.read`) from the Transfer
              Engine the READY reply names (both sides must use the same kind of metadata:
              P2PHANDSHAKE, http or etcd; a mismatch fails as ``protocol``); a failed read
              is tried once more while the deadline leaves a second for it
@@ -281,14 +281,12 @@ class Puller:
         """The Transfer Engine read, tried a second time when the first fails and the
         handoff's deadline leaves at least ``_RETRY_MIN_LEFT_S``. A read only fills this
         engine's own blocks and the prefill side still holds its blocks (no PullDone was
-        sent yet), so repeating it is safe. Why at all: Mooncake's TCP transport was seen to
-        make no progress on a 2-descriptor read for 30 s, with both engines alive (a TP 2
-        pair sharing two cores, 2026-12-02). Its client session then dropped the connection
-        ("no transfer progress within 30s") and the read failed. The second read completed
-        15.6 s later, when the prefill side's Transfer Engine moved again (its write to the
-        dropped session failed at that moment): the stall was on the prefill's side and
-        ended within the deadline, so the handoff completed instead of being recomputed. A
-        read failing for a lasting cause (a dead peer) fails again at once."""
+        sent yet), so repeating it is safe. Why: a read can fail for a passing cause; in
+        2026-12 Mooncake's client dropped reads that had made no progress for 30 s while
+        the prefill's process got no CPU, and the second read completed once it ran again.
+        (That starvation came from this side's own wait, which no longer spins:
+        :mod:`p2p.transfer`.) A read failing for a lasting cause (a dead peer) fails again
+        at once."""
         t0 = time.monotonic()
         try:
             self.engine.read(peer, local, remote, lens)

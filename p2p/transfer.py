@@ -1,7 +1,17 @@
 """Thin wrapper over Mooncake's ``TransferEngine``.
 
-Only synchronous batch calls are used: ``get_batch_transfer_status`` on an already
-finished batch id segfaults in 0.3.13, so async batches are never polled here.
+Reads and writes are submitted asynchronously, one descriptor per Mooncake batch, and
+waited for here with short pauses (:data:`POLL_MAX_S`), not with Mooncake's synchronous
+batch calls: those wait by checking the batch's status in a loop without any pause, which
+keeps one core fully busy for the whole transfer. On a CPU host where a prefill and a
+decode instance share cores, that loop starved the prefill process whose Transfer Engine
+had to send the bytes: measured on a 2-core host (Linux 6.18, autogroup scheduling), the
+pinned prefill rank's 20 runnable threads got no CPU at all for 60 s while the decode
+rank's pulling thread, pinned to the same core, took 97% of it, and Mooncake's client
+dropped the stalled reads after its 30 s progress timeout (``tests/test_tp2_p2p_e2e.py``,
+5 of 6 runs). ``transfer_check_status`` reports only a batch's first task, hence one
+descriptor per batch; it frees the batch once it is terminal, so a finished batch is never
+asked again (asking again reads freed memory).
 Memory is registered with the platform's location string (``cpu:0`` on CPU,
 ``cuda:N`` with GPUDirect on CUDA, N the GPU the KV tensors are on).
 
@@ -24,6 +34,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Sequence
 
 from kvcore import platform
@@ -53,13 +64,53 @@ def _reserve_port(host: str) -> socket.socket:
     raise ConfigError(f"p2p: no port to name this Transfer Engine on {host!r}")
 
 
-# Descriptors per synchronous batch call. Measured with Mooncake 0.3.13 on loopback TCP: one
-# call of 3,072 descriptors failed (-1, the peer reset the connection) in 4 of 5 tries, also
-# right after a call of 2,048 passed; the store client's batch calls fail likewise past about
-# 2,048 ranges (mcstore.loads.ranged_batches). A pull of scattered blocks needs one descriptor
-# per block run per KV region (a 32K-token handoff of a 12-region model: up to 12,288), so
-# pulls go in calls of this many.
+# Descriptors in flight at once (submitted and not yet terminal). Measured with Mooncake
+# 0.3.13 on loopback TCP: one synchronous call of 3,072 descriptors failed (-1, the peer reset
+# the connection) in 4 of 5 tries, also right after a call of 2,048 passed; the store client's
+# batch calls fail likewise past about 2,048 ranges (mcstore.loads.ranged_batches). A pull of
+# scattered blocks needs one descriptor per block run per KV region (a 32K-token handoff of a
+# 12-region model: up to 12,288), so its descriptors go in windows of this many.
 MAX_DESCRIPTORS_PER_CALL = 1024
+
+# Pause between two status checks of the copies in flight: the first check follows the
+# submit at once, each later pause doubles up to POLL_MAX_S. A read is noticed done at most
+# POLL_MAX_S late; in between, this thread leaves the core to the Transfer Engines.
+POLL_MIN_S = 0.0001
+POLL_MAX_S = 0.002
+
+
+def _sync_timeout_s() -> float:
+    """Mooncake's own bound on a synchronous transfer, without its per-byte part (seconds)."""
+    try:
+        return float(max(5, int(os.environ["MC_TRANSFER_TIMEOUT"])))
+    except (KeyError, ValueError):
+        return 30.0
+
+
+def _wait_terminal(check, batch_ids: list[int], give_up_at: float) -> tuple[int, int]:
+    """Wait with pauses until every batch is terminal, or ``give_up_at`` (monotonic s);
+    ``(failed, still_in_flight)``. ``check`` is ``transfer_check_status``: 1 completed, -1
+    failed (both free the batch: never asked again), 0 pending, -2 a slice timed out
+    (Mooncake keeps the batch: asked again until it ends)."""
+    failed = 0
+    pause = POLL_MIN_S
+    while batch_ids:
+        still = []
+        for bid in batch_ids:
+            rc = check(bid)
+            if rc == -1:
+                failed += 1
+            elif rc != 1:
+                still.append(bid)
+        batch_ids = still
+        if not batch_ids or time.monotonic() >= give_up_at:
+            break
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_MAX_S)
+    if batch_ids:
+        logger.error("%d Mooncake transfers still in flight at their bound; their memory may still change",
+                     len(batch_ids))
+    return failed, len(batch_ids)
 
 
 class TransferEngineHandle:
@@ -111,26 +162,56 @@ class TransferEngineHandle:
             self._registered.append(b.addr)
 
     def read(self, peer: str, local: list[int], remote: list[int], lens: list[int]) -> None:
-        """Copy ``remote[i]`` (peer memory) into ``local[i]``, all or error."""
-        self._batched(self.te.batch_transfer_sync_read, "batch_transfer_sync_read", f"from {peer}",
-                      peer, local, remote, lens)
+        """Copy ``remote[i]`` (peer memory) into ``local[i]``, all or error (a typed
+        :class:`~kvcore.errors.MooncakeError`). Returns only when no copy is in flight any more
+        (see :meth:`_transfer` for the one bounded exception)."""
+        self._transfer(self.te.batch_transfer_async_read, "read", f"from {peer}", peer, local, remote, lens)
 
     def write(self, peer: str, local: list[int], remote: list[int], lens: list[int]) -> None:
-        self._batched(self.te.batch_transfer_sync_write, "batch_transfer_sync_write", f"to {peer}",
-                      peer, local, remote, lens)
+        """Copy ``local[i]`` into ``remote[i]`` (peer memory), all or error, as :meth:`read`."""
+        self._transfer(self.te.batch_transfer_async_write, "write", f"to {peer}", peer, local, remote, lens)
 
-    @staticmethod
-    def _batched(call, name: str, where: str, peer: str, local: list[int], remote: list[int],
-                 lens: list[int]) -> None:
-        """``call`` in synchronous batches of at most ``MAX_DESCRIPTORS_PER_CALL``; raise at the first failure."""
+    def _transfer(self, submit, op: str, where: str, peer: str, local: list[int], remote: list[int],
+                  lens: list[int]) -> None:
+        """Submit one batch per descriptor, then wait until every submitted batch is terminal.
+
+        Failures are reported only after that wait, so the caller may reuse its memory at
+        once. The wait is bounded as Mooncake bounds its own synchronous call (30 s, or
+        ``MC_TRANSFER_TIMEOUT``, plus 1 ns per byte); a transfer that moves no bytes for
+        ``MC_TCP_PROGRESS_TIMEOUT_SEC`` (30 s) is failed by Mooncake before that. Past the bound
+        the error says how many copies were still in flight."""
+        name = f"batch_transfer_async_{op}"
+        bound_s = _sync_timeout_s() + sum(lens) / 1e9
+        give_up_at = time.monotonic() + bound_s
+        refused = failed = stuck = 0
         for lo in range(0, len(lens), MAX_DESCRIPTORS_PER_CALL):
-            hi = lo + MAX_DESCRIPTORS_PER_CALL
-            rc = call(peer, local[lo:hi], remote[lo:hi], lens[lo:hi])
-            if rc != 0:  # 0 or a negative code (the engine's own -1 for a refused or failed batch)
-                raise error_for(rc, name, f"{where}, {len(lens)} descriptors")
+            pending: list[int] = []
+            for i in range(lo, min(lo + MAX_DESCRIPTORS_PER_CALL, len(lens))):
+                bid = submit(peer, [local[i]], [remote[i]], [lens[i]])
+                if bid == 0:  # Mooncake's failure value (no segment for the peer, or a refused submit)
+                    refused = len(lens) - i
+                    break
+                pending.append(bid)
+            f, stuck = _wait_terminal(self.te.transfer_check_status, pending, give_up_at)
+            failed += f
+            if refused or failed or stuck:
+                break
+        if refused or failed or stuck:
+            parts = [f"{k} {what}" for k, what in ((refused, "not submitted"), (failed, "failed"),
+                                                   (stuck, f"still in flight after {bound_s:.0f}s")) if k]
+            raise error_for(-1, name, f"{where}, {len(lens)} descriptors: " + ", ".join(parts))
 
     def close(self) -> None:
+        """Unregister the memory and destroy the engine now. Mooncake's engine takes about 1 s
+        to stop its threads and holds the GIL meanwhile: left to the garbage collector, that
+        second froze every thread of the process at a random later moment (a test process's
+        side-channel heartbeats and timed waits, 2026-12-03). Idempotent; the handle is
+        unusable afterwards."""
+        if self.te is None:
+            return
         for addr in self._registered:
             self.te.unregister_memory(addr)
         self._registered.clear()
-        # The name stays reserved while the engine (registered under it) lives.
+        self.te = None
+        # The name was reserved while the engine registered under it lived.
+        self._release_name()

@@ -144,6 +144,53 @@ def test_p2p_read_of_more_descriptors_than_one_call_takes():
         target.wait(timeout=10)
 
 
+def test_p2p_read_waits_without_spinning_where_mooncakes_sync_read_spins():
+    """While ``TransferEngineHandle.read`` waits for its bytes, the calling thread leaves the
+    core (under 20% of the read's wall time on that thread's CPU clock): on a CPU host the
+    prefill process that sends the bytes may share that core (p2p.transfer). Control: the
+    same reads through Mooncake's ``batch_transfer_sync_read`` keep the calling thread
+    busy (over 40%), so the measurement can tell the two apart."""
+    from kvcore.geometry import MemRange
+    from p2p.transfer import TransferEngineHandle
+
+    size = 64 << 20
+    target = subprocess.Popen([sys.executable, "-c", PATTERN_TARGET.replace("1 << 20", str(size))],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, **CLIENT_ENV})
+    h = None
+    try:
+        port, remote_base = map(int, target.stdout.readline().split())
+        peer = f"127.0.0.1:{port}"
+        h = TransferEngineHandle()
+        dst = torch.zeros(size, dtype=torch.uint8)
+        h.register([MemRange(dst.data_ptr(), dst.numel())])
+        quarter = size // 4
+        local = [dst.data_ptr() + i * quarter for i in range(4)]
+        remote = [remote_base + i * quarter for i in range(4)]
+
+        def busy_share(read) -> float:
+            wall = cpu = 0.0
+            for _ in range(4):
+                w0, c0 = time.perf_counter(), time.thread_time()
+                read()
+                wall += time.perf_counter() - w0
+                cpu += time.thread_time() - c0
+            return cpu / wall
+
+        ours = busy_share(lambda: h.read(peer, local, remote, [quarter] * 4))
+        pattern = (torch.arange(size, dtype=torch.int64) * 7 % 251).to(torch.uint8)
+        assert torch.equal(dst, pattern)
+        sync = busy_share(lambda: check(h.te.batch_transfer_sync_read(peer, local, remote, [quarter] * 4),
+                                        "batch_transfer_sync_read"))
+        print(f"calling thread's CPU over the read's wall time: ours {ours:.1%}, Mooncake's sync read {sync:.1%}")
+        assert ours < 0.2 and sync > 0.4, (ours, sync)
+    finally:
+        if h is not None:
+            h.close()
+        target.kill()
+        target.wait(timeout=10)
+
+
 def test_mctier_master_cli_serves_and_stops(tmp_path):
     from mooncake.store import MooncakeDistributedStore
 
