@@ -243,26 +243,39 @@ class Side:
         return [self.buf[:, b].clone() for b in blocks]
 
 
+SILENCE_S = 4.0  # the pair's peer-silence limit (the prefill side's heartbeats: one a second)
+
+
+@pytest.fixture(scope="module")
+def sides():
+    """The two instances' KV and Transfer Engines, shared by the module's pair tests (each
+    pulls into blocks it checks itself). Closing destroys each engine, about 1 s each
+    (p2p.transfer): once here instead of twice per test."""
+    prod, cons = Side(seed=1), Side(seed=2)
+    yield prod, cons
+    prod.engine.close()
+    cons.engine.close()
+
+
 @pytest.fixture()
-def pair(boot):
+def pair(boot, sides):
     from kvcore.metrics import TierStats
     from p2p.holds import SideChannel
     from p2p.puller import Puller
 
-    prod, cons = Side(seed=1), Side(seed=2)
+    prod, cons = sides
     lock = threading.Lock()
     pstats, dstats = TierStats(), TierStats()
     side = SideChannel(prod.geo.regions, prod.engine.addr, pstats, lock, abort_timeout_s=3.0)
     bootstrap.register(boot.url, RegisterPayload("eng-P", 0, 0, 0, side.addr), timeout=5)
     # The bootstrap call gets the product's default 5 s: the server is a thread of this test
     # process, and a loaded CI run once kept it from answering a 2 s /query (the late-prefill
-    # test then failed as "bootstrap"). Peer silence stays 2 s for the dead-peer test.
-    puller = Puller(cons.geo, cons.engine, dstats, lock, bootstrap_timeout_s=5, peer_silence_timeout_s=2)
+    # test then failed as "bootstrap"). Peer silence is SILENCE_S: a later CI run saw no
+    # heartbeat (one a second) for 2 s, the side channel also being a thread of this process.
+    puller = Puller(cons.geo, cons.engine, dstats, lock, bootstrap_timeout_s=5, peer_silence_timeout_s=SILENCE_S)
     yield prod, cons, side, puller, pstats, dstats, boot
     puller.close()
     side.close()
-    prod.engine.close()
-    cons.engine.close()
 
 
 def _job(boot, tid, start, blocks, timeout=10.0, engine="eng-P", url=None):
@@ -299,8 +312,8 @@ def test_te_pair_moves_the_requested_tail_and_releases(pair):
 
 class _FailingReads:
     """FAULT INJECTION (named fake): the real Transfer Engine handle, except that its
-    first ``failures`` reads raise the error Mooncake's sync read returns after a stall
-    (-1). Used because a transient stall of the TCP transport cannot be made on demand."""
+    first ``failures`` reads raise the error a read returns after a stall (-1). Used
+    because a transient stall of the TCP transport cannot be made on demand."""
 
     def __init__(self, real, failures: int, fail_at: float | None = None):
         # fail_at: a monotonic time the failing read stalls until (as a stalled read does)
@@ -317,7 +330,7 @@ class _FailingReads:
         if self.reads <= self.failures:
             if self.fail_at is not None:
                 time.sleep(max(0.0, self.fail_at - time.monotonic()))
-            raise error_for(-1, "batch_transfer_sync_read", f"from {peer} (injected)")
+            raise error_for(-1, "batch_transfer_async_read", f"from {peer} (injected)")
         return self.real.read(peer, local, remote, lens)
 
 
@@ -363,7 +376,9 @@ def test_no_second_read_when_the_deadline_is_near(pair):
 def test_pull_waits_for_a_late_prefill(pair):
     prod, cons, side, puller, *_ , boot = pair
     puller.submit(_job(boot, "xfer-late", 0, [3, 4]))
-    time.sleep(1.5)  # D asked first; P's request finishes later (WAIT heartbeats meanwhile)
+    # D asked first; P's request finishes later than the silence limit: only its WAIT
+    # heartbeats keep the pull alive.
+    time.sleep(SILENCE_S + 1)
     assert puller.take_results() == []
     side.add_hold("p-late", "xfer-late", [10, 11])
     res = _wait(puller.take_results)
@@ -431,7 +446,7 @@ def test_dead_prefill_worker_detected_by_silence(pair):
     t0 = time.monotonic()
     puller.submit(_job(boot, "xfer-dead", 0, [3], timeout=30))
     r = _wait(puller.take_results, timeout=10)[0]
-    assert (r.ok, r.cause) == (False, "peer") and time.monotonic() - t0 < 4
+    assert (r.ok, r.cause) == (False, "peer") and time.monotonic() - t0 < SILENCE_S + 2
 
 
 def test_pull_deadline_follows_the_expected_work():
