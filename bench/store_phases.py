@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from bench.client import ids, stream  # noqa: E402
 from bench.common import Checker, long_context_args, machine, rotated, term_as_interrupt  # noqa: E402
 from bench.engine_metrics import REQUEST_TIMES  # noqa: E402
-from bench.suite import SETTLE_S, SUFFIX, store_config  # noqa: E402
+from bench.store_hit import SETTLE_S, SUFFIX, store_config  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
 from multi.deploy import Deployment  # noqa: E402
 
