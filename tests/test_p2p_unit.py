@@ -270,8 +270,9 @@ def pair(boot, sides):
     bootstrap.register(boot.url, RegisterPayload("eng-P", 0, 0, 0, side.addr), timeout=5)
     # The bootstrap call gets the product's default 5 s: the server is a thread of this test
     # process, and a loaded CI run once kept it from answering a 2 s /query (the late-prefill
-    # test then failed as "bootstrap"). Peer silence is SILENCE_S: a later CI run saw no
-    # heartbeat (one a second) for 2 s, the side channel also being a thread of this process.
+    # test then failed as "bootstrap"). Peer silence is SILENCE_S (was 2 s): a later CI run saw
+    # no heartbeat for 2 s, while the garbage collector destroyed an earlier test's Transfer
+    # Engines, which froze this process for about 1 s each (p2p.transfer.close, since fixed).
     puller = Puller(cons.geo, cons.engine, dstats, lock, bootstrap_timeout_s=5, peer_silence_timeout_s=SILENCE_S)
     yield prod, cons, side, puller, pstats, dstats, boot
     puller.close()
