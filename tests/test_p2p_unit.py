@@ -271,8 +271,8 @@ def pair(boot, sides):
     # The bootstrap call gets the product's default 5 s: the server is a thread of this test
     # process, and a loaded CI run once kept it from answering a 2 s /query (the late-prefill
     # test then failed as "bootstrap"). Peer silence is SILENCE_S (was 2 s): a later CI run saw
-    # no heartbeat for 2 s, while the garbage collector destroyed an earlier test's Transfer
-    # Engines, which froze this process for about 1 s each (p2p.transfer.close, since fixed).
+    # no heartbeat for 2 s. The likely cause, since fixed (p2p.transfer.close): the garbage
+    # collector destroying an earlier test's Transfer Engines froze this process ~1 s each.
     puller = Puller(cons.geo, cons.engine, dstats, lock, bootstrap_timeout_s=5, peer_silence_timeout_s=SILENCE_S)
     yield prod, cons, side, puller, pstats, dstats, boot
     puller.close()
