@@ -3,6 +3,7 @@ and ``mctier master`` as a user starts it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -108,40 +109,56 @@ import sys, torch
 from mooncake.engine import TransferEngine
 te = TransferEngine()
 assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-buf = (torch.arange(1 << 20, dtype=torch.int64) * 7 % 251).to(torch.uint8)
+buf = (torch.arange(SIZE, dtype=torch.int64) * 7 % 251).to(torch.uint8)
 assert te.register_memory(buf.data_ptr(), buf.numel()) == 0
 print(te.get_rpc_port(), buf.data_ptr(), flush=True)
 sys.stdin.readline()
 """
 
 
-def test_p2p_read_of_more_descriptors_than_one_call_takes():
-    """``TransferEngineHandle.read`` of 3 x MAX_DESCRIPTORS_PER_CALL descriptors (256 bytes each,
-    in reverse order so that none merge) from a fresh peer process: every byte lands where it
-    should. As one call, the same read failed with INTERNAL_ERROR (p2p.transfer)."""
-    from kvcore.geometry import MemRange
-    from p2p.transfer import MAX_DESCRIPTORS_PER_CALL, TransferEngineHandle
+def _pattern(size: int) -> torch.Tensor:
+    """The bytes :data:`PATTERN_TARGET` registers."""
+    return (torch.arange(size, dtype=torch.int64) * 7 % 251).to(torch.uint8)
 
-    target = subprocess.Popen([sys.executable, "-c", PATTERN_TARGET], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True, env={**os.environ, **CLIENT_ENV})
+
+@contextlib.contextmanager
+def _pattern_peer(size: int):
+    """A peer process holding :func:`_pattern` of ``size`` bytes in a registered buffer, and
+    this process's ``TransferEngineHandle`` with a zeroed buffer of the same size:
+    yields ``(handle, dst, peer, remote_base)``; stops both (the peer by PID)."""
+    from kvcore.geometry import MemRange
+    from p2p.transfer import TransferEngineHandle
+
+    target = subprocess.Popen([sys.executable, "-c", PATTERN_TARGET.replace("SIZE", str(size))],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, **CLIENT_ENV})
     h = None
     try:
         port, remote_base = map(int, target.stdout.readline().split())
         h = TransferEngineHandle()
-        dst = torch.zeros(1 << 20, dtype=torch.uint8)
+        dst = torch.zeros(size, dtype=torch.uint8)
         h.register([MemRange(dst.data_ptr(), dst.numel())])
-        n, size = 3 * MAX_DESCRIPTORS_PER_CALL, 256
-        local = [dst.data_ptr() + i * size for i in range(n)]
-        remote = [remote_base + (n - 1 - i) * size for i in range(n)]
-        h.read(f"127.0.0.1:{port}", local, remote, [size] * n)
-        pattern = (torch.arange(1 << 20, dtype=torch.int64) * 7 % 251).to(torch.uint8)
-        want = pattern[: n * size].view(n, size).flip(0).reshape(-1)
-        assert torch.equal(dst[: n * size], want)
+        yield h, dst, f"127.0.0.1:{port}", remote_base
     finally:
         if h is not None:
             h.close()
         target.kill()
         target.wait(timeout=10)
+
+
+def test_p2p_read_of_more_descriptors_than_one_call_takes():
+    """``TransferEngineHandle.read`` of 3 x MAX_DESCRIPTORS_PER_CALL descriptors (256 bytes each,
+    in reverse order so that none merge) from a fresh peer process: every byte lands where it
+    should. As one call, the same read failed with INTERNAL_ERROR (p2p.transfer)."""
+    from p2p.transfer import MAX_DESCRIPTORS_PER_CALL
+
+    with _pattern_peer(1 << 20) as (h, dst, peer, remote_base):
+        n, size = 3 * MAX_DESCRIPTORS_PER_CALL, 256
+        local = [dst.data_ptr() + i * size for i in range(n)]
+        remote = [remote_base + (n - 1 - i) * size for i in range(n)]
+        h.read(peer, local, remote, [size] * n)
+        want = _pattern(1 << 20)[: n * size].view(n, size).flip(0).reshape(-1)
+        assert torch.equal(dst[: n * size], want)
 
 
 def test_p2p_read_waits_without_spinning_where_mooncakes_sync_read_spins():
@@ -150,20 +167,8 @@ def test_p2p_read_waits_without_spinning_where_mooncakes_sync_read_spins():
     prefill process that sends the bytes may share that core (p2p.transfer). Control: the
     same reads through Mooncake's ``batch_transfer_sync_read`` keep the calling thread
     busy (over 40%), so the measurement can tell the two apart."""
-    from kvcore.geometry import MemRange
-    from p2p.transfer import TransferEngineHandle
-
     size = 64 << 20
-    target = subprocess.Popen([sys.executable, "-c", PATTERN_TARGET.replace("1 << 20", str(size))],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, **CLIENT_ENV})
-    h = None
-    try:
-        port, remote_base = map(int, target.stdout.readline().split())
-        peer = f"127.0.0.1:{port}"
-        h = TransferEngineHandle()
-        dst = torch.zeros(size, dtype=torch.uint8)
-        h.register([MemRange(dst.data_ptr(), dst.numel())])
+    with _pattern_peer(size) as (h, dst, peer, remote_base):
         quarter = size // 4
         local = [dst.data_ptr() + i * quarter for i in range(4)]
         remote = [remote_base + i * quarter for i in range(4)]
@@ -178,17 +183,11 @@ def test_p2p_read_waits_without_spinning_where_mooncakes_sync_read_spins():
             return cpu / wall
 
         ours = busy_share(lambda: h.read(peer, local, remote, [quarter] * 4))
-        pattern = (torch.arange(size, dtype=torch.int64) * 7 % 251).to(torch.uint8)
-        assert torch.equal(dst, pattern)
+        assert torch.equal(dst, _pattern(size))
         sync = busy_share(lambda: check(h.te.batch_transfer_sync_read(peer, local, remote, [quarter] * 4),
                                         "batch_transfer_sync_read"))
         print(f"calling thread's CPU over the read's wall time: ours {ours:.1%}, Mooncake's sync read {sync:.1%}")
         assert ours < 0.2 and sync > 0.4, (ours, sync)
-    finally:
-        if h is not None:
-            h.close()
-        target.kill()
-        target.wait(timeout=10)
 
 
 def test_mctier_master_cli_serves_and_stops(tmp_path):
