@@ -108,22 +108,27 @@ def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                  _x(s["save_ratio"]), _x(g["tier_save"] / g["mb_put"]), "raw = batch_put_from"],
                 ["store load", f"{s['bytes'] >> 20} MiB", f"{g['raw_get']:.2f}", f"{g['mb_get']:.2f}", f"{g['tier_load']:.2f}",
                  _x(s["load_ratio"]), _x(g["tier_load"] / g["mb_get"]),
-                 _lookup_note(s["lookup_ms"])],
+                 _lookup_note(s["lookup_ms"], s.get("lookup_previous_ms"))],
                 ["p2p pull", f"{p['bytes'] >> 20} MiB", f"{p['gbps']['raw_read']:.2f}", "-", f"{p['gbps']['tier_transfer']:.2f}",
                  _x(p["transfer_ratio"]), "-", f"whole handoff {p['gbps']['tier_handoff']:.2f} GB/s"]]
         out.append(("4. Tier vs raw Mooncake API, same bytes (medians)", head, rows))
     return out
 
 
-def _lookup_note(lk: dict) -> str:
-    """The lookup's p99, and its hash chain's where the run measured it apart (since 2026-12-02),
-    and the master's call asked again at once, from busy threads (since 2026-12-02, session 18)."""
+def _lookup_note(lk: dict, previous: dict | None = None) -> str:
+    """The lookup's p99, and its links' where the run measured them apart (since 2026-12-02),
+    the master's call asked again at once, from busy threads (since 2026-12-02, session 18), and
+    the previous path's (links from the token ids; since 2026-12-03, when the default became
+    links from vLLM's block hashes)."""
     note = f"lookup {lk.get('tokens', 8192) // 1024}K prompt p99 {lk['p99']:.2f} ms"
     if "chain_p99" in lk:
-        note += f" (hash chain p99 {lk['chain_p99']:.2f}, batch_is_exist p99 {lk['exists_p99']:.2f}"
+        note += f" (links p99 {lk['chain_p99']:.2f}, batch_is_exist p99 {lk['exists_p99']:.2f}"
         if "exists_again_p99" in lk:
             note += f", asked again at once {lk['exists_again_p99']:.2f}"
         note += ")"
+    if previous:
+        note += (f"; previous path (token chain) p99 {previous['p99']:.2f} ms "
+                 f"(its chain p99 {previous['chain_p99']:.2f})")
     return note
 
 

@@ -169,6 +169,28 @@ def pp_layer_ranges(vllm_config) -> list[list[int]]:
     return [list(get_pp_indices(total, rank, pp_size)) for rank in range(pp_size)]
 
 
+def block_hash_scheme(vllm_config, kv_cache_config, chunk_tokens: int) -> dict | None:
+    """How this engine's vLLM hashes request blocks, when store links can come from those
+    hashes (``mcstore.keys.VllmBlockHashes``): ``--prefix-caching-hash-algo sha256`` (vLLM's
+    default; the others are not reproduced by mctier's tools) and chunks made of whole hash
+    blocks. The seed is vLLM's own resolution (``PYTHONHASHSEED``, else its fixed default), the
+    same in every process of the engine since they share the environment. None: mctier's own
+    token chain."""
+    if getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None) != "sha256":
+        return None
+    try:
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes, resolve_none_hash_seed
+
+        hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1]
+        seed = resolve_none_hash_seed(sha256)
+    except (ImportError, ValueError, AttributeError):  # another vLLM, or a layout it rejects
+        return None
+    if chunk_tokens % hash_block_size:
+        return None
+    return {"algo": "sha256", "seed": seed, "block_size": hash_block_size}
+
+
 def block_size_of(kv_cache_config) -> int:
     return kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
 

@@ -24,6 +24,7 @@ from kvcore.tier import LoadReport, Tier
 from kvcore.vllm_glue import (
     KVConnectorBase_V1,
     KVConnectorRole,
+    block_hash_scheme,
     block_size_of,
     kv_fingerprint_fields,
     pp_rank,
@@ -34,7 +35,7 @@ from kvcore.vllm_glue import (
 )
 from mcstore.client import publish_engine_meta
 from mcstore.config import LOAD_PRIOR, StoreConfig, composite_role, load_config
-from mcstore.keys import KeySpace, fingerprint
+from mcstore.keys import KeySpace, VllmBlockHashes, fingerprint
 from mcstore.metrics import StorePromMetrics, StoreStats
 from mcstore.protocol import StoreMetadata
 from mcstore.scheduler import StoreScheduler
@@ -53,8 +54,12 @@ def key_space(cfg: StoreConfig, vllm_config, kv_cache_config) -> KeySpace:
         fields["revision"] = None
     fields["chunk_tokens"] = cfg.chunk_tokens
     fields["object_format"] = "pages+xxh3" if cfg.verify_checksums else "pages"
+    scheme = block_hash_scheme(vllm_config, kv_cache_config, cfg.chunk_tokens)
+    if scheme is not None:  # links from vLLM's block hashes (mcstore.keys): another key space
+        fields["block_hashes"] = scheme
     return KeySpace(fingerprint(fields), cfg.chunk_tokens, fields["tp_size"], cfg.key_prefix,
-                    pp_size=fields["pp_size"])
+                    pp_size=fields["pp_size"],
+                    block_hashes=None if scheme is None else VllmBlockHashes(**scheme))
 
 
 class StoreConnector(KVConnectorBase_V1, Tier):

@@ -1,4 +1,18 @@
-"""Store keys: a SHA-256 hash chain over ``chunk_tokens``-token chunks.
+"""Store keys: one link per ``chunk_tokens``-token chunk, a SHA-256 hash of everything before it.
+
+Two ways to get the links, fixed per key space (the choice is in the fingerprint):
+
+- **From vLLM's block hashes** (key spaces with :class:`VllmBlockHashes`: engines whose
+  ``--prefix-caching-hash-algo`` is ``sha256``, vLLM's default). vLLM already hashes every
+  request's full blocks, chained, on its input thread (``Request.block_hashes``: pickle plus
+  SHA-256, from a seed that is ``PYTHONHASHSEED`` or vLLM's fixed default, the cache salt,
+  LoRA name and path, multimodal and prompt-embedding hashes folded in). Chunk ``i``'s link
+  is ``H(fingerprint, block hash ending chunk i)``: 128 short hashes for a 32K-token prompt
+  instead of digesting 32K token ids in the scheduler's lookup (the whole lookup's median 0.90
+  against 1.56 ms, ``bench/store_bench.py``, 2026-12-03). Tools without an engine recompute vLLM's hashes with
+  :func:`vllm_sha256_block_hashes`, the same bytes (a test holds it to vLLM's own hasher).
+- **Our own chain** otherwise (other hash algorithms: ``xxhash`` is not collision resistant and
+  ``sha256_cbor`` is not reproduced here), and in engine-less tests and benchmarks:
 
 ``seed = H(fingerprint, isolation keys)``; ``link[i] = H(link[i-1], tokens of chunk i)``, the
 tokens digested as their MessagePack array (msgspec's encoding: each int in its shortest form,
@@ -33,14 +47,46 @@ from __future__ import annotations
 import hashlib
 import json
 import operator
+import pickle
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
-# v2: tokens digested as MessagePack, not int64. An engine of another version has other keys
-# altogether (the version is in the fingerprint), so it sees misses, never the other's bytes.
-KEY_VERSION = "mctier-store-v2"
+# v2: tokens digested as MessagePack, not int64. v3: links from vLLM's block hashes where vLLM
+# hashes with sha256. An engine of another version has other keys altogether (the version is
+# in the fingerprint), so it sees misses, never the other's bytes.
+KEY_VERSION = "mctier-store-v3"
+
+
+class VllmBlockHashes(msgspec.Struct, frozen=True, kw_only=True):
+    """How the engine's vLLM hashes request blocks (``kvcore.vllm_glue.block_hash_scheme``)."""
+
+    algo: str  # "sha256": vLLM's pickle + SHA-256, the only one reproduced here
+    seed: str  # what vLLM's NONE_HASH is the hash of: PYTHONHASHSEED, else vLLM's default
+    block_size: int  # tokens per block hash (vLLM's hash block size)
+
+
+_PICKLE = pickle.HIGHEST_PROTOCOL  # as vllm.utils.hashing.sha256
+
+
+def _vllm_sha256(obj) -> bytes:
+    return hashlib.sha256(pickle.dumps(obj, protocol=_PICKLE)).digest()
+
+
+def vllm_sha256_block_hashes(tokens: Sequence[int], scheme: VllmBlockHashes,
+                             cache_salt: str | None = None) -> list[bytes]:
+    """What vLLM's ``request_block_hasher`` gives a text prompt without LoRA: one hash per full
+    block, ``h[i] = sha256(pickle((h[i-1], block tokens, extra keys)))``, ``h[-1]`` the hash of
+    the seed; the first block's extra keys are ``(("cache_salt", salt),)`` when salted."""
+    if scheme.algo != "sha256":
+        raise ValueError(f"vLLM block hashes with {scheme.algo!r} are not reproduced here (only sha256)")
+    bs, parent, out = scheme.block_size, _vllm_sha256(scheme.seed), []
+    for start in range(0, len(tokens) - bs + 1, bs):
+        extra = (("cache_salt", cache_salt),) if start == 0 and cache_salt else None
+        parent = _vllm_sha256((parent, tuple(map(operator.index, tokens[start:start + bs])), extra))
+        out.append(parent)
+    return out
 
 
 def fingerprint(fields: dict[str, Any]) -> str:
@@ -87,9 +133,14 @@ class KeySpace:
     :meth:`key` names (a worker's own; the scheduler looks up every stage's)."""
 
     def __init__(self, fp: str, chunk_tokens: int, tp_size: int = 1, prefix: str = "mct", *,
-                 pp_size: int = 1, pp_rank: int = 0):
+                 pp_size: int = 1, pp_rank: int = 0, block_hashes: VllmBlockHashes | None = None):
         if not 0 <= pp_rank < pp_size:
             raise ValueError(f"pipeline stage {pp_rank} outside pp_size {pp_size}")
+        if block_hashes is not None and chunk_tokens % block_hashes.block_size:
+            raise ValueError(f"chunk of {chunk_tokens} tokens is not a whole number of "
+                             f"{block_hashes.block_size}-token vLLM hash blocks")
+        self.block_hashes = block_hashes
+        self._fp_bytes = fp.encode()
         self.fp = fp
         self.chunk_tokens = chunk_tokens
         self.tp_size = tp_size
@@ -106,11 +157,28 @@ class KeySpace:
     def stage(self, pp_rank: int) -> KeySpace:
         """The same key space naming stage ``pp_rank``'s objects."""
         return KeySpace(self.fp, self.chunk_tokens, self.tp_size, self._key_prefix, pp_size=self.pp_size,
-                        pp_rank=pp_rank)
+                        pp_rank=pp_rank, block_hashes=self.block_hashes)
 
     def links(self, tokens: Sequence[int], cache_salt=None, lora=None, mm_hashes=()) -> list[str]:
-        s = seed(self.fp, cache_salt, lora, tuple(mm_hashes))
-        return [f"{self.prefix}/{link.hex()}" for link in chain(s, tokens, self.chunk_tokens)]
+        """Links of every full chunk of a prompt, from its token ids (the tools' way; the
+        scheduler of a key space with vLLM block hashes uses :meth:`links_from_block_hashes`)."""
+        if self.block_hashes is None:
+            s = seed(self.fp, cache_salt, lora, tuple(mm_hashes))
+            return [f"{self.prefix}/{link.hex()}" for link in chain(s, tokens, self.chunk_tokens)]
+        if lora or mm_hashes:
+            # vLLM's hashes fold in the adapter's path and the multimodal inputs themselves.
+            raise ValueError("this key space's links come from vLLM's block hashes: those of a LoRA or "
+                             "multimodal request are only known to the engine")
+        return self.links_from_block_hashes(vllm_sha256_block_hashes(tokens, self.block_hashes, cache_salt),
+                                            len(tokens))
+
+    def links_from_block_hashes(self, block_hashes: Sequence[bytes], num_tokens: int) -> list[str]:
+        """Links of the full chunks of the first ``num_tokens`` tokens from vLLM's block hashes of
+        them (``Request.block_hashes``): chunk ``i``'s is ``H(fingerprint, hash of its last block)``."""
+        per = self.chunk_tokens // self.block_hashes.block_size
+        n = min(num_tokens // self.chunk_tokens, len(block_hashes) // per)
+        fp, sha = self._fp_bytes, hashlib.sha256
+        return [f"{self.prefix}/{sha(fp + block_hashes[(i + 1) * per - 1]).hexdigest()}" for i in range(n)]
 
     def key(self, link: str, rank: int, stage: int | None = None) -> str:
         """The object of TP rank ``rank`` of stage ``stage`` (default: this key space's stage)."""
@@ -149,17 +217,20 @@ class EngineMeta(msgspec.Struct, kw_only=True):
     # KEY_VERSION of the mctier that published it. None in what engines published before the
     # field (2026-12-02), key versions 1 and 2: tools cannot tell those apart.
     key_version: str | None = None
+    block_hashes: VllmBlockHashes | None = None  # links from vLLM's block hashes (key version 3)
 
     def foreign(self) -> bool:
         return foreign_version(self.key_version)
 
     def key_space(self) -> KeySpace:
-        return KeySpace(self.fingerprint, self.chunk_tokens, self.tp_size, self.key_prefix, pp_size=self.pp_size)
+        return KeySpace(self.fingerprint, self.chunk_tokens, self.tp_size, self.key_prefix, pp_size=self.pp_size,
+                        block_hashes=self.block_hashes)
 
 
 def engine_meta(ks: KeySpace, key_prefix: str, model: str | None, fields: dict[str, Any]) -> EngineMeta:
     return EngineMeta(fingerprint=ks.fp, chunk_tokens=ks.chunk_tokens, tp_size=ks.tp_size, pp_size=ks.pp_size,
-                      key_prefix=key_prefix, model=model, fields=fields, key_version=KEY_VERSION)
+                      key_prefix=key_prefix, model=model, fields=fields, key_version=KEY_VERSION,
+                      block_hashes=ks.block_hashes)
 
 
 def meta_key(ks: KeySpace) -> str:

@@ -7,7 +7,9 @@ facade exposes it, ``release`` is a no-op there), kept apart from vLLM's hooks:
     Prompt tokens ``[0, n)`` the store can supply: the longest prefix of full
     chunks whose every part exists (every TP rank of every pipeline stage), capped
     so the last prompt token is left to the engine. One ``batch_is_exist`` per
-    request (cached); 0 at once while the master is unreachable.
+    request (cached); 0 at once while the master is unreachable. The keys come from the
+    request's vLLM block hashes where the key space says so (``mcstore.keys``), else from
+    its token ids.
 ``plan_load(request, start, end, block_ids)``
     Load tokens ``[start, end)`` (``start`` block aligned, ``end <= lookup``) into
     the request's blocks; ``block_ids`` is the request's block list indexed by
@@ -69,6 +71,7 @@ class StoreScheduler:
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadJob] = []
         self._kv_cache_manager = None
+        self._warned_hashes = False
 
     # -- state -------------------------------------------------------------------
 
@@ -78,14 +81,29 @@ class StoreScheduler:
     def _state(self, request) -> _Req:
         st = self._reqs.get(request.request_id)
         if st is None:
-            links = self.keys.links(
+            st = self._reqs[request.request_id] = _Req(request, self._links(request))
+        return st
+
+    def _links(self, request) -> list[str]:
+        if self.keys.block_hashes is None:
+            return self.keys.links(
                 request.prompt_token_ids or [],
                 cache_salt=request_cache_salt(request),
                 lora=request_lora_name(request),
                 mm_hashes=request_mm_hashes(request),
             )
-            st = self._reqs[request.request_id] = _Req(request, links)
-        return st
+        # vLLM hashed the request's blocks on its input thread already; a request whose hashes
+        # do not cover its tokens at the key space's hash block size gets no link (a miss,
+        # computed and not saved) rather than a link of other tokens.
+        hashes = getattr(request, "block_hashes", None) or []
+        if len(hashes) != request.num_tokens // self.keys.block_hashes.block_size:
+            if not self._warned_hashes:
+                self._warned_hashes = True
+                logger.warning("mcstore: request %s has %d block hashes for %d tokens at %d tokens a block: "
+                               "not looked up or saved (warned once)", request.request_id, len(hashes),
+                               request.num_tokens, self.keys.block_hashes.block_size)
+            return []
+        return self.keys.links_from_block_hashes(hashes, request.num_prompt_tokens)
 
     # -- composite API ---------------------------------------------------------------
 

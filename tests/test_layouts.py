@@ -12,16 +12,21 @@ from types import SimpleNamespace
 import pytest
 
 from mcstore.config import load_config
-from mcstore.keys import EngineMeta, KeySpace, fingerprint
+from mcstore.keys import EngineMeta, KeySpace, fingerprint, vllm_sha256_block_hashes
 from tests.harness import model_dir
 from tests.test_store_unit import FIELDS, TOKENS
 
 CHUNK, BS, BLOCKS = 64, 32, 64
 
 
-def _request(rid: str, tokens: list[int]):
+def _request(rid: str, tokens: list[int], ks: KeySpace | None = None):
+    """A scheduler's view of a request; with ``ks`` of a vLLM-hashed key space, the block hashes
+    vLLM would have given it (``mcstore.keys.vllm_sha256_block_hashes``, held to vLLM's own
+    hasher in ``tests/test_store_unit.py``)."""
+    hashes = vllm_sha256_block_hashes(tokens, ks.block_hashes) if ks is not None and ks.block_hashes else []
     return SimpleNamespace(request_id=rid, prompt_token_ids=tokens, num_prompt_tokens=len(tokens),
-                           cache_salt=None, lora_request=None, mm_features=None)
+                           num_tokens=len(tokens), block_hashes=hashes, cache_salt=None, lora_request=None,
+                           mm_features=None)
 
 
 class _Store:
@@ -53,15 +58,16 @@ def _scheduler(ks: KeySpace, client):
 
 @pytest.mark.unit
 def test_single_stage_keys_are_unchanged():
-    """pp_size 1: byte for byte the keys of key version 2 (``mcstore.keys.KEY_VERSION``, which
-    a change of key bytes must bump; version 1 digested tokens as int64)."""
+    """pp_size 1, mctier's own token chain: byte for byte the keys of key version 3
+    (``mcstore.keys.KEY_VERSION``, which a change of key bytes must bump; version 1 digested
+    tokens as int64, version 3 took the default key space's links from vLLM's block hashes)."""
     ks = KeySpace(fingerprint(FIELDS), CHUNK, 2)
     assert ks.pp_size == 1 and ks.parts == 2
     assert ks.all_rank_keys(ks.links(TOKENS)[:2]) == [
-        "mct/b866c24d853e1f7d/f51fc529bd06e237066a20a741a5789ddc83104d032f5050f21302b3652646b0/tp0",
-        "mct/b866c24d853e1f7d/f51fc529bd06e237066a20a741a5789ddc83104d032f5050f21302b3652646b0/tp1",
-        "mct/b866c24d853e1f7d/7d756a83fcbff50d0b778e27d184565459ff3f77da8e0d5f16124ae4e88cad96/tp0",
-        "mct/b866c24d853e1f7d/7d756a83fcbff50d0b778e27d184565459ff3f77da8e0d5f16124ae4e88cad96/tp1",
+        "mct/b7bdd436c46fc0cd/91584185a65ac3e4ebf403d62b991ae3a95af726ca67cb0da6c823a77ffe4777/tp0",
+        "mct/b7bdd436c46fc0cd/91584185a65ac3e4ebf403d62b991ae3a95af726ca67cb0da6c823a77ffe4777/tp1",
+        "mct/b7bdd436c46fc0cd/4bdbdf94c903d15ea331d0e3ba409e75006f4b27737737fde01eb6e0fdf11ae4/tp0",
+        "mct/b7bdd436c46fc0cd/4bdbdf94c903d15ea331d0e3ba409e75006f4b27737737fde01eb6e0fdf11ae4/tp1",
     ]
     assert ks.stage(0).key("L", 1) == "L/tp1"
 
@@ -182,7 +188,12 @@ def test_other_layouts_never_read_each_others_objects(metas):
     # What a reader of each layout asks for is a miss on what every other layout wrote.
     for reader, m in metas.items():
         written = set().union(*(k for layout, k in keys.items() if layout != reader))
-        assert _scheduler(m.key_space(), _Store(written)).lookup(_request(f"r{reader}", TOKENS)) == 0
+        assert _scheduler(m.key_space(), _Store(written)).lookup(_request(f"r{reader}", TOKENS, m.key_space())) == 0
+    # ... and its own layout's objects are what it finds (the lookup is not simply blind).
+    for reader, m in metas.items():
+        assert m.key_space().block_hashes is not None  # vLLM's sha256 hashes: the default key space
+        hit = _scheduler(m.key_space(), _Store(keys[reader])).lookup(_request(f"s{reader}", TOKENS, m.key_space()))
+        assert hit == len(TOKENS) // CHUNK * CHUNK
 
 
 # -- stages on a real store ---------------------------------------------------------------------------

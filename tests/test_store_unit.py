@@ -320,3 +320,80 @@ def test_batch_calls_hold_at_most_the_range_cap():
         for c, nxt in zip(calls, calls[1:]):
             assert sum(chunks[j] + trailer for j in c) + chunks[nxt[0]] + trailer > cap
     assert ranged_batches([]) == []
+
+
+# -- links from vLLM's block hashes (key version 3) ----------------------------------------------
+
+def _vllm_request(tokens, salt=None):
+    """A real vLLM Request hashed by vLLM's own block hasher (sha256), NONE_HASH from its seed."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    return Request("r", list(tokens), SamplingParams(max_tokens=1), None, cache_salt=salt,
+                   block_hasher=get_request_block_hasher(32, sha256))
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+@pytest.mark.parametrize("seed_env", [None, "1234"])
+def test_tools_reproduce_vllms_own_sha256_block_hashes(monkeypatch, salt, seed_env):
+    """The tools' reimplementation gives the bytes vLLM's hasher gives a real Request, with and
+    without a cache salt and PYTHONHASHSEED; a changed token changes that block's hash onward."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
+
+    from mcstore.keys import VllmBlockHashes, vllm_sha256_block_hashes
+
+    if seed_env is None:
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONHASHSEED", seed_env)
+    scheme = VllmBlockHashes(algo="sha256", seed=resolve_none_hash_seed(sha256), block_size=32)
+    tokens = list(range(1000, 1000 + 32 * 9 + 5))
+    theirs = _vllm_request(tokens, salt).block_hashes
+    ours = vllm_sha256_block_hashes(tokens, scheme, salt)
+    assert len(ours) == 9 and [bytes(h) for h in theirs] == ours
+    changed = tokens[:100] + [7] + tokens[101:]
+    other = vllm_sha256_block_hashes(changed, scheme, salt)
+    assert other[:3] == ours[:3] and not set(other[3:]) & set(ours)
+
+
+def _vllm_ks(fields=FIELDS) -> KeySpace:
+    from mcstore.keys import VllmBlockHashes
+
+    return KeySpace(fingerprint({**fields, "block_hashes": "sha256"}), 64, 1,
+                    block_hashes=VllmBlockHashes(algo="sha256", seed="vllm-none-hash", block_size=32))
+
+
+def test_links_from_an_engines_block_hashes_equal_the_tools_links_from_tokens():
+    """The scheduler's path (vLLM's hashes of a real Request) and the tools' path (token ids)
+    name the same objects, one per full chunk of the prompt only; salts and fingerprints
+    separate key spaces; LoRA and multimodal prompts are refused by the tools' path."""
+    from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED
+
+    assert DEFAULT_NONE_HASH_SEED == "vllm-none-hash"
+    ks = _vllm_ks()
+    req = _vllm_request(TOKENS)
+    links = ks.links_from_block_hashes(req.block_hashes, len(TOKENS))
+    assert len(links) == 5 and links == ks.links(TOKENS)
+    assert ks.links_from_block_hashes(req.block_hashes, 64 * 3 + 10) == links[:3]
+    assert not set(ks.links(TOKENS, cache_salt="s")) & set(links)
+    assert not set(_vllm_ks({**FIELDS, "tp_size": 2}).links(TOKENS)) & set(links)
+    assert not set(_ks().links(TOKENS)) & set(links)  # our own chain's key space is another
+    for kw in ({"lora": "adapter"}, {"mm_hashes": ["img"]}):
+        with pytest.raises(ValueError, match="vLLM's block hashes"):
+            ks.links(TOKENS, **kw)
+
+
+def test_scheduler_takes_links_from_the_requests_block_hashes_and_none_from_mismatched_ones():
+    from mcstore.scheduler import StoreScheduler
+
+    ks = _vllm_ks()
+    sched = StoreScheduler(load_config({"master": "127.0.0.1:1"}), ks, 32, load=False, save=False)
+    req = _vllm_request(TOKENS)
+    assert sched._state(req).links == ks.links(TOKENS)
+    odd = SimpleNamespace(request_id="odd", block_hashes=req.block_hashes[:4], num_tokens=len(TOKENS),
+                          num_prompt_tokens=len(TOKENS))
+    assert sched._state(odd).links == []
