@@ -367,11 +367,13 @@ def _vllm_ks(fields=FIELDS) -> KeySpace:
                     block_hashes=VllmBlockHashes(algo="sha256", seed="vllm-none-hash", block_size=32))
 
 
-def test_links_from_an_engines_block_hashes_equal_the_tools_links_from_tokens():
+def test_links_from_an_engines_block_hashes_equal_the_tools_links_from_tokens(monkeypatch):
     """The scheduler's path (vLLM's hashes of a real Request) and the tools' path (token ids)
     name the same objects, one per full chunk of the prompt only; salts and fingerprints
     separate key spaces; LoRA and multimodal prompts are refused by the tools' path."""
     from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)  # _vllm_ks's seed is vLLM's default
 
     assert DEFAULT_NONE_HASH_SEED == "vllm-none-hash"
     ks = _vllm_ks()
@@ -387,8 +389,10 @@ def test_links_from_an_engines_block_hashes_equal_the_tools_links_from_tokens():
             ks.links(TOKENS, **kw)
 
 
-def test_scheduler_takes_links_from_the_requests_block_hashes_and_none_from_mismatched_ones():
+def test_scheduler_takes_links_from_the_requests_block_hashes_and_none_from_mismatched_ones(monkeypatch):
     from mcstore.scheduler import StoreScheduler
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)  # _vllm_ks's seed is vLLM's default
 
     ks = _vllm_ks()
     sched = StoreScheduler(load_config({"master": "127.0.0.1:1"}), ks, 32, load=False, save=False)
