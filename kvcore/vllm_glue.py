@@ -334,13 +334,15 @@ from vllm.config import KVTransferConfig  # noqa: E402,F401
 
 
 def engine_vllm_config(model: str, kv_transfer_config: dict, *, block_size: int | None = None, dtype: str = "auto",
-                       kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
+                       kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                       prefix_caching_hash_algo: str = "sha256"):
     """The ``VllmConfig`` vLLM builds from these engine arguments (reads the model's config, no weights)."""
     install_version_alias()
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(
         model=model, block_size=block_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+        prefix_caching_hash_algo=prefix_caching_hash_algo,
         tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size, enforce_eager=True,
         distributed_executor_backend="mp" if tensor_parallel_size * pipeline_parallel_size > 1 else None,
         kv_transfer_config=KVTransferConfig(**kv_transfer_config),

@@ -2,12 +2,18 @@
 
 Engine A runs the store tier alone; engine B runs it as the first child of vLLM's
 stock MultiConnector. Every reuse is checked against the no-connector baseline.
+
+Both engines hash blocks with ``--prefix-caching-hash-algo xxhash``, so this module runs the
+store on mctier's own key chain over the token ids (``mcstore.keys``): the key space of
+every engine whose vLLM does not hash with ``sha256``. The other end-to-end modules run
+vLLM's default, links from its ``sha256`` block hashes.
 """
 
 from __future__ import annotations
 
 import time
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -18,15 +24,20 @@ from tests.store_util import all_keys, kill_mid_put, multi_kv, raw_client, store
 pytestmark = pytest.mark.e2e
 
 PREFIX = 512  # shared prefix: 8 chunks of 64 tokens
+HASH_ALGO = ["--prefix-caching-hash-algo", "xxhash"]  # mctier's own key chain (module doc)
+
+
+def _a_kv(master: str) -> dict:
+    # Checksums on (they are opt-in): the negative control shows both what they catch and
+    # that KV with a valid trailer really is used.
+    return store_kv(master, verify_checksums=True)
 
 
 @pytest.fixture(scope="module")
 def engines(store_cluster, tmp_path_factory):
-    # Checksums on (they are opt-in): the negative control shows both what they catch and
-    # that KV with a valid trailer really is used.
-    a = Engine("store-A", 0, store_kv(store_cluster.master_addr, verify_checksums=True))
+    a = Engine("store-A", 0, _a_kv(store_cluster.master_addr), extra_args=HASH_ALGO)
     b = Engine("store-B-multi", 1, multi_kv(store_cluster.master_addr, str(tmp_path_factory.mktemp("example")),
-                                            verify_checksums=True))
+                                            verify_checksums=True), extra_args=HASH_ALGO)
     start_engines(a, b)
     yield a, b
     a.stop()
@@ -73,6 +84,27 @@ def test_prefix_reuse_across_engines(engines, baseline, store_cluster):
     assert cached_tokens(r2) == 576
     # [0, 512) came from A's pass over p, [512, 576) from B's pass over q after its hit.
     assert r2["choices"][0]["token_ids"] == baseline.tokens(q2, 8, cached_prefix=576, writers=[p, q])
+
+
+def test_engines_hashing_with_xxhash_store_under_mctiers_own_chain(engines, store_cluster, raw):
+    """The engines publish a key space without vLLM's block hashes; the tools derive that same
+    key space from the same settings with ``--prefix-caching-hash-algo xxhash`` (and another,
+    vLLM-hashed one without it); a served prompt's objects are the own chain's keys of its ids."""
+    from mcstore.keys import EngineMeta
+    from mcstore.tools.engine import derive_meta
+
+    a, _ = engines
+    metas = [msgspec.json.decode(raw.get(k), type=EngineMeta) for k in all_keys(store_cluster) if k.endswith("/meta")]
+    assert metas and all(m.block_hashes is None for m in metas), metas
+    kv = _a_kv(store_cluster.master_addr)
+    derived = derive_meta(a.model, kv, block_size=32, dtype=a.dtype, prefix_caching_hash_algo="xxhash")
+    assert derived.block_hashes is None and derived.fingerprint in {m.fingerprint for m in metas}
+    default = derive_meta(a.model, kv, block_size=32, dtype=a.dtype)
+    assert default.block_hashes is not None and default.fingerprint not in {m.fingerprint for m in metas}
+    p = prompt_ids(PREFIX + 20, 5)
+    new = _serve_and_wait_saved(a, p, store_cluster, all_keys(store_cluster))
+    ks = derived.key_space()
+    assert new == set(ks.all_rank_keys(ks.links(p)))
 
 
 def test_negative_control_corrupted_bytes_change_tokens(engines, baseline, store_cluster, raw):

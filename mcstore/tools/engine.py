@@ -7,7 +7,8 @@ Three ways to the key space a running engine stores under (:class:`mcstore.keys.
   (:func:`meta_for_server`, from its ``/v1/models``);
 * derived from the engine's settings without an engine (:func:`derive_meta`): the same
   ``--model`` string (or ``model_id`` in the connector config), ``--block-size``,
-  ``--dtype``, ``--kv-cache-dtype``, ``--tensor-parallel-size`` and
+  ``--dtype``, ``--kv-cache-dtype``, ``--tensor-parallel-size``,
+  ``--pipeline-parallel-size``, ``--prefix-caching-hash-algo`` and
   ``--kv-transfer-config``. vLLM lays the KV cache out (:mod:`kvcore.vllm_glue`) and the
   connector's own :func:`mcstore.connector.key_space` turns it into the key space, so
   connector-side fingerprint changes reach the tools by construction
@@ -83,8 +84,11 @@ def store_config(kv: dict) -> StoreConfig:
 
 def derive_meta(model: str, kv_config: str | dict, *, block_size: int | None = None, dtype: str = "auto",
                 kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
-                pipeline_parallel_size: int = 1) -> EngineMeta:
-    """The key space an engine with these settings uses (imports vLLM: ~15 s)."""
+                pipeline_parallel_size: int = 1, prefix_caching_hash_algo: str = "sha256") -> EngineMeta:
+    """The key space an engine with these settings uses (imports vLLM: ~15 s). The hash
+    algorithm decides between links from vLLM's block hashes (``sha256``, vLLM's default)
+    and mctier's own chain (the others): an engine started with another
+    ``--prefix-caching-hash-algo`` stores under another key space."""
     # Tools print results on stdout; vLLM logs there by default.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     from kvcore.vllm_glue import engine_kv_cache_layout, engine_vllm_config, kv_fingerprint_fields
@@ -93,7 +97,8 @@ def derive_meta(model: str, kv_config: str | dict, *, block_size: int | None = N
     kv = read_kv_config(kv_config)
     cfg = store_config(kv)
     vc = engine_vllm_config(model, kv, block_size=block_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
+                            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                            prefix_caching_hash_algo=prefix_caching_hash_algo)
     cfg.check_block_size(vc.cache_config.block_size)
     kvcc = engine_kv_cache_layout(vc)
     ks = key_space(cfg, vc, kvcc)
@@ -105,7 +110,8 @@ def meta_from_args(args) -> EngineMeta | None:
     if getattr(args, "model", None) and getattr(args, "kv_config", None):
         return derive_meta(args.model, args.kv_config, block_size=args.block_size, dtype=args.dtype,
                            kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
-                           pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1))
+                           pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
+                           prefix_caching_hash_algo=getattr(args, "prefix_caching_hash_algo", "sha256"))
     return None
 
 
@@ -118,6 +124,10 @@ def add_engine_args(p, *, required: bool = False) -> None:
     g.add_argument("--kv-cache-dtype", default="auto")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    # Not a choices list of our own: vLLM validates the value when the settings are derived.
+    g.add_argument("--prefix-caching-hash-algo", default="sha256",
+                   help="as given to the engine (default: vLLM's, sha256); another algorithm puts the "
+                        "engine's objects in another key space")
 
 
 # -- the key space an engine published ---------------------------------------------------------

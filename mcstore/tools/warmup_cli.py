@@ -68,7 +68,8 @@ def _cmd(a, rest) -> int:
             client = StoreClient.for_tool(master, "warmup")
             meta = derive_meta(model, kv, block_size=a.block_size, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,
                                tensor_parallel_size=a.tensor_parallel_size,
-                               pipeline_parallel_size=getattr(a, "pipeline_parallel_size", 1))
+                               pipeline_parallel_size=getattr(a, "pipeline_parallel_size", 1),
+                               prefix_caching_hash_algo=getattr(a, "prefix_caching_hash_algo", "sha256"))
         else:  # the key space the live engine published
             master = a.master or os.environ.get("MCTIER_MASTER") or DEFAULT_MASTER
             client = StoreClient.for_tool(master, "warmup")
