@@ -105,13 +105,19 @@ def derive_meta(model: str, kv_config: str | dict, *, block_size: int | None = N
     return engine_meta(ks, cfg.key_prefix, cfg.model_id or vc.model_config.model, kv_fingerprint_fields(vc, kvcc))
 
 
+def engine_settings(args) -> dict:
+    """:func:`derive_meta`'s keyword arguments from the shared tool flags (:func:`add_engine_args`):
+    one place, so that a flag added there reaches every tool."""
+    return dict(block_size=args.block_size, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                tensor_parallel_size=args.tensor_parallel_size,
+                pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
+                prefix_caching_hash_algo=getattr(args, "prefix_caching_hash_algo", "sha256"))
+
+
 def meta_from_args(args) -> EngineMeta | None:
     """From the shared tool flags (see :func:`add_engine_args`); None when none were given."""
     if getattr(args, "model", None) and getattr(args, "kv_config", None):
-        return derive_meta(args.model, args.kv_config, block_size=args.block_size, dtype=args.dtype,
-                           kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
-                           pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
-                           prefix_caching_hash_algo=getattr(args, "prefix_caching_hash_algo", "sha256"))
+        return derive_meta(args.model, args.kv_config, **engine_settings(args))
     return None
 
 

@@ -23,6 +23,7 @@ from mcstore.tools.engine import (
     ServerModel,
     add_engine_args,
     derive_meta,
+    engine_settings,
     meta_for_server,
     read_kv_config,
     store_config,
@@ -66,10 +67,7 @@ def _cmd(a, rest) -> int:
             model = a.model or server.root
             master = a.master or store_config(kv).master
             client = StoreClient.for_tool(master, "warmup")
-            meta = derive_meta(model, kv, block_size=a.block_size, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,
-                               tensor_parallel_size=a.tensor_parallel_size,
-                               pipeline_parallel_size=getattr(a, "pipeline_parallel_size", 1),
-                               prefix_caching_hash_algo=getattr(a, "prefix_caching_hash_algo", "sha256"))
+            meta = derive_meta(model, kv, **engine_settings(a))
         else:  # the key space the live engine published
             master = a.master or os.environ.get("MCTIER_MASTER") or DEFAULT_MASTER
             client = StoreClient.for_tool(master, "warmup")
