@@ -101,7 +101,9 @@ class Plan(msgspec.Struct):
     name: str
     segments: list[Segment]
     seconds: float
-    parts: dict[str, float]  # "<tier>_s" (0 when unused) and "recompute_s"
+    # "<tier>_s" (0 when unused), "<tier>_remote_s" (a remote prefill's compute, in "<tier>_s"),
+    # "recompute_s" (weighted, what the plan's seconds add) and "compute_s" (the same compute unweighted)
+    parts: dict[str, float]
 
     def tokens(self, source: str) -> int:
         return sum(s.tokens for s in self.segments if s.source == source)
@@ -223,7 +225,10 @@ class CostModel:
             t_load = max(t_load, seconds)
             end = reach[i]
         segs.append(Segment(end, N, Source.RECOMPUTE))
-        parts["recompute_s"] = self.weighted(self.compute_s(end, N), x.busy)
+        # Both: the weighted seconds the choice adds up, and the compute's own estimate (what
+        # a measured prefill compares with; the weighted one exceeds it by design).
+        parts["compute_s"] = self.compute_s(end, N)
+        parts["recompute_s"] = self.weighted(parts["compute_s"], x.busy)
         name = "+".join(x.tiers[i].tier for i in picked) or Source.RECOMPUTE
         return Plan(name, normalize(segs), t_load + parts["recompute_s"], parts)
 

@@ -203,13 +203,14 @@ def test_trace_replay_quick_runs_both_deployments_and_feeds_the_simulator(tmp_pa
 
 @pytest.mark.bench_harness
 def test_decision_bench_quick_measures_every_cell_with_the_same_tokens(tmp_path):
-    """``python -m bench.tiered_bench --quick --lengths 257``: both layouts at 0% and 100%
-    stored, every source timed, the plan ``auto`` chose read from the decode engine (and, for
+    """``python -m bench.tiered_bench --quick --lengths 257 --min-cell-s 600 --max-reps 2``:
+    both layouts at 0% and 100% stored, each cell grown from one repetition to two (its
+    repetitions ran under 600 s), every source timed, the plan ``auto`` chose read from the decode engine (and, for
     every request whose plan loaded from the store, that load's ranges per chunk and rate), every
     answer's greedy ids those of a no-connector engine on the plan's split, every process
     gone. No assertion on which source wins."""
     proc = subprocess.run([sys.executable, "-m", "bench.tiered_bench", "--quick", "--lengths", "257",
-                           "--out", str(tmp_path)], cwd=str(ROOT), capture_output=True, text=True, timeout=900)
+                           "--min-cell-s", "600", "--max-reps", "2", "--out", str(tmp_path)], cwd=str(ROOT), capture_output=True, text=True, timeout=900)
     (tmp_path / "stdout.txt").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads((tmp_path / "decisions.json").read_text())
@@ -218,9 +219,12 @@ def test_decision_bench_quick_measures_every_cell_with_the_same_tokens(tmp_path)
                    ("with prefill", 0.0, ["auto", "p2p", "recompute", "store"]),
                    ("with prefill", 1.0, ["auto", "p2p", "recompute", "store"])]
     for c in r["cells"]:
-        assert all(x["n"] == 1 and x["median"] > 0 for x in c["ttft"].values()), c
-        assert len(c["auto_plans"]) == 1 and "?" not in c["auto_plans"], c
-        assert c["oracle_median"] == min(x["median"] for s, x in c["ttft"].items() if s != "auto")
+        assert len(c["orders"]) == 2 and all(sorted(o) == sorted(c["ttft"]) for o in c["orders"]), c
+        assert all(x["n"] == 2 and x["median"] > 0 for x in c["ttft"].values()), c
+        assert len(c["auto_plans"]) == 2 and "?" not in c["auto_plans"], c
+        forced = [s for s in c["times"] if s != "auto"]
+        oracle = [min(c["times"][s][r] for s in forced) for r in (0, 1)]
+        assert c["oracle_median"] == pytest.approx(sum(oracle) / 2)
         # A request's store load is read off the decode engine exactly when its plan loaded from the store.
         for src, plans in c["planned"].items():
             for plan, io in zip(plans, c["store_io"][src]):

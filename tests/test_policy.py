@@ -166,6 +166,20 @@ def test_own_compute_is_weighted_by_what_it_stalls():
     assert CostModel(PolicyConfig(idle_compute_s=0.0)).weighted(0.3, busy=0) == pytest.approx(0.45)
 
 
+def test_plan_parts_give_the_compute_weighted_and_unweighted():
+    # A plan's seconds add the weighted compute ("recompute_s"); "compute_s" is the fit's own
+    # estimate, the figure a measured prefill is compared with (a long one differs by 1.5x).
+    m = CostModel(PolicyConfig())
+    for busy in (0, 2):
+        x = inputs(8193, store=4096)
+        x.busy = busy
+        for p in m.plans(x):
+            start = p.segments[-1].start
+            assert p.parts["compute_s"] == pytest.approx(m.compute_s(start, 8193))
+            assert p.parts["recompute_s"] == pytest.approx(m.weighted(p.parts["compute_s"], busy))
+            assert p.parts["recompute_s"] > p.parts["compute_s"]
+
+
 def test_idle_instance_computes_a_short_prompt_a_busy_one_hands_it_off():
     # 1,025 tokens, nothing stored, the prefill instance just started (priors: ~0.33 s of
     # compute, a handoff 0.03 s more). Alone, the decode instance computes it: sooner, and
