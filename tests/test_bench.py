@@ -205,12 +205,13 @@ def test_trace_replay_quick_runs_both_deployments_and_feeds_the_simulator(tmp_pa
 def test_decision_bench_quick_measures_every_cell_with_the_same_tokens(tmp_path):
     """``python -m bench.tiered_bench --quick --lengths 257 --min-cell-s 600 --max-reps 2``:
     both layouts at 0% and 100% stored, each cell grown from one repetition to two (its
-    repetitions ran under 600 s), every source timed, the plan ``auto`` chose read from the decode engine (and, for
-    every request whose plan loaded from the store, that load's ranges per chunk and rate), every
-    answer's greedy ids those of a no-connector engine on the plan's split, every process
-    gone. No assertion on which source wins."""
+    repetitions ran under 600 s), every source timed, the plan ``auto`` chose read from the
+    decode engine (and, for every request whose plan loaded from the store, that load's ranges
+    per chunk and rate), every answer's greedy ids those of a no-connector engine on the plan's
+    split, every process gone. No assertion on which source wins."""
     proc = subprocess.run([sys.executable, "-m", "bench.tiered_bench", "--quick", "--lengths", "257",
-                           "--min-cell-s", "600", "--max-reps", "2", "--out", str(tmp_path)], cwd=str(ROOT), capture_output=True, text=True, timeout=900)
+                           "--min-cell-s", "600", "--max-reps", "2", "--out", str(tmp_path)],
+                          cwd=str(ROOT), capture_output=True, text=True, timeout=900)
     (tmp_path / "stdout.txt").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads((tmp_path / "decisions.json").read_text())
