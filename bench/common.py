@@ -6,6 +6,7 @@ import importlib.metadata as md
 import json
 import os
 import platform
+import random
 import signal
 import statistics
 from pathlib import Path
@@ -45,6 +46,46 @@ def spread(xs: list[float]) -> dict:
 def rotated(items: list[str], k: int) -> list[str]:
     k %= len(items)
     return items[k:] + items[:k]
+
+
+def balanced_orders(items: list[str], count: int, seed: int = 0) -> list[list[str]]:
+    """``count`` orders of ``items`` from a Williams design: over each cycle (``n`` orders for
+    ``n`` items when ``n`` is even, ``2n`` when odd) every item comes right after every other
+    equally often, and each item takes each position equally often. The items' roles in
+    the design are shuffled by ``seed``; orders repeat the cycle past its end."""
+    roles = list(items)
+    random.Random(seed).shuffle(roles)
+    n = len(roles)
+    first, lo, hi = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(x + r) % n for x in first] for r in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [[roles[i] for i in rows[k % len(rows)]] for k in range(count)]
+
+
+def ratio_interval(num: list[float], den: list[float], q: float = 0.9, draws: int = 2000,
+                   seed: int = 0) -> tuple[float, float]:
+    """The central ``q`` interval of ``median(num) / median(den)`` over bootstrap draws of the
+    repetitions (``num[i]`` and ``den[i]`` ran in repetition ``i``; a draw takes repetitions
+    with replacement, keeping each one's pair): how far the cell's ratio could move with
+    other requests of the same spread. An interval that straddles a target says the
+    repetitions cannot tell whether the cell met it. Coarse with few repetitions (with three,
+    a draw's median is one of the three requests), and blind to the choice of ``den`` itself
+    (the best forced source is the lowest of several noisy medians)."""
+    if len(num) != len(den) or not num:
+        raise ValueError(f"ratio_interval: {len(num)} and {len(den)} repetitions")
+    rnd, k = random.Random(seed), len(num)
+    ratios = sorted(statistics.median(num[i] for i in idx) / statistics.median(den[i] for i in idx)
+                    for idx in ([rnd.randrange(k) for _ in range(k)] for _ in range(draws)))
+    lo = ratios[int((1 - q) / 2 * (draws - 1))]
+    hi = ratios[int((1 + q) / 2 * (draws - 1))]
+    return lo, hi
 
 
 class Checker:

@@ -19,11 +19,15 @@ one before it is not run again) the prefill instance stored just before, in two 
 A forced source is ``kv_transfer_params.kv_source``; ``auto`` is the product's default.
 Every prompt is fresh (random ids, its own prefix), so no request hits a prefix cache
 the cell did not set up. Repetitions are interleaved: each repetition runs every source
-of a cell once, in an order shuffled per repetition (seeded). Not rotated: rotating one
-order keeps the cyclic sequence, so ``auto`` followed ``p2p`` (and, with the decode
-instance alone, ``store``) in almost every repetition: whatever a request leaves behind on
-the engines (such as the freed blocks the next load writes into) weighed on one source
-only. A cell runs ``--reps`` repetitions (default 3), then more, up to ``--max-reps`` (9),
+of a cell once, in orders of a Williams design (:func:`bench.common.balanced_orders`,
+the sources' roles shuffled per cell, seeded): over each cycle of orders (4 with four
+sources, 6 with three) every source runs right after every other equally often, so that
+whatever a request leaves behind on the engines (such as the freed blocks the next load
+writes into) weighs on every source alike. Not rotated: rotating one order keeps the
+cyclic sequence, so ``auto`` followed ``p2p`` (and, with the decode instance alone,
+``store``) in almost every repetition; nor shuffled, as until 2026-12-04: in one run's
+decode-only cells with a stored prefix, 22 of 40 ``store`` requests ran right after
+``auto``. A cell runs ``--reps`` repetitions (default 3), then more, up to ``--max-reps`` (9),
 until its timed repetitions have run ``--min-cell-s`` seconds (60): a request of 30 to
 600 ms spreads by 15% or more between repetitions of one plan on a 2-core host (the fifth
 full run's misses, README), and three of them do not give a median within 10%; a cell of
@@ -75,7 +79,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.client import complete, ids, stream  # noqa: E402
-from bench.common import QUIET_S, Checker, long_context_args, machine, spread, term_as_interrupt  # noqa: E402
+from bench.common import (QUIET_S, Checker, balanced_orders, long_context_args, machine, ratio_interval,  # noqa: E402
+                          spread, term_as_interrupt)
 from bench.engine_metrics import load_io  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
@@ -175,25 +180,6 @@ def check_cell(urls: dict[str, str], layout: str, n: int, hit: int, rng: random.
     return unchecked, estimates
 
 
-def ratio_interval(num: list[float], den: list[float], q: float = 0.9, draws: int = 2000,
-                   seed: int = 0) -> tuple[float, float]:
-    """The central ``q`` interval of ``median(num) / median(den)`` over bootstrap draws of the
-    repetitions (``num[i]`` and ``den[i]`` ran in repetition ``i``; a draw takes repetitions
-    with replacement, keeping each one's pair): how far the cell's ratio could move with
-    other requests of the same spread. An interval that straddles a target says the
-    repetitions cannot tell whether the cell met it. Coarse with few repetitions (with three,
-    a draw's median is one of the three requests), and blind to the choice of ``den`` itself
-    (the best forced source is the lowest of several noisy medians)."""
-    if len(num) != len(den) or not num:
-        raise ValueError(f"ratio_interval: {len(num)} and {len(den)} repetitions")
-    rnd, k = random.Random(seed), len(num)
-    ratios = sorted(statistics.median(num[i] for i in idx) / statistics.median(den[i] for i in idx)
-                    for idx in ([rnd.randrange(k) for _ in range(k)] for _ in range(draws)))
-    lo = ratios[int((1 - q) / 2 * (draws - 1))]
-    hi = ratios[int((1 + q) / 2 * (draws - 1))]
-    return lo, hi
-
-
 def cell(urls: dict[str, str], layout: str, n: int, f: float, reps: int, rng: random.Random, k0: int,
          check: Checker | None = None, min_cell_s: float = 0.0, max_reps: int = 0) -> dict:
     """One cell: ``reps`` interleaved repetitions, then more (up to ``max_reps``) while the
@@ -207,12 +193,10 @@ def cell(urls: dict[str, str], layout: str, n: int, f: float, reps: int, rng: ra
     hit = int(n * f) // CHUNK * CHUNK
     unchecked, estimates = check_cell(urls, layout, n, hit, rng, check) if check is not None else ([], {})
     orders: list[list[str]] = []
+    plan_orders = balanced_orders(sources, max(reps, max_reps), seed=k0)
     t0 = time.monotonic()
     while len(orders) < reps or (len(orders) < max_reps and time.monotonic() - t0 < min_cell_s):
-        rep = len(orders)
-        order = list(sources)
-        random.Random(1000 * k0 + rep).shuffle(order)
-        orders.append(order)
+        orders.append(plan_orders[len(orders)])
         for src in orders[-1]:
             prefix = ids(hit, rng)
             # Before the pause: a /metrics scrape runs on the decode engine's core, so it must

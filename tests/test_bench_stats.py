@@ -1,0 +1,67 @@
+"""The benchmarks' order and interval helpers (bench.common), by hand: the decision matrix
+(bench.tiered_bench) runs its repetitions in ``balanced_orders`` and reports ``ratio_interval``;
+the benchmarks themselves run in ``make bench``, their harness in ``make test-bench``."""
+
+from __future__ import annotations
+
+import collections
+import random
+import statistics
+
+import pytest
+
+from bench.common import balanced_orders, ratio_interval
+
+
+def test_the_interval_of_equal_or_scaled_repetitions_is_a_point():
+    den = [0.31, 0.45, 0.40, 0.52]
+    assert ratio_interval(den, den) == (1.0, 1.0)
+    lo, hi = ratio_interval([2 * x for x in den], den)
+    assert lo == pytest.approx(2.0) and hi == pytest.approx(2.0)
+
+
+def test_the_interval_holds_the_cells_ratio_and_narrows_with_more_repetitions():
+    # Two sources of the same plan, each request +-20% around 100 ms (the spread of one plan
+    # on the 2-core host): the interval holds the cell's ratio; with three repetitions it is
+    # wider than the 10% a target turns on, with sixty it is narrower.
+    rnd = random.Random(1)
+
+    def reqs(k):
+        return [0.1 * rnd.uniform(0.8, 1.2) for _ in range(k)]
+
+    widths = []
+    for k in (3, 60):
+        a, b = reqs(k), reqs(k)
+        lo, hi = ratio_interval(a, b)
+        point = statistics.median(a) / statistics.median(b)
+        assert lo <= point <= hi
+        widths.append(hi - lo)
+    assert widths[0] > 0.1 > widths[1], widths
+
+
+def test_the_interval_is_seeded_and_refuses_unpaired_repetitions():
+    a, b = [0.1, 0.2, 0.15], [0.12, 0.11, 0.2]
+    assert ratio_interval(a, b) == ratio_interval(a, b)
+    with pytest.raises(ValueError, match="3 and 2 repetitions"):
+        ratio_interval(a, b[:2])
+    with pytest.raises(ValueError):
+        ratio_interval([], [])
+
+
+@pytest.mark.parametrize("sources", [["recompute", "store", "auto"], ["recompute", "store", "p2p", "auto"]])
+def test_each_source_follows_every_other_equally_often_over_a_cycle(sources):
+    n = len(sources)
+    cycle = n if n % 2 == 0 else 2 * n
+    orders = balanced_orders(sources, 2 * cycle, seed=5)
+    assert all(sorted(o) == sorted(sources) for o in orders)
+    assert orders[cycle:] == orders[:cycle]  # past a cycle, the orders repeat
+    follows = collections.Counter((a, b) for o in orders[:cycle] for a, b in zip(o, o[1:]))
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1, follows
+    positions = collections.Counter((s, o.index(s)) for o in orders[:cycle] for s in sources)
+    assert len(positions) == n * n and len(set(positions.values())) == 1, positions
+
+
+def test_the_seed_shuffles_the_roles_and_the_same_seed_gives_the_same_orders():
+    sources = ["recompute", "store", "p2p", "auto"]
+    assert balanced_orders(sources, 4, seed=3) == balanced_orders(sources, 4, seed=3)
+    assert len({tuple(balanced_orders(sources, 1, seed=k)[0]) for k in range(20)}) > 1
