@@ -19,13 +19,19 @@ Estimated seconds, with ``b_j`` the bytes of tier ``j``'s range (tokens times
 - a load from tier ``j``: ``load_j([1, b_j])``, a linear fit started from the
   tier's ``LoadPrior`` (``latency_s + b / bandwidth``);
 - plus, for a tier whose KV a prefill instance computes (``remote_prefill``,
-  the P2P handoff), that instance's remaining compute: it prefills what the
-  tiers before it and its own prefix cache could not give it,
-  ``queue + max(0, compute(max(R_before, C), N) - elapsed)`` with ``R_before`` the
-  largest reach of the tiers before it (0 for the first), ``C`` the instance's
-  cached prefix (``remote_cached``), ``queue`` the prefill work queued ahead on it
-  (``remote_queue_s``; both 0 unless a router knows them) and ``elapsed`` the time
-  since the request arrived;
+  the P2P handoff), that instance's own time before it can hand over,
+  ``queue + max(0, own - elapsed)``: ``own`` is the time of the plan its own chooser
+  picks over the tiers before this one, from its cached prefix ``C``
+  (``remote_cached``) on, as when it is idle (``busy = 0``), counted unweighted
+  (``max_j load_j + compute(e_last, N)``). With a store before the handoff that is the
+  cheaper, as the prefill instance's chooser sees it, of loading ``[C, S)`` from the
+  store and computing ``[S, N)``, or computing ``[C, N)``: an instance without the
+  prefix loads what the store holds just as a decode instance would, and that load is
+  part of the wait for its KV. ``C`` is known to a router (its index); a connector
+  does not know it and takes ``C = R_before``, the largest reach of the tiers before
+  (the instance holds what it stored), which leaves ``compute(max(R_before, C), N)``.
+  ``queue`` is the prefill work queued ahead on it (``remote_queue_s``, 0 unless a
+  router knows it) and ``elapsed`` the time since the request arrived;
 - recomputing ``n`` tokens after ``c`` cached ones: ``compute(c, c+n) =
   prefill([1, n, n*(c+n/2)])`` (fixed step cost, linear work, attention over the
   context), weighted for this instance's own recomputation by what it stalls:
@@ -43,7 +49,7 @@ Learning: workers measure :class:`ForwardSample` (one forward pass: new tokens a
 context per scheduled request) and :class:`LoadSample` (one finished load: bytes
 and seconds of one tier; the scheduler replaces the seconds with the whole load, from its
 planning until the scheduler learns it finished, less, for a ``remote_prefill`` tier, the
-remote compute it estimated, :meth:`multi.scheduler.TieredScheduler.load_seconds`, so that
+prefill instance's own time it estimated, :meth:`multi.scheduler.TieredScheduler.load_seconds`, so that
 every tier's fit learns the steps around its transfer alike); they travel on the stats record through
 :func:`encode_samples` / :func:`decode_samples`, and :meth:`CostModel.learn`
 updates the fits with them.
@@ -81,10 +87,13 @@ class TierReach(msgspec.Struct, frozen=True):
     tokens: int  # lookup: the tier can supply [0, tokens)
     remote_prefill: bool = False  # Tier.remote_prefill
     prior: LoadPrior = LoadPrior()  # Tier.load_prior, unless PolicyConfig.tiers overrides it
-    # A remote prefill instance's own state, when known (the router knows it; a connector
-    # does not and leaves both 0): its prefix-cache hit and the seconds of prefill work
-    # queued ahead of this request.
-    remote_cached: int = 0
+    # A remote prefill instance's own state, when known (the router knows it): its
+    # prefix-cache hit and the seconds of prefill work queued ahead of this request. A
+    # connector does not know them: None takes the instance to hold what the tiers before
+    # this one hold (in 1P1D the prefill instance wrote what the store holds, and in the
+    # decision benchmark it held it: its wait for READY was one token's step), and the
+    # queue 0.
+    remote_cached: int | None = None
     remote_queue_s: float = 0.0
 
 
@@ -101,7 +110,7 @@ class Plan(msgspec.Struct):
     name: str
     segments: list[Segment]
     seconds: float
-    # "<tier>_s" (0 when unused), "<tier>_remote_s" (a remote prefill's compute, in "<tier>_s"),
+    # "<tier>_s" (0 when unused), "<tier>_remote_s" (a remote prefill's own time, in "<tier>_s"),
     # "recompute_s" (weighted, what the plan's seconds add) and "compute_s" (the same compute unweighted)
     parts: dict[str, float]
 
@@ -215,10 +224,7 @@ class CostModel:
             segs.append(Segment(end, reach[i], t.tier))
             seconds = self.load_s(t, (reach[i] - end) * x.bytes_per_token)
             if t.remote_prefill:
-                # The prefill instance computes what the tiers before this one could not give it.
-                before = max((min(u.tokens, N - 1) for u in x.tiers[:i]), default=0)
-                before = max(before, min(t.remote_cached, N - 1))
-                remote = t.remote_queue_s + max(0.0, self.compute_s(before, N) - x.prefill_elapsed_s)
+                remote = t.remote_queue_s + max(0.0, self.remote_own_s(x, i) - x.prefill_elapsed_s)
                 parts[f"{t.tier}_remote_s"] = remote  # what the scheduler takes off a whole handoff's time
                 seconds += remote
             parts[f"{t.tier}_s"] = seconds
@@ -231,6 +237,20 @@ class CostModel:
         parts["recompute_s"] = self.weighted(parts["compute_s"], x.busy)
         name = "+".join(x.tiers[i].tier for i in picked) or Source.RECOMPUTE
         return Plan(name, normalize(segs), t_load + parts["recompute_s"], parts)
+
+    def remote_own_s(self, x: Inputs, i: int) -> float:
+        """Seconds the prefill instance behind remote-prefill tier ``i`` takes for its own
+        part: the plan its chooser picks over the tiers before ``i`` from its cached prefix
+        (unknown: what those tiers hold), idle, so weighted as it weighs, and timed
+        unweighted: its loads, then its compute."""
+        n = x.prompt_tokens
+        cached = x.tiers[i].remote_cached
+        if cached is None:  # unknown (a connector): it holds what the tiers before hold
+            cached = max((u.tokens for u in x.tiers[:i]), default=0)
+        own = Inputs(prompt_tokens=n, local_tokens=min(cached, n - 1),
+                     tiers=x.tiers[:i], bytes_per_token=x.bytes_per_token)
+        p = min(self.plans(own), key=lambda p: p.seconds)
+        return p.seconds - p.parts["recompute_s"] + p.parts["compute_s"]
 
     def choose(self, x: Inputs, force: str = "auto") -> tuple[Plan, list[Plan], str]:
         """(chosen plan, all estimates, reason). ``force`` is ``auto``, ``recompute`` or a tier

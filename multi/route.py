@@ -27,8 +27,10 @@ Disaggregated (prefill and decode instances):
 - through prefill instance ``p``: the cheapest plan of ``p``'s model that uses the
   handoff, with the tiers ``store [L_d, S)`` and ``p2p [.., N-1)`` where the p2p tier
   carries ``remote_cached = C_p`` and ``remote_queue_s = queue_p``, so
-  ``seconds = queue_p + compute_p(max(S, C_p), N) + transfer(bytes to decode)``
-  (+ the store load when it runs alongside, whichever is longer);
+  ``seconds = queue_p + own_p + transfer(bytes to decode)`` with ``own_p`` the cheaper
+  for ``p`` of ``load_p([C_p, S)) + compute_p(S, N)`` and ``compute_p(C_p, N)``
+  (:meth:`multi.policy.CostModel.remote_own_s`), and the decode instance's store load
+  ``[L_d, S)`` alongside, whichever is longer;
 - direct, no prefill instance (``d``'s connector loads ``[L_d, S)`` from the store and
   recomputes the rest): ``queue_d`` plus the cheapest plan of ``d``'s model without the
   handoff, whose recomputation is weighted as the connector weighs it

@@ -189,7 +189,8 @@ class TieredScheduler:
         transfer, medians over different requests), but learned alike the fits compare
         like with like.
 
-        The remote compute taken off is the plan's estimate of it, or the wait for READY the
+        The prefill instance's own time taken off (its loads and compute,
+        :meth:`multi.policy.CostModel.remote_own_s`) is the plan's estimate of it, or the wait for READY the
         tier measured (``waited_s``) when that is shorter: an estimate above the real
         compute would otherwise leave the fit the read alone, and a handoff of a fully stored
         2K prompt was estimated at 21 ms against the store's 17 and measured 88 against 36

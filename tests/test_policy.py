@@ -195,3 +195,46 @@ def test_idle_instance_computes_a_short_prompt_a_busy_one_hands_it_off():
     # its compute would stall the handoffs that arrive meanwhile.
     long, plans, _ = m.choose(inputs(4097, p2p=True))
     assert long.name == "p2p", [(p.name, p.seconds) for p in plans]
+
+
+
+def handoff_inputs(n, stored, remote_cached, elapsed=0.0):
+    return Inputs(prompt_tokens=n, local_tokens=0, bytes_per_token=BPT, prefill_elapsed_s=elapsed,
+                  tiers=[TierReach("store", stored),
+                         TierReach("p2p", n, remote_prefill=True, remote_cached=remote_cached)])
+
+
+@pytest.mark.parametrize("store_prior, p_loads", [(LoadPrior(latency_s=0.01, bandwidth_gbps=2.0), True),
+                                                  (LoadPrior(latency_s=5.0, bandwidth_gbps=0.01), False)])
+def test_a_handoff_waits_for_what_a_prefill_instance_without_the_prefix_does_first(store_prior, p_loads):
+    # A fully stored 2,049-token prompt, routed (a router knows the prefill instance's own
+    # cache) to a prefill instance that holds none of it: before it can hand over, it runs
+    # its own choice, loading [0, 2048) from the store and computing the last token, or
+    # computing all (when its store is slow). Counting only the last token's compute made
+    # such a handoff look a store load cheaper than it was.
+    m = CostModel(PolicyConfig(tiers={"store": store_prior}))
+    n = 2049
+    x = handoff_inputs(n, n - 1, remote_cached=0)
+    plans = {p.name: p for p in m.plans(x)}
+    load = m.load_s(x.tiers[0], (n - 1) * BPT)
+    own = load + m.compute_s(n - 1, n) if p_loads else m.compute_s(0, n)
+    assert plans["p2p"].parts["p2p_remote_s"] == pytest.approx(own)
+    assert plans["p2p"].parts["p2p_remote_s"] > m.compute_s(n - 1, n)
+    handoff = own + m.load_s(x.tiers[1], (n - 1) * BPT)
+    assert plans["p2p"].seconds == pytest.approx(handoff + plans["p2p"].parts["recompute_s"])
+    if p_loads:  # the same load on both sides, and the handoff's transfer on top: the store wins
+        assert m.choose(x)[0].name == "store"
+
+
+def test_a_prefill_instance_holding_the_prefix_only_computes_the_rest():
+    # Its cache known to hold the prefix (a router's index), or unknown (a connector, which
+    # takes it to hold what the store holds: in 1P1D it wrote it): no load, the rest only.
+    # The time since the request arrived is the prefill instance's head start.
+    m = CostModel(PolicyConfig())
+    n = 2049
+    for cached in (n - 1, None):
+        p2p = {p.name: p for p in m.plans(handoff_inputs(n, n - 1, cached, elapsed=0.001))}["p2p"]
+        assert p2p.parts["p2p_remote_s"] == pytest.approx(m.compute_s(n - 1, n) - 0.001)
+    # Half stored, cache unknown: the compute of what the store does not hold.
+    p2p = {p.name: p for p in m.plans(handoff_inputs(n, 1024, None))}["p2p"]
+    assert p2p.parts["p2p_remote_s"] == pytest.approx(m.compute_s(1024, n))
