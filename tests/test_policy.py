@@ -197,7 +197,6 @@ def test_idle_instance_computes_a_short_prompt_a_busy_one_hands_it_off():
     assert long.name == "p2p", [(p.name, p.seconds) for p in plans]
 
 
-
 def handoff_inputs(n, stored, remote_cached, elapsed=0.0):
     return Inputs(prompt_tokens=n, local_tokens=0, bytes_per_token=BPT, prefill_elapsed_s=elapsed,
                   tiers=[TierReach("store", stored),
