@@ -1,6 +1,7 @@
-"""The benchmarks' order and interval helpers (bench.common), by hand: the decision matrix
-(bench.tiered_bench) runs its repetitions in ``balanced_orders`` and reports ``ratio_interval``;
-the benchmarks themselves run in ``make bench``, their harness in ``make test-bench``."""
+"""The benchmarks' order and interval helpers (bench.common) and the store phases' rates
+(bench.store_phases), by hand: the decision matrix (bench.tiered_bench) runs its repetitions
+in ``balanced_orders`` and reports ``ratio_interval``; the benchmarks themselves run in
+``make bench``, their harness in ``make test-bench``."""
 
 from __future__ import annotations
 
@@ -65,3 +66,17 @@ def test_the_seed_shuffles_the_roles_and_the_same_seed_gives_the_same_orders():
     sources = ["recompute", "store", "p2p", "auto"]
     assert balanced_orders(sources, 4, seed=3) == balanced_orders(sources, 4, seed=3)
     assert len({tuple(balanced_orders(sources, 1, seed=k)[0]) for k in range(20)}) > 1
+
+
+def test_a_staged_loads_rate_counts_its_staging_call():
+    # bench.store_phases over the metrics of a 32K-token hit on the AMX host (2026-12-04):
+    # 400 MB, 28 ms fetched straight into pages, 501 ms into host staging.
+    from bench.store_phases import summarise
+
+    ph = "vllm:mctier_store_phase_seconds_sum"
+    d = {"vllm:mctier_store_loaded_bytes_total": 4.0e8, f"{ph}{{load_transfer}}": 0.028,
+         f"{ph}{{load_staging}}": 0.501, f"{ph}{{load_copy}}": 0.239,
+         "vllm:mctier_store_saved_bytes_total": 4.0e8, f"{ph}{{save_transfer}}": 2.0}
+    row = summarise(d, 1)
+    assert row["load_transfer_gbps"] == pytest.approx(4.0e8 / 0.529 / 1e9)
+    assert row["save_transfer_gbps"] == pytest.approx(0.2)
