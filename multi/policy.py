@@ -203,16 +203,21 @@ class CostModel:
 
     def plans(self, x: Inputs) -> list[Plan]:
         reach = [min(t.tokens, x.prompt_tokens - 1) for t in x.tiers]
+        # A prefill instance's own part depends on the request alone, not on the plan: once per
+        # remote-prefill tier that any plan can use (its reach past the local hit).
+        remote = {i: t.remote_queue_s + max(0.0, self.remote_own_s(x, i) - x.prefill_elapsed_s)
+                  for i, t in enumerate(x.tiers) if t.remote_prefill and reach[i] > x.local_tokens}
         out: list[Plan] = []
         # Subsets in order of size, each in tier order: recompute first, then one tier, ...
         for k in range(len(x.tiers) + 1):
             for picked in itertools.combinations(range(len(x.tiers)), k):
-                plan = self._plan(x, reach, picked)
+                plan = self._plan(x, reach, picked, remote)
                 if plan is not None:
                     out.append(plan)
         return out
 
-    def _plan(self, x: Inputs, reach: list[int], picked: tuple[int, ...]) -> Plan | None:
+    def _plan(self, x: Inputs, reach: list[int], picked: tuple[int, ...],
+              remote: dict[int, float]) -> Plan | None:
         N, L = x.prompt_tokens, x.local_tokens
         segs = [Segment(0, L, Source.LOCAL)]
         parts = {f"{t.tier}_s": 0.0 for t in x.tiers}
@@ -224,9 +229,8 @@ class CostModel:
             segs.append(Segment(end, reach[i], t.tier))
             seconds = self.load_s(t, (reach[i] - end) * x.bytes_per_token)
             if t.remote_prefill:
-                remote = t.remote_queue_s + max(0.0, self.remote_own_s(x, i) - x.prefill_elapsed_s)
-                parts[f"{t.tier}_remote_s"] = remote  # what the scheduler takes off a whole handoff's time
-                seconds += remote
+                parts[f"{t.tier}_remote_s"] = remote[i]  # what the scheduler takes off a whole handoff's time
+                seconds += remote[i]
             parts[f"{t.tier}_s"] = seconds
             t_load = max(t_load, seconds)
             end = reach[i]
@@ -249,7 +253,7 @@ class CostModel:
             cached = max((u.tokens for u in x.tiers[:i]), default=0)
         own = Inputs(prompt_tokens=n, local_tokens=min(cached, n - 1),
                      tiers=x.tiers[:i], bytes_per_token=x.bytes_per_token)
-        p = min(self.plans(own), key=lambda p: p.seconds)
+        p = self.choose(own)[0]
         return p.seconds - p.parts["recompute_s"] + p.parts["compute_s"]
 
     def choose(self, x: Inputs, force: str = "auto") -> tuple[Plan, list[Plan], str]:
