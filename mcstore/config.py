@@ -32,6 +32,9 @@ Keys (all optional except the master address, which may also come from
                          the engine's blocks are contiguous, up to the chunk's blocks once they
                          scatter) is loaded as one range into a host staging buffer, then copied into
                          its pages (default 4; 0 = never: always straight into the pages)
+    load_staging_size    that host staging buffer: as many whole chunks as it holds are fetched per
+                         Mooncake get, then copied (default 64MB; at least one chunk is held, whatever
+                         the size; registered with Mooncake at the first staged load)
     idle_step_ms         pause the engine's scheduler takes at a step that computes nothing (a request
                          waiting for its load, nothing else to run), so the engine's step loop leaves
                          the core and the GIL to the load; never at the step that starts a load
@@ -119,6 +122,7 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     key_prefix: str = "mct"
     verify_checksums: bool = False
     stage_above_ranges_per_region: float = 4.0
+    load_staging_size: int | str = "64MB"
     idle_step_ms: float | None = None  # None: idle_step_s() picks by the engine's ranks
     load_thread_nice: int | None = None  # None: load_nice() picks by the platform
 
@@ -134,8 +138,11 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             self.metadata_server = metadata_conn_string(self.metadata_server)
         except ConfigError as e:
             raise ConfigError(f"mcstore: {e}") from None
-        self.global_segment_size = parse_size(self.global_segment_size)
-        self.local_buffer_size = parse_size(self.local_buffer_size)
+        for name in ("global_segment_size", "local_buffer_size", "load_staging_size"):
+            try:
+                setattr(self, name, parse_size(getattr(self, name)))
+            except ConfigError as e:
+                raise ConfigError(f"mcstore: {name}: {e}") from None
         if self.chunk_tokens <= 0:
             raise ConfigError(f"mcstore: chunk_tokens must be positive, got {self.chunk_tokens}")
         if self.replicas < 1:

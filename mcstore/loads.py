@@ -7,7 +7,13 @@ of consecutive blocks per KV region. Once an engine's cache has cycled, the bloc
 gives a request no longer form ascending runs and a chunk becomes up to one range per block
 per region; Mooncake's TCP transport pays per range. So a chunk with more than ``stage_above_ranges_per_region``
 ranges per region (default 4) is fetched as one range into a host staging buffer and its
-pages copied into place (:mod:`kvcore.pages`). Measured with ``bench/store_phases.py
+pages copied into place (:mod:`kvcore.pages`), as many chunks per Mooncake get as the
+buffer holds (``load_staging_size``, 64 MB) and one indexed copy per KV region for them all:
+fetched one chunk per get, the staged chunks' gets had run at about 0.7 GB/s (3 MiB chunks,
+AMX host, 2026-12-03). A/B in one run (``bench/store_phases.py --prefixes 16384,32512
+--reps 2 --reader-blocks 1100 --ab load_staging_size=1``, AMD EPYC, 2026-12-04): the
+batched side's loads took 0.54x and 0.46x the one-per-get side's at 16K and 32K tokens
+(staging 27 against 65 ms, 30 against 153). Measured with ``bench/store_phases.py
 --reader-blocks 400 --ab`` (interleaved in one run): on 2026-12-02, readers with a cycled
 cache at 28 to 34 ranges per chunk (4.7 to 5.7 per region; staging above 1 per region),
 loads took 0.54x and 0.45x the direct ones at 4K and 8K-token prefixes, TTFT 0.70x and
@@ -146,12 +152,8 @@ class Loads:
         # host staging: one range each, then a copy (see the module's docstring for why).
         staged = [j for j, (p, _) in enumerate(per) if 0 < self.stage_above < len(p)]
         end = len(chunks)  # chunks from the first failed one on are recomputed: not fetched
-        for j in staged:
-            self._count_io("load", [[0]])  # one range: the whole object, its trailer included
-            ok[idx[j]], why, missing = self._load_partial(chunks[j])
-            if why is not None:
-                cause, gone, end = why, missing, j
-                break
+        if staged:
+            cause, gone, end = self._get_staged(chunks, staged, idx, ok)
         direct = sorted(set(range(end)) - set(staged))
         for batch in ranged_batches([len(per[j][0]) + self.verify for j in direct]):
             part = [direct[k] for k in batch]
@@ -179,22 +181,69 @@ class Loads:
                     cause = cause or "checksum"
         return cause, gone
 
+    def _get_staged(self, chunks: list[ChunkIO], js: list[int], idx: list[int],
+                    ok: list[bool]) -> tuple[str | None, bool, int]:
+        """Whole chunks ``chunks[j]`` for ``j`` in ``js`` (ascending) through host staging: as
+        many objects per Mooncake get as the buffer holds (one range each), then their pages
+        copied, one indexed write per KV region for all of them. (cause, gone, j) of the first
+        chunk that did not arrive whole, (None, False, len(chunks)) if all did; ``ok[idx[j]]``
+        := chunk ``j`` arrived whole and is in its pages."""
+        stage, stride = self._staging_buffer(), self._slot_bytes()
+        base, want, slots = stage.data_ptr(), self.chunk_bytes + self.trailer, stage.numel() // stride
+        for lo in range(0, len(js), slots):
+            part = js[lo:lo + slots]
+            ptrs = [[base + s * stride] for s in range(len(part))]
+            self._count_io("load", ptrs)  # one range per chunk: the whole object, its trailer included
+            with self._phase("load_staging"):
+                rcs = self.client.get_into([self.keys.key(chunks[j].link, self.rank) for j in part],
+                                           ptrs, [[want]] * len(part))
+            good, cause, gone = 0, None, False
+            for s, rc in enumerate(rcs):
+                if rc != want:
+                    cause, gone = read_cause(rc, want), is_missing(rc)
+                    break
+                if self.verify and not trailer_ok(base + s * stride + self.chunk_bytes, [base + s * stride],
+                                                  [self.chunk_bytes]):
+                    cause = "checksum"
+                    break
+                good += 1
+            if good:
+                with self._phase("load_copy"):
+                    self._copy_pages([chunks[j] for j in part[:good]])
+                    self.pages.wait()  # the pages are complete before the load is reported, staging free again
+                for j in part[:good]:
+                    ok[idx[j]] = True
+            if cause is not None:
+                return cause, gone, part[good]
+        return None, False, len(chunks)
+
+    def _slot_bytes(self) -> int:
+        """Bytes between two objects in staging: one object, rounded up to 4 KiB so that every
+        slot and page starts aligned (the copy reads them as 8-byte words)."""
+        return -(-(self.chunk_bytes + self.trailer) // 4096) * 4096
+
     def _staging_buffer(self):
-        """The registered host staging buffer of one object, allocated at first use."""
+        """The registered host staging buffer (``load_staging_size``, at least one object),
+        allocated at first use."""
         if self._staging is None:
             import torch
 
-            self._staging = torch.empty(self.chunk_bytes + self.trailer, dtype=torch.uint8)
+            slots = max(1, self.cfg.load_staging_size // self._slot_bytes())
+            self._staging = torch.empty(slots * self._slot_bytes(), dtype=torch.uint8)
             self.client.register(self._staging.data_ptr(), self._staging.numel())
         return self._staging
 
-    def _copy_pages(self, c: ChunkIO) -> None:
-        """Pages ``c.first..`` of the object in staging into blocks ``c.block_ids``. Torch
-        copies, not memmove: on CUDA the pages are device memory (kvcore.pages)."""
-        k = len(c.block_ids)
+    def _copy_pages(self, cs: list[ChunkIO]) -> None:
+        """Pages ``c.first..`` of the objects in staging slots 0, 1, ... into blocks
+        ``c.block_ids``, as many blocks from each. Torch copies, not memmove: on CUDA the
+        pages are device memory (kvcore.pages)."""
+        k, first = len(cs[0].block_ids), cs[0].first
+        assert all(len(c.block_ids) == k and c.first == first for c in cs)
+        ids = [b for c in cs for b in c.block_ids]
         for i, (r, off) in enumerate(zip(self.geo.regions, self._region_off)):
-            lo = off + c.first * r.page_bytes
-            self.pages.write(i, c.block_ids, self._staging[lo:lo + k * r.page_bytes].view(k, r.page_bytes))
+            src = self._staging.as_strided((len(cs), k, r.page_bytes), (self._slot_bytes(), r.page_bytes, 1),
+                                           off + first * r.page_bytes)
+            self.pages.write(i, ids, src)
 
     def _load_partial(self, c: ChunkIO) -> tuple[bool, str | None, bool]:
         """Blocks ``c.first..`` of a chunk: fetch the whole object into staging, copy the pages.
@@ -208,6 +257,6 @@ class Loads:
         if self.verify and not trailer_ok(base + self.chunk_bytes, [base], [self.chunk_bytes]):
             return False, "checksum", False
         with self._phase("load_copy"):
-            self._copy_pages(c)
+            self._copy_pages([c])
             self.pages.wait()  # the pages are complete before the load is reported, staging free again
         return True, None, False

@@ -8,8 +8,9 @@ time goes can be read off any engine's /metrics:
 - ``load_queue``: from the step that started the load until the load thread took it;
 - ``load_transfer``: Mooncake's batch get of whole chunks straight into the pages (one
   call: the master's replica lookup and the data transfer);
-- ``load_staging`` / ``load_copy``: a chunk needed from a later block on, fetched whole
-  into host staging, then its pages copied into place;
+- ``load_staging`` / ``load_copy``: chunks fetched whole into host staging (a scattered
+  chunk, several per get; a chunk needed from a later block on, alone), then their pages
+  copied into place;
 - ``load_recheck``: the master round trip that confirms the loaded objects still exist;
 - ``save_queue``: from the step that queued the save until the save thread took it
   (includes waiting for the forward pass that writes the pages);

@@ -72,6 +72,35 @@ def test_partial_chunk_copy_matches_the_pointer_copy(layout, block_outer, first,
         assert torch.equal(kv[name], twin[name]), name  # every byte, copied pages and the rest
 
 
+@pytest.mark.parametrize("layout,block_outer", CASES + [pytest.param("flash", False, id="flash")])
+@pytest.mark.parametrize("pad", [pytest.param(4096, id="aligned-slots"), pytest.param(1, id="odd-slots")])
+def test_batched_copy_from_staging_slots_matches_the_pointer_copy(layout, block_outer, pad):
+    """What ``StoreWorker._get_staged`` does: two whole objects in staging slots, their pages
+    into scattered blocks with one write per region (8-byte words where slots are aligned,
+    bytes where an odd slot size forbids it), against the pointer copy."""
+    kv = flash_layout_kv() if layout == "flash" else vllm_kv_caches(layout, block_outer)
+    geo = KVGeometry.from_kv_caches(kv, NUM_BLOCKS)
+    chunk_blocks = 4
+    objs = [canonical_object(geo, ids) for ids in ([8, 9, 10, 11], [0, 1, 2, 3])]
+    slot = objs[0].numel() + (pad if pad == 1 else -objs[0].numel() % pad)
+    stage = torch.zeros(2 * slot, dtype=torch.uint8)
+    for s, obj in enumerate(objs):
+        stage[s * slot:s * slot + obj.numel()] = obj
+    dst = [[7, 1, 10, 4], [2, 11, 5, 0]]  # all < NUM_BLOCKS: the pointer copy checks nothing
+    twin = {n: t.clone() for n, t in kv.items()}
+    twin_geo = KVGeometry.from_kv_caches(twin, NUM_BLOCKS)
+    for obj, ids in zip(objs, dst):
+        memmove_partial(twin_geo, obj, chunk_blocks, 0, ids)
+    views = PageViews(kv, geo)
+    off = 0
+    for i, r in enumerate(geo.regions):
+        views.write(i, dst[0] + dst[1], stage.as_strided((2, chunk_blocks, r.page_bytes), (slot, r.page_bytes, 1), off))
+        off += chunk_blocks * r.page_bytes
+    views.wait()
+    for name in kv:
+        assert torch.equal(kv[name], twin[name]), name
+
+
 def test_views_write_into_the_kv_cache_itself_and_check_their_input():
     kv = vllm_kv_caches("LBHNC", True)
     geo = KVGeometry.from_kv_caches(kv, NUM_BLOCKS)

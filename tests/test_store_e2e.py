@@ -29,8 +29,10 @@ HASH_ALGO = ["--prefix-caching-hash-algo", "xxhash"]  # mctier's own key chain (
 
 def _a_kv(master: str) -> dict:
     # Checksums on (they are opt-in): the negative control shows both what they catch and
-    # that KV with a valid trailer really is used.
-    return store_kv(master, verify_checksums=True)
+    # that KV with a valid trailer really is used. Every whole chunk A loads goes through host
+    # staging (a chunk on contiguous blocks makes one range per KV region, above the 0.5 per
+    # region allowed), B's straight into its pages: both paths are checked against the baseline.
+    return store_kv(master, verify_checksums=True, stage_above_ranges_per_region=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +86,9 @@ def test_prefix_reuse_across_engines(engines, baseline, store_cluster):
     assert cached_tokens(r2) == 576
     # [0, 512) came from A's pass over p, [512, 576) from B's pass over q after its hit.
     assert r2["choices"][0]["token_ids"] == baseline.tokens(q2, 8, cached_prefix=576, writers=[p, q])
+    # A's 9 chunks came through staging in one get (they fit its buffer), none straight.
+    assert a.metric("vllm:mctier_store_phase_seconds_count", phase="load_staging") == 1
+    assert a.metric("vllm:mctier_store_phase_seconds_count", phase="load_transfer") == 0
 
 
 def test_engines_hashing_with_xxhash_store_under_mctiers_own_chain(engines, store_cluster, raw):
