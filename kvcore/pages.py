@@ -2,18 +2,16 @@
 
 :class:`KVGeometry` describes pages by address, which is all the Transfer Engine and
 the store need: they move bytes between registered memory themselves. A copy this
-process makes on its own (the store tier's partial-chunk load: the whole object lands
-in a host staging buffer, then the wanted pages go to their blocks) must not use those
+process makes on its own (the store tier's staged loads: whole objects land in a host
+staging buffer, then the wanted pages go to their blocks) must not use those
 addresses with ``memmove``: on CUDA they are device pointers, and a host ``memmove``
 into them crashes the worker. So each region of pages gets a ``uint8`` tensor view on
 the KV tensors' own device, and copies go through ``Tensor.copy_``, which picks a host
 memcpy or a host-to-device copy by itself.
 
 The same code runs on CPU and on CUDA (CPU tensors stand in for device ones in the unit
-tests). On CPU a copy per run of consecutive blocks costs about what the former
-``memmove`` per page did (measured: 1.0 against 0.8 ms for 7 blocks of 64 KiB pages in
-16 layers, 47 against 18 us for 2 layers of 16 KiB pages); partial chunks are at most
-one per load.
+tests; the CUDA path, a host-to-device copy of the source then the same indexed write, is
+not run here: experimental). :meth:`PageViews.write` says what a copy costs on CPU.
 """
 
 from __future__ import annotations
