@@ -10,7 +10,7 @@ ranges per region (default 4) is fetched as one range into a host staging buffer
 pages copied into place (:mod:`kvcore.pages`), as many chunks per Mooncake get as the
 buffer holds (``load_staging_size``, 64 MB) and one indexed copy per KV region for them all:
 fetched one chunk per get, the staged chunks' gets had run at about 0.7 GB/s (3 MiB chunks,
-AMX host, 2026-12-03). A/B in one run (``bench/store_phases.py --prefixes 16384,32512
+AMX host, earlier on 2026-12-04). A/B in one run (``bench/store_phases.py --prefixes 16384,32512
 --reps 2 --reader-blocks 1100 --ab load_staging_size=1``, AMD EPYC, 2026-12-04): the
 batched side's loads took 0.54x and 0.46x the one-per-get side's at 16K and 32K tokens
 (staging 27 against 65 ms, 30 against 153). Measured with ``bench/store_phases.py
