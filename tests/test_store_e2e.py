@@ -144,6 +144,26 @@ def test_negative_control_corrupted_bytes_change_tokens(engines, baseline, store
     assert r["choices"][0]["token_ids"] == baseline.tokens(q2, 8)
 
 
+def test_negative_control_staged_load_uses_corrupted_bytes(engines, baseline, store_cluster, raw):
+    """The same control on the staged path: B stores a prefix, its objects are replaced by noise
+    with a valid trailer, and A, which loads every chunk through host staging, serves other
+    tokens than the right ones. With the reuse test, where A's staged load gives the right
+    tokens, this shows A's tokens follow the bytes it fetched."""
+    a, b = engines
+    p, q = _shared(15, 16)
+    new = _serve_and_wait_saved(b, p, store_cluster, all_keys(store_cluster))
+    rng = np.random.default_rng(1)
+    tlen = len(worker_trailer(b""))
+    for k in new:
+        noise = (rng.standard_normal((raw.get_size(k) - tlen) // 2) * 3).astype(np.float16).tobytes()
+        assert raw.upsert(k, noise + worker_trailer(noise)) == 0
+    staged0 = a.metric("vllm:mctier_store_phase_seconds_count", phase="load_staging")
+    r = a.complete(q, 8)
+    assert cached_tokens(r) == PREFIX
+    assert a.metric("vllm:mctier_store_phase_seconds_count", phase="load_staging") == staged0 + 1
+    assert r["choices"][0]["token_ids"] != baseline.tokens(q, 8, cached_prefix=PREFIX, writers=[p])
+
+
 def test_cache_salt_isolation(engines, baseline, store_cluster):
     a, b = engines
     p, q = _shared(21, 22)
