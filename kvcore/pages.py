@@ -16,6 +16,7 @@ not run here: experimental). :meth:`PageViews.write` says what a copy costs on C
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 from kvcore.errors import ConfigError
@@ -71,10 +72,7 @@ class PageViews:
         29 ms uint8 indexed, 6.2 ms int64 indexed, 3.1 ms for one contiguous copy of it all."""
         self.geo.check_blocks(block_ids)  # a slice past the end would not fail by itself
         dst = self.views[region]
-        rows = 1
-        for n in src.shape[:-1]:
-            rows *= n
-        if src.dim() < 2 or src.shape[-1] != dst.shape[1] or rows != len(block_ids):
+        if src.dim() < 2 or src.shape[-1] != dst.shape[1] or math.prod(src.shape[:-1]) != len(block_ids):
             raise ValueError(f"source {tuple(src.shape)} for {len(block_ids)} pages of {dst.shape[1]} bytes")
         runs = block_runs(block_ids)
         if len(runs) == 1 and src.dim() == 2:

@@ -181,11 +181,12 @@ class Loads:
                     cause = cause or "checksum"
         return cause, gone
 
-    def _get_staged(self, chunks: list[ChunkIO], js: list[int], idx: list[int],
-                    ok: list[bool]) -> tuple[str | None, bool, int]:
-        """Whole chunks ``chunks[j]`` for ``j`` in ``js`` (ascending) through host staging: as
-        many objects per Mooncake get as the buffer holds (one range each), then their pages
-        copied, one indexed write per KV region for all of them. (cause, gone, j) of the first
+    def _get_staged(self, chunks: list[ChunkIO], js: list[int], idx: list[int], ok: list[bool],
+                    count_io: bool = True) -> tuple[str | None, bool, int]:
+        """Chunks ``chunks[j]`` for ``j`` in ``js`` (ascending; the same ``first`` and block count)
+        through host staging: as many whole objects per Mooncake get as the buffer holds (one
+        range each), then their pages from ``first`` on copied, one indexed write per KV region
+        for all of them. (cause, gone, j) of the first
         chunk that did not arrive whole, (None, False, len(chunks)) if all did; ``ok[idx[j]]``
         := chunk ``j`` arrived whole and is in its pages."""
         stage, stride = self._staging_buffer(), self._slot_bytes()
@@ -193,7 +194,8 @@ class Loads:
         for lo in range(0, len(js), slots):
             part = js[lo:lo + slots]
             ptrs = [[base + s * stride] for s in range(len(part))]
-            self._count_io("load", ptrs)  # one range per chunk: the whole object, its trailer included
+            if count_io:
+                self._count_io("load", ptrs)  # one range per chunk: the whole object, its trailer included
             with self._phase("load_staging"):
                 rcs = self.client.get_into([self.keys.key(chunks[j].link, self.rank) for j in part],
                                            ptrs, [[want]] * len(part))
@@ -246,17 +248,9 @@ class Loads:
             self.pages.write(i, ids, src)
 
     def _load_partial(self, c: ChunkIO) -> tuple[bool, str | None, bool]:
-        """Blocks ``c.first..`` of a chunk: fetch the whole object into staging, copy the pages.
+        """Blocks ``c.first..`` of a chunk: the whole object through staging (:meth:`_get_staged`),
+        its pages from ``c.first`` on copied; not added to the ``io_*`` counters (as before).
         (arrived whole, the cause if not, whether that cause is a miss: evicted, lease expired)."""
-        base = self._staging_buffer().data_ptr()
-        want = self.chunk_bytes + self.trailer
-        with self._phase("load_staging"):
-            rc = self.client.get_into([self.keys.key(c.link, self.rank)], [[base]], [[want]])[0]
-        if rc != want:
-            return False, read_cause(rc, want), is_missing(rc)
-        if self.verify and not trailer_ok(base + self.chunk_bytes, [base], [self.chunk_bytes]):
-            return False, "checksum", False
-        with self._phase("load_copy"):
-            self._copy_pages([c])
-            self.pages.wait()  # the pages are complete before the load is reported, staging free again
-        return True, None, False
+        ok = [False]
+        cause, gone, _ = self._get_staged([c], [0], [0], ok, count_io=False)
+        return ok[0], cause, gone
