@@ -3,6 +3,7 @@ sensitivity), configuration errors, and load planning."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -382,6 +383,9 @@ def test_links_from_an_engines_block_hashes_equal_the_tools_links_from_tokens(mo
     links = ks.links_from_block_hashes(req.block_hashes, len(TOKENS))
     assert len(links) == 5 and links == ks.links(TOKENS)
     assert ks.links_from_block_hashes(req.block_hashes, 64 * 3 + 10) == links[:3]
+    assert ks.links_from_block_hashes(req.block_hashes[:5], len(TOKENS)) == links[:2]  # hashes run short
+    # Chunk i's link: H(fingerprint, the hash of its last 32-token block), two blocks a chunk.
+    assert links == [f"{ks.prefix}/{hashlib.sha256(ks.fp.encode() + h).hexdigest()}" for h in req.block_hashes[1:10:2]]
     assert not set(ks.links(TOKENS, cache_salt="s")) & set(links)
     assert not set(_vllm_ks({**FIELDS, "tp_size": 2}).links(TOKENS)) & set(links)
     assert not set(_ks().links(TOKENS)) & set(links)  # our own chain's key space is another
