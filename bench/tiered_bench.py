@@ -14,7 +14,14 @@ one before it is not run again) the prefill instance stored just before, in two 
   instance's composite chooses, range by range, between the store, the prefill instance
   and recomputing); sources ``recompute``, ``store``, ``p2p``, ``auto``;
 - ``decode only``: straight to the decode instance (no handoff to draw on); sources
-  ``recompute``, ``store``, ``auto``.
+  ``recompute``, ``store``, ``auto``;
+- ``cold prefill`` (not in the default ``--layouts``): as ``with prefill``, but the prefill
+  instance's prefix cache is emptied after it stored the prefix (``POST
+  /reset_prefix_cache``; its engine runs with ``VLLM_SERVER_DEV_MODE=1``), as when another
+  instance computed the prefix: a handoff then costs the prefill instance's own store load
+  of the prefix, which the decode instance's estimate of a connector-equipped prefill
+  instance does not count (``multi.policy.TierReach.remote_cached`` is None: the instance
+  is taken to hold what the earlier tiers hold).
 
 A forced source is ``kv_transfer_params.kv_source``; ``auto`` is the product's default.
 Every prompt is fresh (random ids, its own prefix), so no request hits a prefix cache
@@ -78,15 +85,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import requests  # noqa: E402
+
 from bench.client import complete, ids, stream  # noqa: E402
 from bench.common import (QUIET_S, Checker, balanced_orders, long_context_args, machine, ratio_interval,  # noqa: E402
                           spread, term_as_interrupt)
+from bench.decisions_report import progress_line, render  # noqa: E402
 from bench.engine_metrics import load_io  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
 from multi.deploy import Deployment, metrics, tiered_config  # noqa: E402
 
-LAYOUTS = {"with prefill": ("recompute", "store", "p2p", "auto"), "decode only": ("recompute", "store", "auto")}
+LAYOUTS = {"with prefill": ("recompute", "store", "p2p", "auto"), "decode only": ("recompute", "store", "auto"),
+           "cold prefill": ("recompute", "store", "p2p", "auto")}
+DEFAULT_LAYOUTS = ("with prefill", "decode only")
+HANDOFF = {"with prefill", "cold prefill"}  # layouts whose requests go through the proxy
+RESET_DEADLINE_S = 30.0
 CHUNK = 256
 BLOCK = 32
 STORED_PASS_TAIL = [5]  # store_prefix's extra token: a pass the reference repeats exactly
@@ -94,13 +108,31 @@ DECISIONS = "vllm:mctier_tiered_decisions_total"
 WITHIN_BEST, WITHIN_RECOMPUTE = 1.10, 1.05
 
 
-def store_prefix(p_url: str, prefix: list[int]) -> None:
-    """A prefill-only request on the prefill instance saves the prefix's chunks; then a
-    pause in every case (QUIET_S: saves run off the forward path, and every engine that
-    just ran still spins), so that each request after it starts on quiet engines."""
+def store_prefix(p_url: str, prefix: list[int], forget: bool = False) -> None:
+    """A prefill-only request on the prefill instance saves the prefix's chunks (``forget``:
+    then its prefix cache is emptied, :func:`reset_prefix_cache`); then a pause in every
+    case (QUIET_S: saves run off the forward path, and every engine that just ran still
+    spins), so that each request after it starts on quiet engines."""
     if prefix:
         complete(p_url, prefix + STORED_PASS_TAIL, 1)
+    if forget:
+        reset_prefix_cache(p_url)
     time.sleep(QUIET_S)
+
+
+def reset_prefix_cache(url: str, deadline_s: float = RESET_DEADLINE_S) -> None:
+    """Empty an engine's prefix cache (vLLM's dev-mode ``POST /reset_prefix_cache``, local
+    cache only). vLLM refuses while blocks are held (a request's store save still reading
+    them), so this retries until ``deadline_s``, then raises."""
+    end = time.monotonic() + deadline_s
+    while True:
+        r = requests.post(url + "/reset_prefix_cache", timeout=deadline_s)
+        r.raise_for_status()
+        if r.json().get("success"):
+            return
+        if time.monotonic() > end:
+            raise RuntimeError(f"{url}: prefix cache not reset within {deadline_s:.0f} s (blocks still held)")
+        time.sleep(0.05)
 
 
 def own_decisions(series: dict[tuple[str, str], float]) -> dict[str, float]:
@@ -108,16 +140,16 @@ def own_decisions(series: dict[tuple[str, str], float]) -> dict[str, float]:
     return {kind: v for (name, kind), v in series.items() if name == DECISIONS}
 
 
-def decisions(d_url: str) -> dict[str, float]:
-    return own_decisions(metrics(d_url, (DECISIONS,)))
+def decisions(url: str) -> dict[str, float]:
+    return own_decisions(metrics(url, (DECISIONS,)))
 
 
-def counted_plan(d_url: str, before: dict[str, float], deadline_s: float = 5.0) -> str:
-    """The plan the decode engine's composite counted since ``before`` (its stats reach
-    /metrics a step late); ``?`` when none showed up in time."""
+def counted_plan(url: str, before: dict[str, float], deadline_s: float = 5.0) -> str:
+    """The plan an engine's composite counted since ``before`` (its stats reach /metrics a
+    step late); ``?`` when none showed up in time."""
     end = time.monotonic() + deadline_s
     while True:
-        now = decisions(d_url)
+        now = decisions(url)
         moved = [k for k, v in now.items() if v > before.get(k, 0.0)]
         if moved or time.monotonic() > end:
             return "+".join(sorted(moved)) or "?"
@@ -155,19 +187,28 @@ def check_cell(urls: dict[str, str], layout: str, n: int, hit: int, rng: random.
     plans it could not reproduce, and what ``auto``'s request weighed (its
     ``kv_plan_estimates``: every plan's estimated seconds, the parts, the requests the
     engine held), to tell a wrong estimate from a wrong objective."""
-    target = urls["proxy"] if layout == "with prefill" else urls["decode"]
-    unchecked, estimates = [], {}
+    target = urls["proxy"] if layout in HANDOFF else urls["decode"]
+    cold = layout == "cold prefill"
+    unchecked, estimates, prefill_plans = [], {}, {}
     for src in LAYOUTS[layout]:
         prefix = ids(hit, rng)
-        store_prefix(urls["prefill"], prefix)
+        store_prefix(urls["prefill"], prefix, forget=cold)
         prompt = prefix + ids(n - hit, rng)
+        p_before = decisions(urls["prefill"]) if cold else {}
         r = complete(target, prompt, 2, {"kv_source": src})
         params = r.get("kv_transfer_params") or {}
         plan = params.get("kv_plan") or []
         if src == "auto":
             estimates = params.get("kv_plan_estimates") or {}
         shown = "+".join(f"{s['source']}[{s['start']},{s['end']})" for s in plan) or "no plan"
-        passes = reference_passes(plan, prompt, hit, layout == "with prefill")
+        passes = reference_passes(plan, prompt, hit, layout in HANDOFF)
+        if cold:
+            # The reference's prefill pass takes [0, hit) from the stored pass's KV: true
+            # only if the prefill instance loaded it from the store (its own plan).
+            prefill_plans[src] = counted_plan(urls["prefill"], p_before)
+            if hit and passes and len(passes) > 1 and "store" not in prefill_plans[src].split("+"):
+                passes = None
+            shown += f"; the prefill instance's plan: {prefill_plans[src]}"
         if passes is None:
             unchecked.append(f"{src}: {shown}")
             continue
@@ -177,6 +218,8 @@ def check_cell(urls: dict[str, str], layout: str, n: int, hit: int, rng: random.
         what = f"{layout}, kv_source {src} ({shown})"
         check.same("decisions", f"{what}: reference cached tokens", n, [ref.cached], [loaded_tokens(plan, n)])
         check.same("decisions", f"{what} vs same-split reference", n, r["choices"][0]["token_ids"], ref.token_ids)
+    if cold:
+        estimates = {**estimates, "prefill_plans": prefill_plans}
     return unchecked, estimates
 
 
@@ -186,7 +229,7 @@ def cell(urls: dict[str, str], layout: str, n: int, f: float, reps: int, rng: ra
     timed repetitions have run for less than ``min_cell_s`` seconds: cheap cells get more
     samples, where a few ms of spread decide a median (module doc)."""
     sources = LAYOUTS[layout]
-    target = urls["proxy"] if layout == "with prefill" else urls["decode"]
+    target = urls["proxy"] if layout in HANDOFF else urls["decode"]
     times: dict[str, list[float]] = {s: [] for s in sources}
     planned: dict[str, list[str]] = {s: [] for s in sources}  # what the composite counted per request
     store_io: dict[str, list[dict | None]] = {s: [] for s in sources}  # each request's store load, if any
@@ -203,7 +246,7 @@ def cell(urls: dict[str, str], layout: str, n: int, f: float, reps: int, rng: ra
             # not run right before a timed request; and every source's requests get the same
             # scrapes, so that none is treated differently.
             before = metrics(urls["decode"])
-            store_prefix(urls["prefill"], prefix)
+            store_prefix(urls["prefill"], prefix, forget=layout == "cold prefill")
             times[src].append(stream(target, prefix + ids(n - hit, rng), 2, {"kv_source": src}).ttft)
             planned[src].append(plan := counted_plan(urls["decode"], own_decisions(before)))
             store_io[src].append(load_io(urls["decode"], before) if "store" in plan.split("+") else None)
@@ -228,81 +271,13 @@ def cell(urls: dict[str, str], layout: str, n: int, f: float, reps: int, rng: ra
             "auto_vs_recompute_interval": ratio_interval(times["auto"], times["recompute"])}
 
 
-def io_cell(r: dict) -> str:
-    """Medians (min-max) of the cell's store loads, every source's: buffer ranges per chunk and GB/s."""
-    loads = [x for xs in r.get("store_io", {}).values() for x in xs if x]
-    if not loads:
-        return "-"
-
-    def m(key: str, fmt: str) -> str:
-        v = spread([x[key] for x in loads])
-        return f"{v['median']:{fmt}} ({v['min']:{fmt}}-{v['max']:{fmt}})"
-    return f"{m('ranges_per_chunk', '.0f')}, {m('gbps', '.2f')}"
-
-
-def progress_line(r: dict) -> str:
-    """One finished cell, for the log: medians by source, the plan ``auto`` chose, and its check
-    request's estimates (plan seconds, where the instance's own compute is weighted, and the
-    chosen plan's compute unweighted, which a measured prefill compares with)."""
-    est = r["auto_check_estimates"]
-    meds = "  ".join(f"{s} {x['median'] * 1e3:.0f}" for s, x in r["ttft"].items())
-    plans = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in est.get("seconds", {}).items())
-    compute = 1e3 * est.get("parts", {}).get("compute_s", float("nan"))
-    return (f"[decisions] {r['layout']:<12} n={r['tokens']:>5} stored={r['stored_tokens']:>5} "
-            f"reps={len(r['orders'])}  {meds} ms; auto chose {','.join(sorted(set(r['auto_plans'])))}; "
-            f"auto/best {r['auto_vs_best']:.2f}; its check request's estimates {plans} ms, weighted; the chosen "
-            f"plan's compute unweighted {compute:.0f} ms (busy {est.get('busy', '?')})")
-
-
-def render(rec: dict) -> str:
-    rows = rec["cells"]
-    lines = [f"Decision quality ({rec['date']}, {rec['machine']['cpu']}, {rec['machine']['dtype']}, `small`): TTFT "
-             f"median (min-max) in ms over the cell's interleaved repetitions (`reps`: at least "
-             f"{rec['args']['reps']}; more, up to {rec['args']['max_reps']}, while a cell's repetitions had "
-             f"run under {rec['args']['min_cell_s']:.0f} s).", "",
-             "| layout | prompt | stored | reps | recompute | store | p2p | auto | auto chose | best forced "
-             "| auto/best (90% interval) | auto/oracle | auto/recompute (90% interval) "
-             "| store loads: ranges/chunk, GB/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-
-    def ratio(r, key):
-        lo, hi = r[f"{key}_interval"]
-        return f"{r[key]:.2f} ({lo:.2f}-{hi:.2f})"
-
-    def t(r, s):
-        x = r["ttft"].get(s)
-        return "-" if x is None else f"{x['median'] * 1e3:.0f} ({x['min'] * 1e3:.0f}-{x['max'] * 1e3:.0f})"
-
-    for r in rows:
-        chose = ", ".join(sorted(set(r["auto_plans"])))
-        lines.append(f"| {r['layout']} | {r['tokens']} | {r['stored_tokens']} | {len(r['orders'])} "
-                     f"| {t(r, 'recompute')} | {t(r, 'store')} | {t(r, 'p2p')} | {t(r, 'auto')} | {chose} "
-                     f"| {r['best_forced']} | {ratio(r, 'auto_vs_best')} | {r['auto_vs_oracle']:.2f} "
-                     f"| {ratio(r, 'auto_vs_recompute')} | {io_cell(r)} |")
-    s = rec["summary"]
-    lines += ["", f"- `auto` within 10% of the best forced source in {s['within_best']}/{s['cells']} cells "
-                  f"({s['within_best_share']:.0%}; target 90%): {'met' if s['within_best_share'] >= 0.9 else 'missed'}",
-              f"- `auto` at most 5% slower than always recomputing in {s['within_recompute']}/{s['cells']} cells "
-              f"(target: all): {'met' if s['within_recompute'] == s['cells'] else 'missed'}",
-              f"- against each cell's 90% interval (the repetitions drawn again, `ratio_interval`): `auto` "
-              f"more than 10% slower than the best forced source over the whole interval in "
-              f"{s['beyond_best']}/{s['cells']} cells, within 10% over the whole interval in {s['surely_best']}, "
-              f"undecided by the repetitions in {s['cells'] - s['beyond_best'] - s['surely_best']}; more than 5% "
-              f"slower than recomputing over the whole interval in {s['beyond_recompute']}",
-              f"- `auto` chose the plan of the fastest forced source in {s['same_plan']}/{s['cells']} cells",
-              f"- greedy token identity with a no-connector engine on the same split: {rec['token_checks']} "
-              f"comparisons, {len(rec['token_mismatches'])} mismatches; unchecked (a split no reference repeats): "
-              + ("none" if not (u := [f"{r['layout']} {r['tokens']}: {x}" for r in rows for x in r["unchecked"]])
-                 else "; ".join(u))]
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.tiered_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="257 and 2049 tokens, 0 and 100%%, 1 repetition")
     ap.add_argument("--lengths", help="prompt lengths, 32k + 1 (default 65,257,1025,2049,4097,8193,16385)")
     ap.add_argument("--fractions", help="stored fractions (default 0,0.5,1)")
-    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="with prefill, decode only (default both)")
+    ap.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS),
+                    help="with prefill, decode only, cold prefill (default the first two)")
     ap.add_argument("--reps", type=int,
                     help="interleaved repetitions per cell, at least (default 3; 1 with --quick)")
     ap.add_argument("--min-cell-s", type=float, help="a cell repeats until its timed repetitions have run this "
@@ -343,7 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         # The reference starts beside the pair (started after it, it would leave a core idle).
         base_url, base = dep.engine("reference", model, 1, None, extra=extra)
         p_url, d_url, proxy = dep.pd_pair(model, tiered_config("kv_producer", master, boot),
-                                          tiered_config("kv_consumer", master, free_port()), boot, extra=extra)
+                                          tiered_config("kv_consumer", master, free_port()), boot, extra=extra,
+                                          # /reset_prefix_cache is a dev-mode route
+                                          prefill_env={"VLLM_SERVER_DEV_MODE": "1"} if "cold prefill" in layouts
+                                          else None)
         dep.wait_http(base_url, base)
         urls = {"prefill": p_url, "decode": d_url, "proxy": proxy, "base": base_url}
         cell(urls, "with prefill", 513, 0.5, 1, rng, 0)  # untimed: the first handoff and loads set things up

@@ -81,11 +81,12 @@ class Deployment:
         return f"http://127.0.0.1:{port}", proc
 
     def pd_pair(self, model: str, p_cfg: dict, d_cfg: dict, bootstrap_port: int,
-                extra: list[str] | None = None) -> tuple[str, str, str]:
-        """A prefill engine on core 0, a decode engine on core 1 (both with ``extra`` flags) and
-        the proxy in front of them: their (prefill, decode, proxy) URLs."""
+                extra: list[str] | None = None, prefill_env: dict[str, str] | None = None) -> tuple[str, str, str]:
+        """A prefill engine on core 0 (with ``prefill_env`` added to its environment), a decode
+        engine on core 1 (both with ``extra`` flags) and the proxy in front of them: their
+        (prefill, decode, proxy) URLs."""
         n = len(self.procs)
-        p_url, p_proc = self.engine(f"prefill-{n}", model, 0, p_cfg, extra=extra)
+        p_url, p_proc = self.engine(f"prefill-{n}", model, 0, p_cfg, extra=extra, env=prefill_env)
         d_url, d_proc = self.engine(f"decode-{n}", model, 1, d_cfg, extra=extra)
         self.wait_http(p_url, p_proc)
         self.wait_http(d_url, d_proc)

@@ -203,22 +203,32 @@ def test_trace_replay_quick_runs_both_deployments_and_feeds_the_simulator(tmp_pa
 
 @pytest.mark.bench_harness
 def test_decision_bench_quick_measures_every_cell_with_the_same_tokens(tmp_path):
-    """``python -m bench.tiered_bench --quick --lengths 257 --min-cell-s 600 --max-reps 2``:
-    both layouts at 0% and 100% stored, each cell grown from one repetition to two (its
-    repetitions ran under 600 s), every source timed, the plan ``auto`` chose read from the
-    decode engine (and, for every request whose plan loaded from the store, that load's ranges
-    per chunk and rate), every answer's greedy ids those of a no-connector engine on the plan's
-    split, every process gone. No assertion on which source wins."""
+    """``python -m bench.tiered_bench --quick --lengths 257 --min-cell-s 600 --max-reps 2
+    --layouts "with prefill,decode only,cold prefill"``: the three layouts at 0% and 100%
+    stored, each cell grown from one repetition to two (its repetitions ran under 600 s),
+    every source timed, the plan ``auto`` chose read from the decode engine (and, for every
+    request whose plan loaded from the store, that load's ranges per chunk and rate), every
+    answer's greedy ids those of a no-connector engine on the plan's split, every process
+    gone. In ``cold prefill`` the prefill instance's prefix cache was emptied after it stored
+    the prefix, so with the prefix stored it loaded it from the store itself (its own plan,
+    read from its /metrics). No assertion on which source wins."""
     proc = subprocess.run([sys.executable, "-m", "bench.tiered_bench", "--quick", "--lengths", "257",
-                           "--min-cell-s", "600", "--max-reps", "2", "--out", str(tmp_path)],
+                           "--min-cell-s", "600", "--max-reps", "2", "--layouts", "with prefill,decode only,cold prefill",
+                           "--out", str(tmp_path)],
                           cwd=str(ROOT), capture_output=True, text=True, timeout=900)
     (tmp_path / "stdout.txt").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads((tmp_path / "decisions.json").read_text())
     got = sorted((c["layout"], c["store_fraction"], sorted(c["ttft"])) for c in r["cells"])
-    assert got == [("decode only", 0.0, ["auto", "recompute", "store"]), ("decode only", 1.0, ["auto", "recompute", "store"]),
-                   ("with prefill", 0.0, ["auto", "p2p", "recompute", "store"]),
-                   ("with prefill", 1.0, ["auto", "p2p", "recompute", "store"])]
+    assert got[:2] == [("cold prefill", f, ["auto", "p2p", "recompute", "store"]) for f in (0.0, 1.0)], got
+    assert got[2:] == [("decode only", 0.0, ["auto", "recompute", "store"]),
+                       ("decode only", 1.0, ["auto", "recompute", "store"]),
+                       ("with prefill", 0.0, ["auto", "p2p", "recompute", "store"]),
+                       ("with prefill", 1.0, ["auto", "p2p", "recompute", "store"])], got
+    cold = {c["store_fraction"]: c["auto_check_estimates"]["prefill_plans"] for c in r["cells"]
+            if c["layout"] == "cold prefill"}
+    assert cold[0.0] == dict.fromkeys(["recompute", "store", "p2p", "auto"], "recompute"), cold
+    assert cold[1.0] == dict.fromkeys(["recompute", "store", "p2p", "auto"], "store"), cold
     for c in r["cells"]:
         assert len(c["orders"]) == 2 and all(sorted(o) == sorted(c["ttft"]) for o in c["orders"]), c
         assert all(x["n"] == 2 and x["median"] > 0 for x in c["ttft"].values()), c
@@ -234,9 +244,10 @@ def test_decision_bench_quick_measures_every_cell_with_the_same_tokens(tmp_path)
     assert any(io for c in r["cells"] for io in c["store_io"]["store"]), "no forced store request loaded"
     assert "within 10% of the best forced source" in (tmp_path / "decisions.md").read_text()
     # At 257 tokens every plan has a reference (a stored chunk is the handoff's N - 1 tokens):
-    # 14 requests (3 sources x 2 cells decode only, 4 x 2 with prefill), cached tokens and ids each.
-    assert [c["unchecked"] for c in r["cells"]] == [[]] * 4
-    assert r["token_checks"] == 28 and r["token_mismatches"] == []
+    # 22 requests (3 sources x 2 cells decode only, 4 x 2 with prefill, 4 x 2 cold prefill),
+    # cached tokens and ids each.
+    assert [c["unchecked"] for c in r["cells"]] == [[]] * 6
+    assert r["token_checks"] == 44 and r["token_mismatches"] == []
     assert len(r["pids"]) >= 6 and [p for p in r["pids"] if not _gone(p)] == []
 
 
