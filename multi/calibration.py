@@ -15,12 +15,34 @@ import numpy as np
 class OnlineFit:
     """``seconds ~ coef . x``, fitted by least squares on relative errors, with forgetting.
 
-    - Relative errors: each sample is weighted by ``1 / seconds``, so a 5 ms decode step
-      and a 2 s prefill count alike. Plain least squares fits the long passes and lets a
-      wrong start linger in the short ones: from starting values 10x off the machine's
-      speed (mixed prefills and decode steps) its mean relative error was still 0.67
-      after 50 samples, against 0.06 with relative weights (``tests/test_policy.py``
-      checks starts 0.1x, 10x and 40x off).
+    - Relative errors: each sample is weighted by ``1 / predicted seconds`` (the fit's
+      prediction for it before the update, kept within ``clip`` times the sample), so a
+      5 ms decode step and a 2 s prefill count alike. Plain least squares fits the long
+      passes and lets a wrong start linger in the short ones: from starting values 10x off
+      the machine's speed (mixed prefills and decode steps) its mean relative error was
+      still 0.67 after 50 samples, against 0.06 with relative weights
+      (``tests/test_policy.py`` checks starts 0.1x, 10x and 40x off).
+    - Why the prediction and not the sample's own seconds (the weight until 2026-12-05):
+      a weight that depends on the sample favours the fast samples. For one quantity
+      that minimises ``sum(((c - y) / y)^2)``, whose solution ``c = sum(1/y) / sum(1/y^2)``
+      is ``exp(mu - 1.5 sigma^2)`` for log-normal samples, below their median ``exp(mu)``
+      and their mean ``exp(mu + sigma^2 / 2)``, the more so the wider they spread. The
+      handoff, whose time includes the prefill instance's request, spreads more than a
+      store load: on the AVX2 host (decision matrix, 2K tokens fully stored, with a
+      prefill instance) handoffs of 4 MB took 15 to 54 ms (median 27) from being planned
+      to done, store loads 14 to 28 (median 18), and the fits said 20 and 17 to 18 ms,
+      so ``auto`` handed off at 1.30x the store's TTFT. A weight fixed before the sample
+      is seen leaves the least squares unbiased: the fit tends to the (recent) mean. It is
+      kept within ``clip`` of the sample so that a start far off (40x slow) does not shrink
+      every sample's weight against the prior's and slow the convergence (the test's
+      start 40x slow: mean relative error 0.12 over samples 41 to 60, 0.23 unclipped).
+    - ``relative_to="sample"`` keeps the previous weight, for a quantity that swings by
+      orders of magnitude, where a stale prediction must not weigh the samples: the
+      router's queue wait (:meth:`multi.route.Chooser.wait_s`, not clipped), between an
+      idle pool and an overloaded one. Weighted by its prediction, a burst of long waits
+      raised the prediction and then discounted the short waits that followed; in the
+      cluster simulator at twice the trace's rate the kv router without the store met the
+      SLO for 38.9% of requests, against 79.3% (``bench.sim cluster``, 2026-12-05).
     - The prior: the starting coefficients, worth ``prior_weight`` samples (a ridge term
       in the rescaled coordinates), fading with ``forget`` like every sample.
     - Outliers: after the first ``clip_after`` samples (3 by default), a sample more than
@@ -47,7 +69,10 @@ class OnlineFit:
         clip: float = 4.0,
         floor: float = 0.0,
         clip_after: int = 3,
+        relative_to: str = "prediction",
     ):
+        if relative_to not in ("prediction", "sample"):
+            raise ValueError(f"relative_to must be 'prediction' or 'sample', got {relative_to!r}")
         self.coef = np.asarray(prior, dtype=float)
         self.lower = np.asarray(lower, dtype=float)
         self.upper = np.asarray(upper, dtype=float)
@@ -60,11 +85,18 @@ class OnlineFit:
         self.clip = clip
         self.floor = floor
         self.clip_after = clip_after
+        self.relative_to = relative_to
         self.samples = 0
         self.clipped = 0
 
     def predict(self, x: list[float]) -> float:
         return float(np.dot(self.coef, np.asarray(x, dtype=float)))
+
+    def _relative_to(self, pred: float, y: float) -> float:
+        """What a sample's error is relative to (see the class doc)."""
+        if self.relative_to == "sample" or pred <= 0:
+            return y
+        return min(max(pred, y / self.clip), y * self.clip)
 
     def update(self, x: list[float], y: float) -> None:
         if not np.isfinite(y) or y <= 0:
@@ -73,7 +105,7 @@ class OnlineFit:
         if self.samples >= self.clip_after and pred > 0 and not pred / self.clip <= y <= pred * self.clip:
             self.clipped += 1
             y = min(max(y, pred / self.clip), pred * self.clip)
-        w = 1.0 / max(y, self.floor)  # relative error: (coef . x - y) / y, absolute below the floor
+        w = 1.0 / max(self._relative_to(pred, y), self.floor)  # absolute below the floor
         z = np.asarray(x, dtype=float) / self.scale * w
         self._A = self.forget * self._A + np.outer(z, z)
         self._b = self.forget * self._b + z * (y * w)

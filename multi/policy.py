@@ -167,13 +167,16 @@ def load_features(nbytes: float) -> list[float]:
 class CostModel:
     """Plan estimates from calibrated fits (see :mod:`multi.calibration`)."""
 
-    def __init__(self, cfg: PolicyConfig):
+    def __init__(self, cfg: PolicyConfig, fit=None):
+        """``fit``: what makes the fits (default :class:`multi.calibration.OnlineFit`; the
+        replay of recorded samples, ``bench.calibration_replay``, passes one weighted the
+        previous way)."""
         from multi.calibration import OnlineFit
 
         self.cfg = cfg
-        self._fit = OnlineFit
+        self._fit = fit or OnlineFit
         self.loads: dict[str, OnlineFit] = {}  # tier name -> load-time fit, made at first use
-        self.prefill = OnlineFit([cfg.prefill_step_s, cfg.prefill_token_s, cfg.prefill_attn_s],
+        self.prefill = self._fit([cfg.prefill_step_s, cfg.prefill_token_s, cfg.prefill_attn_s],
                                  lower=[0.0, 1e-7, 0.0], upper=[5.0, 1.0, 1e-3], scale=[1.0, 1e3, 1e6])
 
     def load_fit(self, tier: str, prior: LoadPrior | None = None):

@@ -136,10 +136,13 @@ class Chooser:
             # Waits under a second count by their absolute error: most are near 0 and, weighted
             # relatively, the few that came out shorter than the queue ahead (a request whose
             # KV was still loading let a later one go first) drove the queue's coefficient to
-            # 0 in the cluster simulator, and TTFTs to 5x their estimates.
+            # 0 in the cluster simulator, and TTFTs to 5x their estimates. Above a second,
+            # relative to the sample itself, not the prediction (OnlineFit's doc: after a
+            # burst a stale high prediction would discount the short waits that follow).
             fit = self.waits[inst.url] = OnlineFit([0.0, 1.0, 1.0], lower=[0.0, 0.0, 0.0],
                                                    upper=[30.0, 30.0, 10.0], scale=[1.0, 1.0, 1.0],
-                                                   forget=0.9, clip=float("inf"), floor=WAIT_FLOOR_S)
+                                                   forget=0.9, clip=float("inf"), floor=WAIT_FLOOR_S,
+                                                   relative_to="sample")
         return fit.predict(self.wait_x(inst, now, own_s))
 
     def _store(self, s: int) -> list[TierReach]:
