@@ -36,13 +36,14 @@ class OnlineFit:
       kept within ``clip`` of the sample so that a start far off (40x slow) does not shrink
       every sample's weight against the prior's and slow the convergence (the test's
       start 40x slow: mean relative error 0.12 over samples 41 to 60, 0.23 unclipped).
-    - ``relative_to="sample"`` keeps the previous weight, for a quantity that swings by
-      orders of magnitude, where a stale prediction must not weigh the samples: the
-      router's queue wait (:meth:`multi.route.Chooser.wait_s`, not clipped), between an
-      idle pool and an overloaded one. Weighted by its prediction, a burst of long waits
-      raised the prediction and then discounted the short waits that followed; in the
-      cluster simulator at twice the trace's rate the kv router without the store met the
-      SLO for 38.9% of requests, against 79.3% (``bench.sim cluster``, 2026-12-05).
+    - ``relative_to="sample"`` keeps the previous weight. The router's fits use it
+      (:mod:`multi.route`): its queue wait (not clipped) swings by orders of magnitude
+      between an idle pool and an overloaded one, and weighted by its prediction a burst
+      of long waits raised the prediction and then discounted the short waits that
+      followed (every router fit weighted by its prediction: in the cluster simulator at
+      twice the trace's rate the kv router without the store met the SLO for 38.9% of
+      requests, against 79.3%; ``bench.sim``, 2026-12-05); its per-instance cost models
+      learn from whole requests (see :meth:`multi.route.Chooser.model`).
     - The prior: the starting coefficients, worth ``prior_weight`` samples (a ridge term
       in the rescaled coordinates), fading with ``forget`` like every sample.
     - Outliers: after the first ``clip_after`` samples (3 by default), a sample more than
