@@ -87,3 +87,19 @@ def complete(url: str, prompt: list[int], max_tokens: int = 1, kv: dict | None =
     r = requests.post(url + "/v1/completions", timeout=TIMEOUT_S, json=body)
     r.raise_for_status()
     return r.json()
+
+
+def reset_prefix_cache(url: str, deadline_s: float = 30.0) -> None:
+    """Empty an engine's local prefix cache (vLLM's dev-mode ``POST /reset_prefix_cache``; the
+    engine runs with ``VLLM_SERVER_DEV_MODE=1``). vLLM refuses while blocks are still held (a
+    finishing request, a store save still reading them), so this retries until ``deadline_s``,
+    then raises ``TimeoutError``. The benchmarks' and the tests' engines (``tests/harness.py``)
+    both reset through here."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        r = requests.post(url + "/reset_prefix_cache", timeout=10)
+        r.raise_for_status()
+        if r.json().get("success"):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{url}: prefix cache not reset within {deadline_s:.0f} s (blocks still held)")

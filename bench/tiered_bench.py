@@ -85,9 +85,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import requests  # noqa: E402
-
-from bench.client import complete, ids, stream  # noqa: E402
+from bench.client import complete, ids, reset_prefix_cache, stream  # noqa: E402
 from bench.common import (QUIET_S, Checker, balanced_orders, long_context_args, machine, ratio_interval,  # noqa: E402
                           spread, term_as_interrupt)
 from bench.decisions_report import progress_line, render  # noqa: E402
@@ -100,7 +98,6 @@ LAYOUTS = {"with prefill": ("recompute", "store", "p2p", "auto"), "decode only":
            "cold prefill": ("recompute", "store", "p2p", "auto")}
 DEFAULT_LAYOUTS = ("with prefill", "decode only")
 HANDOFF = {"with prefill", "cold prefill"}  # layouts whose requests go through the proxy
-RESET_DEADLINE_S = 30.0
 CHUNK = 256
 BLOCK = 32
 STORED_PASS_TAIL = [5]  # store_prefix's extra token: a pass the reference repeats exactly
@@ -110,7 +107,7 @@ WITHIN_BEST, WITHIN_RECOMPUTE = 1.10, 1.05
 
 def store_prefix(p_url: str, prefix: list[int], forget: bool = False) -> None:
     """A prefill-only request on the prefill instance saves the prefix's chunks (``forget``:
-    then its prefix cache is emptied, :func:`reset_prefix_cache`); then a pause in every
+    then its prefix cache is emptied, :func:`bench.client.reset_prefix_cache`); then a pause in every
     case (QUIET_S: saves run off the forward path, and every engine that just ran still
     spins), so that each request after it starts on quiet engines."""
     if prefix:
@@ -118,21 +115,6 @@ def store_prefix(p_url: str, prefix: list[int], forget: bool = False) -> None:
     if forget:
         reset_prefix_cache(p_url)
     time.sleep(QUIET_S)
-
-
-def reset_prefix_cache(url: str, deadline_s: float = RESET_DEADLINE_S) -> None:
-    """Empty an engine's prefix cache (vLLM's dev-mode ``POST /reset_prefix_cache``, local
-    cache only). vLLM refuses while blocks are held (a request's store save still reading
-    them), so this retries until ``deadline_s``, then raises."""
-    end = time.monotonic() + deadline_s
-    while True:
-        r = requests.post(url + "/reset_prefix_cache", timeout=deadline_s)
-        r.raise_for_status()
-        if r.json().get("success"):
-            return
-        if time.monotonic() > end:
-            raise RuntimeError(f"{url}: prefix cache not reset within {deadline_s:.0f} s (blocks still held)")
-        time.sleep(0.05)
 
 
 def own_decisions(series: dict[tuple[str, str], float]) -> dict[str, float]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import requests
 
+from bench.client import reset_prefix_cache
 from kvcore.platform import engine_dtype, kv_bytes_per_token  # noqa: F401 - the tests' import point
 from kvcore.procs import Proc, free_port
 from multi.deploy import engine_argv, engine_env
@@ -105,15 +106,9 @@ class Engine:
         return self.complete(prompt, max_tokens, **body)["choices"][0]["token_ids"]
 
     def reset_prefix_cache(self, timeout: float = 30.0) -> None:
-        """Empty the engine's local prefix cache (needs ``dev_mode=True``)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            r = requests.post(self.url + "/reset_prefix_cache", timeout=10)
-            r.raise_for_status()
-            if r.json().get("success"):
-                return
-            time.sleep(0.2)  # blocks still held by a finishing request
-        raise TimeoutError(f"engine {self.name} did not reset its prefix cache in {timeout}s")
+        """Empty the engine's local prefix cache (needs ``dev_mode=True``;
+        :func:`bench.client.reset_prefix_cache`, ``TimeoutError`` past ``timeout``)."""
+        reset_prefix_cache(self.url, timeout)
 
     def metrics_text(self) -> str:
         return requests.get(self.url + "/metrics", timeout=10).text
