@@ -12,8 +12,9 @@ store metrics
 (:mod:`mcstore.metrics`): time per phase of the saves and loads, buffer ranges per chunk,
 bytes, and the rate of Mooncake's own transfer call; and the reader's per-request times from
 vLLM (queued until first scheduled, which holds the load; scheduled until the first token),
-beside the TTFT of the writer's prefix-cache hit on the reader's prompt. The reader's tokens are checked
-against the writer's prefix-cache hit on the same prompt. Prints a table and writes
+beside two prefix-cache hits on the reader's prompt right after: the writer's (core 0), and the
+reader's own (core 1, the blocks it just loaded), each with vLLM's split. The reader's tokens
+are checked against both. Prints a table and writes
 ``store_phases.json`` to ``--out``.
 
 ``--reader-blocks`` gives the readers a small KV cache: once it has cycled, the blocks vLLM
@@ -39,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.client import ids, stream  # noqa: E402
 from bench.common import Checker, long_context_args, machine, rotated, term_as_interrupt  # noqa: E402
-from bench.engine_metrics import REQUEST_TIMES  # noqa: E402
+from bench.engine_metrics import REQUEST_TIMES, request_sums, request_times  # noqa: E402
 from bench.store_hit import SETTLE_S, SUFFIX, store_config  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
 from multi.deploy import Deployment  # noqa: E402
@@ -78,7 +79,8 @@ def summarise(d: dict[str, float], n_req: int) -> dict:
     row = {"phase_s": per,
            "load_s": d.get("vllm:mctier_store_load_seconds_sum", 0.0) / n_req,
            "save_s": d.get("vllm:mctier_store_save_seconds_sum", 0.0) / n_req,
-           "lookup_s": d.get("vllm:mctier_store_lookup_seconds_sum", 0.0) / n_req,
+           "lookup_s": d.get("vllm:mctier_store_lookup_seconds_sum", 0.0)
+           / max(1.0, d.get("vllm:mctier_store_lookup_seconds_count", 0.0)),
            **{k: d.get(name, 0.0) / n_req for name, k in REQUEST_SUMS.items()}}
     row["failures"] = {k.split("{", 1)[1].rstrip("}"): v for k, v in d.items()
                        if k.startswith("vllm:mctier_store_failures_total{")}
@@ -109,9 +111,11 @@ def _settings(pairs: list[str]) -> dict:
 
 def _print(name: str, n_pfx: int, row: dict) -> None:
     ld, sv = row["load"], row["save"]
-    print(f"{name:>10} {n_pfx:>6} tokens  TTFT {row['reader_ttft_s'] * 1e3:6.0f} ms (writer's prefix-cache hit "
-          f"{row['floor_ttft_s'] * 1e3:.0f}) | reader queued {ld['queue_s'] * 1e3:.1f} ms, scheduled to first token "
-          f"{ld['prefill_s'] * 1e3:.1f}"
+    fl, own = row["floor_times"], row["own_times"]
+    print(f"{name:>10} {n_pfx:>6} tokens  TTFT {row['reader_ttft_s'] * 1e3:6.0f} ms | reader queued {ld['queue_s'] * 1e3:.1f} ms,"
+          f" scheduled to first token {ld['prefill_s'] * 1e3:.1f} | prefix-cache hits: writer's TTFT "
+          f"{row['floor_ttft_s'] * 1e3:.0f} (scheduled to first token {fl['prefill_s'] * 1e3:.1f}), reader's own "
+          f"{row['own_ttft_s'] * 1e3:.0f} ({own['prefill_s'] * 1e3:.1f})"
           f" | load {ld['load_s'] * 1e3:6.1f} ms: "
           + " ".join(f"{p[5:]} {ld['phase_s'][p] * 1e3:.1f}" for p in PHASES[:5])
           + f" | {ld['load_ranges_per_chunk'] or 0:.0f} ranges/chunk, {ld['load_transfer_gbps'] or 0:.2f} GB/s"
@@ -153,20 +157,33 @@ def run(a: argparse.Namespace) -> int:
         urls = {name: (w[0], r[0]) for name, (w, r) in pairs.items()}
         for n_pfx in prefixes:
             before, ttft, floor = {}, {name: [] for name in configs}, {name: [] for name in configs}
+            own_ttft, times = {name: [] for name in configs}, {name: [] for name in configs}
             for rep in range(a.reps + 1):
                 for name in rotated(list(configs), rep):
                     w_url, r_url = urls[name]
                     pfx, tail = ids(n_pfx, rng), ids(SUFFIX, rng)
                     stream(w_url, pfx + ids(SUFFIX, rng), 1)
                     time.sleep(SETTLE_S)
+                    rq = request_sums(r_url)
                     got = stream(r_url, pfx + tail, 4)
+                    hit_t = request_times(r_url, rq)
+                    wq = request_sums(w_url)
                     want = stream(w_url, pfx + tail, 4)
+                    floor_t = request_times(w_url, wq)
+                    rq = request_sums(r_url)
+                    own = stream(r_url, pfx + tail, 4)  # the reader's own prefix-cache hit, same core as its store hit
+                    own_t = request_times(r_url, rq)
                     check.same("store_phases", f"{name}: reader hit vs writer prefix-cache hit", n_pfx + SUFFIX,
                                got.token_ids, want.token_ids)
-                    check.same("store_phases", f"{name}: reader hit tokens", n_pfx + SUFFIX, [got.cached], [n_pfx])
+                    check.same("store_phases", f"{name}: reader hit vs its own prefix-cache hit", n_pfx + SUFFIX,
+                               got.token_ids, own.token_ids)
+                    check.same("store_phases", f"{name}: reader hit tokens, its own prefix-cache hit tokens",
+                               n_pfx + SUFFIX, [got.cached, own.cached], [n_pfx, n_pfx])
                     if rep:
                         ttft[name].append(got.ttft)
                         floor[name].append(want.ttft)
+                        own_ttft[name].append(own.ttft)
+                        times[name].append((hit_t, floor_t, own_t))
                     time.sleep(SETTLE_S)  # the other pair's engines go quiet before the next one is timed
                 if rep == 0:  # warm-up: not in the figures
                     before = {name: (scrape(w), scrape(r)) for name, (w, r) in urls.items()}
@@ -176,7 +193,12 @@ def run(a: argparse.Namespace) -> int:
                 dr = delta(scrape(r_url), before[name][1])
                 row = {"config": name, "settings": configs[name], "prefix_tokens": n_pfx,
                        "reader_ttft_s": statistics.median(ttft[name]), "floor_ttft_s": statistics.median(floor[name]),
+                       "own_ttft_s": statistics.median(own_ttft[name]),
                        "load": summarise(dr, a.reps), "save": summarise(dw, a.reps)}
+                # vLLM's split per request (the reader's sums now also hold its own prefix-cache hits)
+                for i, who in enumerate(("hit", "floor", "own")):
+                    row[f"{who}_times"] = {k: statistics.median(x[i][k] for x in times[name]) for k in REQUEST_TIMES.values()}
+                row["load"].update(row["hit_times"])
                 rows.append(row)
                 _print(name, n_pfx, row)
     finally:
