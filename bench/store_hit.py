@@ -33,9 +33,11 @@ SETTLE_S = QUIET_S   # writer -> reader: saves run off the forward path in both 
 CHUNK = 256
 
 # The store tier's load path before issue 17 (2026-11-30): straight into the pages however
-# scattered, no pause at empty steps, the load thread at the engine's priority. Its reader is
-# the store-hit table's "previous default path" column, until that path is removed.
-PREVIOUS_LOAD_PATH = {"stage_above_ranges_per_region": 0, "idle_step_ms": 0, "load_thread_nice": 0}
+# scattered, always in the background, no pause at empty steps, the load thread at the
+# engine's priority. Its reader is the store-hit table's "previous default path" column, until
+# that path is removed.
+PREVIOUS_LOAD_PATH = {"stage_above_ranges_per_region": 0, "sync_load_max": 0, "idle_step_ms": 0,
+                      "load_thread_nice": 0}
 
 
 def store_config(master: str, **extra) -> dict:

@@ -339,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="leave LMCache out of store_hit (recorded in the JSON and the table)")
     ap.add_argument("--no-previous-path", action="store_true",
                     help="store_hit: leave out the reader on the store tier's load path before issue 17 "
-                         "(PREVIOUS_LOAD_PATH: no host staging, no pause at empty steps, load thread at nice 0)")
+                         "(PREVIOUS_LOAD_PATH: no host staging, loads always in the background, no pause at empty "
+                         "steps, load thread at nice 0)")
     ap.add_argument("--no-raw-probe", action="store_true",
                     help="leave out the raw get on the reader's core after each of our store hits (bench/raw_probe.py)")
     ap.add_argument("--seed", type=int, default=0)

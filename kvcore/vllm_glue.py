@@ -195,6 +195,12 @@ def block_size_of(kv_cache_config) -> int:
     return kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
 
 
+def bytes_per_token(kv_cache_config) -> float:
+    """KV bytes one token takes in this rank's cache, every layer (a load's or a handoff's size)."""
+    total = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
+    return total / block_size_of(kv_cache_config)
+
+
 def tp_rank() -> int:
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

@@ -44,6 +44,12 @@ Keys (all optional except the master address, which may also come from
                          polling it without pause, so that the poll leaves the core to the transfer
                          (default: 19, the lowest priority, on a CPU engine; 0 elsewhere, where it was
                          not measured; 0 = as the engine's other threads)
+    sync_load_max        a load of at most this many bytes (per rank; all such loads of one engine step
+                         together) runs inside the step that schedules its request, before the forward
+                         (vLLM's synchronous load), instead of in the background while the request
+                         waits for a later step; never while a background load is under way (default:
+                         32MB on a CPU engine; 0, always in the background, elsewhere, where it was not
+                         measured). The step, and every request in it, waits for the load
 
 ``MOONCAKE_CONFIG_PATH`` (Mooncake's own ``mooncake.json``, :mod:`kvcore.mooncake_json`) supplies
 defaults; keys in ``kv_connector_extra_config`` win. The store tier takes master_server_address,
@@ -76,6 +82,15 @@ from kvcore.tier import LoadPrior
 # TTFT 0.90 to 0.92x at 2K and 8K tokens (bench.store_phases --ab idle_step_ms=2, 2026-12-02);
 # 5 ms was 0.91x at 8K but 1.09x at 2K against 2 (each pause delays noticing the load's end).
 IDLE_STEP_MS_ONE_RANK = 2.0
+
+# A background load parks its request until a later step notices the load ended; on a one-core
+# CPU engine the step loop also takes the core from the transfer meanwhile. Loaded inside the
+# step instead, a store hit's TTFT was 0.72 to 0.98x at 2K and 4K tokens (2 ranks of 4 reps,
+# the load itself 0.38 to 0.65x) and 0.84x at 8K, 0.86x at 16K (32 MiB); at 32K (64 MiB) 1.16x
+# (bench.store_phases --ab 'sync_load_below="64MB"' and "1GB", AMD EPYC AVX2 host, 2026-12-05).
+# The limit also bounds how long one step stalls the engine's running requests: about 30 ms
+# at the 1 GB/s one core moves over loopback TCP.
+SYNC_LOAD_MAX_CPU = 32 << 20
 
 # Where the composite's (and the router's) load-time fit for this tier starts.
 LOAD_PRIOR = LoadPrior(latency_s=0.02, bandwidth_gbps=1.0)
@@ -125,6 +140,7 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     load_staging_size: int | str = "64MB"
     idle_step_ms: float | None = None  # None: idle_step_s() picks by the engine's ranks
     load_thread_nice: int | None = None  # None: load_nice() picks by the platform
+    sync_load_max: int | str | None = None  # None: sync_load_bytes() picks by the platform
 
     def __post_init__(self):
         if not self.master:
@@ -138,7 +154,9 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             self.metadata_server = metadata_conn_string(self.metadata_server)
         except ConfigError as e:
             raise ConfigError(f"mcstore: {e}") from None
-        for name in ("global_segment_size", "local_buffer_size", "load_staging_size"):
+        for name in ("global_segment_size", "local_buffer_size", "load_staging_size", "sync_load_max"):
+            if getattr(self, name) is None:
+                continue
             try:
                 setattr(self, name, parse_size(getattr(self, name)))
             except ConfigError as e:
@@ -178,6 +196,13 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.load_thread_nice is not None:
             return self.load_thread_nice
         return 19 if device_type == "cpu" else 0
+
+    def sync_load_bytes(self, device_type: str) -> int:
+        """Bytes per step that load synchronously: ``sync_load_max`` if set, else
+        SYNC_LOAD_MAX_CPU on a CPU engine and 0 (never) on others."""
+        if self.sync_load_max is not None:
+            return self.sync_load_max
+        return SYNC_LOAD_MAX_CPU if device_type == "cpu" else 0
 
     @property
     def master_host_port(self) -> tuple[str, int]:

@@ -26,6 +26,7 @@ from kvcore.vllm_glue import (
     KVConnectorRole,
     block_hash_scheme,
     block_size_of,
+    bytes_per_token,
     kv_fingerprint_fields,
     pp_rank,
     register_connector_name,
@@ -94,7 +95,8 @@ class StoreConnector(KVConnectorBase_V1, Tier):
         self._idle_step_s = cfg.idle_step_s(multi_rank)
         if role == KVConnectorRole.SCHEDULER:
             warn_pipeline_parallel(vllm_config, "mcstore StoreConnector", logger)
-            self._sched = StoreScheduler(cfg, keys, block_size, load=load, save=save)
+            self._sched = StoreScheduler(cfg, keys, block_size, load=load, save=save,
+                                         block_bytes=round(bytes_per_token(kv_cache_config) * block_size))
             publish_engine_meta(cfg, keys, vllm_config, kv_cache_config, self._sched.client)  # for mctier tools
         else:
             # The worker's key space names its own stage's objects (its layers only).

@@ -90,6 +90,7 @@ class Loads:
                 self.reports.add(LoadReport("store", job.req_id, 0, 0.0, False))
             with self._lock:
                 self._done_loads[job.req_id] = failed
+                self._lock.notify_all()  # a synchronous load's step waits for it (StoreWorker._wait_sync)
 
     def _load(self, job: LoadJob, deadline: float) -> list[int]:
         t0 = time.monotonic()

@@ -32,6 +32,8 @@ SPEC = MetricSpec(
     counters={
         "lookups": "Store lookups by outcome (kind=hit|miss|unavailable)",
         "hit_tokens": "Prompt tokens the store could supply at lookup",
+        "loads": "Loads planned, by how they run (kind=sync: inside the step that schedules the request, "
+                 "sync_load_max; kind=background: while the request waits)",
         "loaded_tokens": "Tokens loaded from the store into KV blocks",
         "loaded_bytes": "Bytes loaded from the store",
         "saved_tokens": "Tokens saved to the store",

@@ -27,6 +27,7 @@ class LoadJob(msgspec.Struct, array_like=True):
     req_id: str
     chunks: list[ChunkIO]
     timeout_s: float
+    sync: bool = False  # vLLM scheduled the request in this step: the worker ends the load before the forward
 
 
 class SaveJob(msgspec.Struct, array_like=True):

@@ -16,6 +16,13 @@ facade exposes it, ``release`` is a no-op there), kept apart from vLLM's hooks:
     block position. The worker reports the request in ``finished_recving`` and any
     block it could not fill in ``get_block_ids_with_load_errors``.
 
+As a connector of its own (vLLM's hooks, not the composite's API), a load within
+``sync_load_max`` bytes is synchronous: ``get_num_new_matched_tokens`` answers
+``load_async=False``, vLLM schedules the request in the same step, and the worker ends the load
+before that step's forward (a failed block is reported in the same step). Larger loads, and
+any while a background load is under way, run in the background: the request waits in
+``WAITING_FOR_REMOTE_KVS`` until the worker reports it in ``finished_recving``.
+
 Saves are planned here too: every step, each scheduled request's newly
 completed full prompt chunks (not known to be stored) go to the worker.
 """
@@ -27,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcore.log import get_logger
+from kvcore.platform import current as current_platform
 from kvcore.tier import load_deadline_s
 from kvcore.vllm_glue import (
     request_cache_salt,
@@ -53,11 +61,12 @@ class _Req:
     save_next: int = 0  # next chunk to consider for saving
     saves: int = 0  # save jobs sent to the worker
     load_tried: bool = False  # one load per request: a failed one is recomputed, not retried
+    sync: bool = False  # its load ends inside the step that schedules it (sync_load_max)
 
 
 class StoreScheduler:
     def __init__(self, cfg: StoreConfig, keys: KeySpace, block_size: int, *, load: bool, save: bool,
-                 client: StoreClient | None = None):
+                 client: StoreClient | None = None, block_bytes: int = 0):
         self.cfg = cfg
         self.keys = keys
         self.block_size = block_size
@@ -70,6 +79,10 @@ class StoreScheduler:
         self.stats = StoreStats()
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadJob] = []
+        self.block_bytes = block_bytes  # KV bytes of one block in one rank's cache (sync_load_max)
+        self.sync_max = cfg.sync_load_bytes(current_platform().device_type) if block_bytes else 0
+        self._step_sync = 0  # bytes of the synchronous loads planned for the coming step
+        self._async_loads: set[str] = set()  # loading in the background, not yet scheduled
         self._kv_cache_manager = None
         self._warned_hashes = False
 
@@ -146,7 +159,9 @@ class StoreScheduler:
             lo, hi = max(b0, c * cb), min(b1, (c + 1) * cb)
             chunks.append(ChunkIO(st.links[c], c, list(block_ids[lo:hi]), lo - c * cb))
         st.load_tried = True
-        self._loads.append(LoadJob(request.request_id, chunks, load_deadline_s(self.cfg.load_timeout_s, expected_s)))
+        self.stats.inc("loads:sync" if st.sync else "loads:background")
+        self._loads.append(LoadJob(request.request_id, chunks, load_deadline_s(self.cfg.load_timeout_s, expected_s),
+                                   sync=st.sync))
 
     # -- vLLM hooks ------------------------------------------------------------------
 
@@ -158,17 +173,41 @@ class StoreScheduler:
         if not self.load_enabled or st.load_tried:
             return 0, False
         ext = self.lookup(request) - num_computed_tokens
-        return (ext, True) if ext > 0 else (0, False)
+        if ext <= 0:
+            return 0, False
+        st.sync = self._sync(num_computed_tokens, ext)
+        return ext, not st.sync
+
+    def _sync(self, local: int, ext: int) -> bool:
+        """Load tokens ``[local, local + ext)`` inside the step that schedules the request (vLLM's
+        synchronous load) rather than in the background: while this step's synchronous loads
+        stay within ``sync_load_max`` bytes, and only while no background load is under way (the
+        worker's one load thread would make the step wait for that one too). A request asked
+        about but then not scheduled (no free blocks) still counts, until the step's metadata
+        is built. See mcstore.config.SYNC_LOAD_MAX_CPU for why."""
+        if not self.sync_max or self._async_loads:
+            return False
+        bs = self.block_size
+        size = (-(-(local + ext) // bs) - local // bs) * self.block_bytes
+        if self._step_sync + size > self.sync_max:
+            return False
+        self._step_sync += size
+        return True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
         st = self._state(request)
         self.plan_load(request, st.local, st.local + num_external_tokens, blocks.get_block_ids()[0])
+        if not st.sync:
+            self._async_loads.add(request.request_id)  # until vLLM schedules it (build_connector_meta)
 
     def build_connector_meta(self, scheduler_output) -> StoreMetadata:
         meta = StoreMetadata(loads=self._loads, preempted=sorted(scheduler_output.preempted_req_ids or ()))
         self._loads = []
+        self._step_sync = 0
+        for req in scheduler_output.scheduled_new_reqs:
+            self._async_loads.discard(req.req_id)  # its load ended (or failed): it is scheduled
         for rid in meta.preempted:
             st = self._reqs.get(rid)
             if st is not None:
@@ -202,6 +241,7 @@ class StoreScheduler:
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
+        self._async_loads.discard(request.request_id)  # aborted: never scheduled (its load may still run)
         # Blocks stay allocated until the worker reports the saves done.
         return bool(st is not None and st.saves), None
 

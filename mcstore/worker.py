@@ -1,6 +1,7 @@
 """Store tier, worker side (runs in the Worker process).
 
-Loads and saves run on two background threads, off the forward path, straight
+Loads and saves run on two background threads, off the forward path (a synchronous load's
+step waits for its load before the forward: ``sync_load_max``), straight
 between the registered KV pages and the store (zero copy; except a load of a chunk whose
 blocks are scattered, or needed from a later block on, which goes through a host staging
 buffer: :mod:`mcstore.loads`). A stored object is one
@@ -154,6 +155,31 @@ class StoreWorker(Loads):
         now = time.monotonic()
         for job in meta.loads:
             self._load_q.put((job, now + job.timeout_s))
+        sync = [job for job in meta.loads if job.sync]
+        if sync:
+            self._wait_sync(sync, now)
+
+    def _wait_sync(self, jobs: list, t0: float) -> None:
+        """The loads vLLM scheduled in this step (``sync``) end before its forward. They run on
+        the load thread all the same (its nice value leaves the core to Mooncake's transfer
+        while this thread sleeps); their unfilled blocks go to this step's
+        ``get_block_ids_with_load_errors``, and vLLM recomputes from there. Past a job's
+        deadline the load counts as failed, but this still waits for Mooncake's get to return:
+        until then it may write into the pages (Mooncake's transfer timeout bounds the get, as
+        it does a background load)."""
+        rids = {job.req_id for job in jobs}
+        deadline = t0 + max(job.timeout_s for job in jobs)
+        warned = False
+        with self._lock:
+            while not rids <= self._done_loads.keys():
+                left = deadline - time.monotonic()
+                if left <= 0 and not warned:
+                    warned = True
+                    logger.warning("mcstore: synchronous load of %s past its deadline; waiting for "
+                                   "Mooncake's get to return", sorted(rids - self._done_loads.keys()))
+                self._lock.wait(left if left > 0 else 1.0)
+            for rid in rids:
+                self._step_errors.update(self._done_loads.pop(rid))
 
     def wait_for_save(self, meta: StoreMetadata) -> None:
         if not meta.saves:

@@ -25,6 +25,7 @@ from kvcore.vllm_glue import (
     KVConnectorTransferResults,
     KVTransferConfig,
     block_size_of,
+    bytes_per_token,
     register_connector_name,
     require_full_attention,
     warn_pipeline_parallel,
@@ -50,11 +51,6 @@ def _tier_config(vllm_config, spec: TierSpec, cfg: TieredConfig):
         kv_connector_extra_config=spec.config, kv_load_failure_policy=ktc.kv_load_failure_policy,
     )
     return out
-
-
-def bytes_per_token(kv_cache_config) -> float:
-    total = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
-    return total / block_size_of(kv_cache_config)
 
 
 class TieredConnector(KVConnectorBase_V1):

@@ -107,7 +107,8 @@ vc = engine_vllm_config(model, kv, block_size=32, dtype="bfloat16", tensor_paral
 c = StoreConnector(vc, KVConnectorRole.SCHEDULER, kcc)
 
 def took(tokens):
-    out = SimpleNamespace(total_num_scheduled_tokens=tokens, preempted_req_ids=None, num_scheduled_tokens={})
+    out = SimpleNamespace(total_num_scheduled_tokens=tokens, preempted_req_ids=None, num_scheduled_tokens={},
+                          scheduled_new_reqs=[])
     t0 = time.monotonic()
     c.build_connector_meta(out)
     return time.monotonic() - t0

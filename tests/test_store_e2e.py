@@ -1,7 +1,9 @@
 """Store tier end to end: real mooncake_master + store server, real vLLM engines.
 
-Engine A runs the store tier alone; engine B runs it as the first child of vLLM's
-stock MultiConnector. Every reuse is checked against the no-connector baseline.
+Engine A runs the store tier alone, its loads synchronous (inside the step that schedules
+the request: the CPU default); engine B runs it as the first child of vLLM's stock
+MultiConnector, its loads in the background (``sync_load_max=0``). Every reuse is checked
+against the no-connector baseline.
 
 Both engines hash blocks with ``--prefix-caching-hash-algo xxhash``, so this module runs the
 store on mctier's own key chain over the token ids (``mcstore.keys``): the key space of
@@ -38,8 +40,9 @@ def _a_kv(master: str) -> dict:
 @pytest.fixture(scope="module")
 def engines(store_cluster, tmp_path_factory):
     a = Engine("store-A", 0, _a_kv(store_cluster.master_addr), extra_args=HASH_ALGO)
+    # A loads synchronously (the CPU default, sync_load_max), B in the background.
     b = Engine("store-B-multi", 1, multi_kv(store_cluster.master_addr, str(tmp_path_factory.mktemp("example")),
-                                            verify_checksums=True), extra_args=HASH_ALGO)
+                                            verify_checksums=True, sync_load_max=0), extra_args=HASH_ALGO)
     start_engines(a, b)
     yield a, b
     a.stop()
@@ -73,6 +76,8 @@ def test_prefix_reuse_across_engines(engines, baseline, store_cluster):
     assert r["choices"][0]["token_ids"] == baseline.tokens(q, 8, cached_prefix=PREFIX, writers=[p])
     assert b.metric("vllm:mctier_store_loaded_tokens_total") >= PREFIX
     assert b.metric("vllm:mctier_store_lookups_total", kind="hit") >= 1
+    assert b.metric("vllm:mctier_store_loads_total", kind="background") >= 1
+    assert b.metric("vllm:mctier_store_loads_total", kind="sync") == 0
     # The phases of that load and of A's save are on /metrics, and the descriptors per chunk.
     assert b.metric("vllm:mctier_store_phase_seconds_count", phase="load_transfer") >= 1
     assert b.metric("vllm:mctier_store_phase_seconds_count", phase="load_recheck") >= 1
@@ -86,6 +91,8 @@ def test_prefix_reuse_across_engines(engines, baseline, store_cluster):
     assert cached_tokens(r2) == 576
     # [0, 512) came from A's pass over p, [512, 576) from B's pass over q after its hit.
     assert r2["choices"][0]["token_ids"] == baseline.tokens(q2, 8, cached_prefix=576, writers=[p, q])
+    assert a.metric("vllm:mctier_store_loads_total", kind="sync") == 1
+    assert a.metric("vllm:mctier_store_loads_total", kind="background") == 0
     # A's 9 chunks came through staging in one get (they fit its buffer), none straight.
     assert a.metric("vllm:mctier_store_phase_seconds_count", phase="load_staging") == 1
     assert a.metric("vllm:mctier_store_phase_seconds_count", phase="load_transfer") == 0
@@ -227,6 +234,25 @@ def test_bad_objects_mid_prompt_are_recomputed(engines, baseline, store_cluster,
     assert b.metric("vllm:mctier_store_lookups_total", kind="hit") >= 1
 
 
+def test_bad_objects_mid_prompt_in_a_synchronous_load_are_recomputed(engines, baseline, store_cluster, raw):
+    """The same faults on A, whose load is synchronous: vLLM scheduled the request and ran its
+    forward in the step that loaded chunks 0-2 and failed at chunk 3. The step reports chunks
+    3-4's blocks as load errors; vLLM drops that step's output, rewinds the request to the
+    first bad block and recomputes from there: tokens stay right."""
+    a, b = engines
+    p, q = _shared(93, 94)
+    keys = _ordered_chunk_keys(b, p, store_cluster, 8)  # B writes: A has no local copy of p
+    assert raw.upsert(keys[3], b"\x01" * 1000) == 0
+    assert raw.remove(keys[5], True) == 0
+    fails0 = a.metric("vllm:mctier_store_failures_total")
+    sync0 = a.metric("vllm:mctier_store_loads_total", kind="sync")
+    r = a.complete(q, 8)
+    writers = [p[:64 * (j + 1) + 10] for j in range(3)]
+    assert r["choices"][0]["token_ids"] == baseline.tokens(q, 8, cached_prefix=192, writers=writers)
+    assert a.metric("vllm:mctier_store_failures_total") == fails0 + 1
+    assert a.metric("vllm:mctier_store_loads_total", kind="sync") == sync0 + 1
+
+
 def test_master_stopped_then_restarted(engines, baseline, store_cluster):
     a, b = engines
     store_cluster.stop_master()
@@ -255,3 +281,4 @@ def test_master_stopped_then_restarted(engines, baseline, store_cluster):
             assert r["choices"][0]["token_ids"] == baseline.tokens(q, 8, cached_prefix=PREFIX, writers=[p])
             break
         assert time.monotonic() < deadline, "no store hit within 60 s of the master restart"
+

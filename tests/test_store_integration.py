@@ -145,6 +145,34 @@ def test_missing_and_wrong_size_objects_become_load_errors(store_cluster):
         w.close()
 
 
+def test_a_synchronous_load_ends_inside_start_load_kv_and_reports_its_errors_in_that_step(store_cluster):
+    """A ``sync`` job (vLLM scheduled its request in this step): when ``start_load_kv`` returns
+    the bytes are in their pages, with no ``finished_recving`` to wait for; a chunk that is not
+    in the store is a load error of the same step (vLLM recomputes from it); a background job
+    queued beside it is still reported the usual way."""
+    w, buf = _worker(store_cluster.master_addr)
+    try:
+        buf.normal_()
+        good = [f"mct/it/sync{i}-{time.monotonic_ns()}" for i in range(2)]
+        w.wait_for_save(StoreMetadata(saves=[SaveJob("s", [ChunkIO(good[0], 0, [1, 2]), ChunkIO(good[1], 1, [3, 4])])]))
+        _until(lambda: w.get_finished({"s"})[0])
+        w.start_load_kv(StoreMetadata(loads=[
+            LoadJob("bg", [ChunkIO(good[1], 1, [30, 31])], timeout_s=10),
+            LoadJob("a", [ChunkIO(good[0], 0, [10, 11]), ChunkIO(f"mct/it/none-{time.monotonic_ns()}", 1, [12, 13])],
+                    timeout_s=10, sync=True),
+        ]))
+        # No waiting: the synchronous job ended in the call (the background one before it, on
+        # the same thread).
+        assert torch.equal(buf[:, [1, 2]], buf[:, [10, 11]])
+        assert w.get_block_ids_with_load_errors() == {12, 13}
+        assert "a" not in w._done_loads
+        assert _finish_load(w, "bg") == set()
+        assert torch.equal(buf[:, [3, 4]], buf[:, [30, 31]])
+        assert w.take_stats().data["counters"]["failures:load_not_found"] == 1
+    finally:
+        w.close()
+
+
 def test_checksum_catches_corrupted_object(store_cluster):
     w, buf = _worker(store_cluster.master_addr, verify_checksums=True)
     raw = raw_client(store_cluster.master_addr)

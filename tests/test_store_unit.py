@@ -264,7 +264,7 @@ def test_save_plan_new_full_prompt_chunks_only():
             return (list(range(1, 12)),)
 
     s.bind_kv_cache_manager(KVM())
-    out = SimpleNamespace(preempted_req_ids=set(), num_scheduled_tokens={"r1": 150})
+    out = SimpleNamespace(preempted_req_ids=set(), num_scheduled_tokens={"r1": 150}, scheduled_new_reqs=[])
     (job,) = s.build_connector_meta(out).saves
     assert [(c.index, c.block_ids) for c in job.chunks] == [(0, [1, 2]), (1, [3, 4])]
     req.num_computed_tokens = 150
@@ -275,6 +275,64 @@ def test_save_plan_new_full_prompt_chunks_only():
     out.num_scheduled_tokens = {"r1": 1}  # decode: nothing new
     assert s.build_connector_meta(out).saves == []
     assert s.request_finished(req, [])[0] is True  # blocks held until the saves finish
+
+
+class _AllStored:
+    """The scheduler's store client, answering that every key exists (what the master would
+    for a stored prompt; the decision under test is the scheduler's own)."""
+
+    available = True
+
+    def exists(self, keys):
+        return [1] * len(keys)
+
+    def close(self):
+        pass
+
+
+def _blocks(ids):
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def _step(*new_rids):
+    return SimpleNamespace(preempted_req_ids=set(), num_scheduled_tokens={},
+                           scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new_rids])
+
+
+def test_loads_within_sync_load_max_per_step_are_synchronous_and_others_in_the_background():
+    from mcstore.scheduler import StoreScheduler
+
+    cfg = load_config({"master": "h:1", "chunk_tokens": 64, "sync_load_max": "6MB"}, env={})
+    s = StoreScheduler(cfg, _ks(), 32, load=True, save=False, client=_AllStored(), block_bytes=1 << 20)
+    a, b, c, d = (_request(64 * 3 + 5, rid) for rid in "abcd")  # 3 stored chunks: 6 blocks, 6 MiB
+    assert s.get_num_new_matched_tokens(a, 0) == (192, False)  # 6 MiB: within this step's 6
+    s.update_state_after_alloc(a, _blocks(range(7)), 192)
+    assert s.get_num_new_matched_tokens(b, 0) == (192, True)  # the step's 6 MiB are taken
+    s.update_state_after_alloc(b, _blocks(range(10, 17)), 192)
+    meta = s.build_connector_meta(_step("a"))
+    assert [(j.req_id, j.sync) for j in meta.loads] == [("a", True), ("b", False)]
+    # A new step, but b still loads in the background: c waits behind it on the worker's one
+    # load thread, so it goes to the background too.
+    assert s.get_num_new_matched_tokens(c, 0) == (192, True)
+    s.build_connector_meta(_step())
+    s.build_connector_meta(_step("b"))  # b's load ended: vLLM scheduled it
+    assert s.get_num_new_matched_tokens(d, 0) == (192, False)
+    s.build_connector_meta(_step())
+    # Past the limit alone: in the background. Aborted while loading: no longer waited for.
+    e = _request(64 * 4 + 5, "e")
+    assert s.get_num_new_matched_tokens(e, 0) == (256, True)
+    s.update_state_after_alloc(e, _blocks(range(20, 29)), 256)
+    s.request_finished(e, [])
+    assert s.get_num_new_matched_tokens(_request(64 * 3 + 5, "f"), 64) == (128, False)  # 4 MiB
+
+
+def test_sync_load_max_defaults_by_platform_and_names_itself_when_bad():
+    cfg = load_config({"master": "h:1"}, env={})
+    assert cfg.sync_load_bytes("cpu") == 32 << 20 and cfg.sync_load_bytes("cuda") == 0
+    assert load_config({"master": "h:1", "sync_load_max": 0}, env={}).sync_load_bytes("cpu") == 0
+    assert load_config({"master": "h:1", "sync_load_max": "1GB"}, env={}).sync_load_bytes("cuda") == 1 << 30
+    with pytest.raises(ConfigError, match="sync_load_max"):
+        load_config({"master": "h:1", "sync_load_max": "lots"}, env={})
 
 
 @pytest.mark.parametrize("name", ["store-only.json", "store-multiconnector.json"])
