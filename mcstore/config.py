@@ -85,11 +85,12 @@ IDLE_STEP_MS_ONE_RANK = 2.0
 
 # A background load parks its request until a later step notices the load ended; on a one-core
 # CPU engine the step loop also takes the core from the transfer meanwhile. Loaded inside the
-# step instead, a store hit's TTFT was 0.72 to 0.98x at 2K and 4K tokens (2 ranks of 4 reps,
-# the load itself 0.38 to 0.65x) and 0.84x at 8K, 0.86x at 16K (32 MiB); at 32K (64 MiB) 1.16x
-# (bench.store_phases --ab 'sync_load_below="64MB"' and "1GB", AMD EPYC AVX2 host, 2026-12-05).
-# The limit also bounds how long one step stalls the engine's running requests: about 30 ms
-# at the 1 GB/s one core moves over loopback TCP.
+# step instead, a store hit's TTFT was 0.75x, 0.70x and 1.00x the background path's at 2K, 4K
+# and 8K tokens, the loads 0.50x, 0.53x and 0.83x as long (bench.store_phases --prefixes
+# 2048,4096,7936 --reps 4 --ab sync_load_max=0, AMD EPYC AVX2 host, 2026-12-05). An earlier
+# try of the same code (a size option under another name) gave 0.86x at 16K tokens (32 MiB)
+# and 1.16x at 32K (64 MiB). The limit also bounds how long one step stalls the engine's
+# running requests: about 30 ms at the 1 GB/s one core moves over loopback TCP.
 SYNC_LOAD_MAX_CPU = 32 << 20
 
 # Where the composite's (and the router's) load-time fit for this tier starts.
