@@ -49,7 +49,7 @@ Keys (all optional except the master address, which may also come from
                          (vLLM's synchronous load), instead of in the background while the request
                          waits for a later step; never while a background load is under way (default:
                          32MB on a CPU engine; 0, always in the background, elsewhere, where it was not
-                         measured). The step, and every request in it, waits for the load
+                         measured). The step, and every request in it, waits for the load.
 
 ``MOONCAKE_CONFIG_PATH`` (Mooncake's own ``mooncake.json``, :mod:`kvcore.mooncake_json`) supplies
 defaults; keys in ``kv_connector_extra_config`` win. The store tier takes master_server_address,
