@@ -218,7 +218,8 @@ def _ordered_chunk_keys(engine, prompt, cluster, n_chunks) -> list[str]:
 
 def test_bad_objects_mid_prompt_are_recomputed(engines, baseline, store_cluster, raw):
     """Chunk 3 replaced by an object of another size and chunk 5 removed: B loads chunks 0-2,
-    reports chunks 3-4 as load errors, and vLLM recomputes from there; tokens stay right."""
+    reports the blocks of chunk 3 and every chunk after it as load errors, and vLLM recomputes
+    from there; tokens stay right."""
     a, b = engines
     p, q = _shared(91, 92)
     keys = _ordered_chunk_keys(a, p, store_cluster, 8)
@@ -236,9 +237,9 @@ def test_bad_objects_mid_prompt_are_recomputed(engines, baseline, store_cluster,
 
 def test_bad_objects_mid_prompt_in_a_synchronous_load_are_recomputed(engines, baseline, store_cluster, raw):
     """The same faults on A, whose load is synchronous: vLLM scheduled the request and ran its
-    forward in the step that loaded chunks 0-2 and failed at chunk 3. The step reports chunks
-    3-4's blocks as load errors; vLLM drops that step's output, rewinds the request to the
-    first bad block and recomputes from there: tokens stay right."""
+    forward in the step that loaded chunks 0-2 and failed at chunk 3. The step reports the
+    blocks of chunk 3 and every chunk after it as load errors; vLLM drops that step's output,
+    rewinds the request to the first bad block and recomputes from there: tokens stay right."""
     a, b = engines
     p, q = _shared(93, 94)
     keys = _ordered_chunk_keys(b, p, store_cluster, 8)  # B writes: A has no local copy of p
@@ -281,4 +282,3 @@ def test_master_stopped_then_restarted(engines, baseline, store_cluster):
             assert r["choices"][0]["token_ids"] == baseline.tokens(q, 8, cached_prefix=PREFIX, writers=[p])
             break
         assert time.monotonic() < deadline, "no store hit within 60 s of the master restart"
-
