@@ -49,17 +49,14 @@ PHASES = ("load_queue", "load_transfer", "load_staging", "load_copy", "load_rech
           "save_queue", "save_exists", "save_transfer")
 
 
-REQUEST_SUMS = {f"{name}_sum": key for name, key in REQUEST_TIMES.items()}
-
-
 def scrape(url: str) -> dict[str, float]:
-    """The store tier's series of one engine, and vLLM's per-request time sums
-    (``REQUEST_SUMS``), keyed ``name`` or ``name{label}``."""
+    """The store tier's series of one engine, keyed ``name`` or ``name{label}`` (vLLM's
+    per-request split is read per request, :func:`bench.engine_metrics.request_times`)."""
     out: dict[str, float] = {}
     text = requests.get(url + "/metrics", timeout=10).text
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name.endswith("_bucket") or not (s.name.startswith("vllm:mctier_store_") or s.name in REQUEST_SUMS):
+            if s.name.endswith("_bucket") or not s.name.startswith("vllm:mctier_store_"):
                 continue
             label = s.labels.get("phase") or s.labels.get("kind") or ""
             key = f"{s.name}{{{label}}}" if label else s.name
@@ -80,8 +77,7 @@ def summarise(d: dict[str, float], n_req: int) -> dict:
            "load_s": d.get("vllm:mctier_store_load_seconds_sum", 0.0) / n_req,
            "save_s": d.get("vllm:mctier_store_save_seconds_sum", 0.0) / n_req,
            "lookup_s": d.get("vllm:mctier_store_lookup_seconds_sum", 0.0)
-           / max(1.0, d.get("vllm:mctier_store_lookup_seconds_count", 0.0)),
-           **{k: d.get(name, 0.0) / n_req for name, k in REQUEST_SUMS.items()}}
+           / max(1.0, d.get("vllm:mctier_store_lookup_seconds_count", 0.0))}
     row["failures"] = {k.split("{", 1)[1].rstrip("}"): v for k, v in d.items()
                        if k.startswith("vllm:mctier_store_failures_total{")}
     for kind in ("load", "save"):
@@ -195,7 +191,7 @@ def run(a: argparse.Namespace) -> int:
                        "reader_ttft_s": statistics.median(ttft[name]), "floor_ttft_s": statistics.median(floor[name]),
                        "own_ttft_s": statistics.median(own_ttft[name]),
                        "load": summarise(dr, a.reps), "save": summarise(dw, a.reps)}
-                # vLLM's split per request (the reader's sums now also hold its own prefix-cache hits)
+                # vLLM's split per request (queued until scheduled, scheduled to first token)
                 for i, who in enumerate(("hit", "floor", "own")):
                     row[f"{who}_times"] = {k: statistics.median(x[i][k] for x in times[name]) for k in REQUEST_TIMES.values()}
                 row["load"].update(row["hit_times"])
