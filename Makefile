@@ -23,7 +23,8 @@ setup:
 # Benchmarks against the peers (tens of minutes; LMCache goes into its own virtualenv,
 # ~/.cache/mctier/venv-lmcache), then the composite's decision quality (bench/tiered_bench.py), the router's
 # (bench/router_bench.py), decode streams under arriving long prefills on one
-# instance, two and 1P1D (bench/pd_load.py), then a scaled window of Mooncake's conversation
+# instance, two and 1P1D (bench/pd_load.py), store hits arriving while decode streams run, each
+# load kind (bench/store_streams.py), then a scaled window of Mooncake's conversation
 # trace through the real stack (bench/trace_replay.py) and the cluster simulator checked
 # against it (bench/sim validate); each runs even when one before it failed.
 # BENCH_ARGS=--quick for the reduced versions; ROUTER_BENCH_ARGS for the router's alone.
@@ -32,6 +33,7 @@ bench: setup
 	$(PY) -m bench.tiered_bench $(filter --quick,$(BENCH_ARGS)) || status=$$?; \
 	$(PY) -m bench.router_bench $(filter --quick,$(BENCH_ARGS)) $(ROUTER_BENCH_ARGS) || status=$$?; \
 	$(PY) -m bench.pd_load $(filter --quick,$(BENCH_ARGS)) || status=$$?; \
+	$(PY) -m bench.store_streams $(filter --quick,$(BENCH_ARGS)) || status=$$?; \
 	$(PY) -m bench.trace_replay $(filter --quick,$(BENCH_ARGS)) || status=$$?; \
 	$(PY) -m bench.sim validate --replay bench/results/trace_replay || status=$$?; \
 	exit $$status

@@ -1,6 +1,7 @@
 """Store hits arriving while decode streams run: what a synchronous load costs the streams.
 
-    .venv/bin/python -m bench.store_streams [--prefixes 2048,4096,7936] [--reps 5] [--streams 4]
+    .venv/bin/python -m bench.store_streams [--quick] [--prefixes 2048,4096,7936] [--reps 5]
+        [--streams 4] [--arm NAME=JSON ...]   (``make bench`` runs it)
 
 A synchronous store load (``sync_load_max``, the CPU default) ends inside the engine step
 that schedules the request: every running stream waits for it in that step. A background
@@ -9,16 +10,17 @@ costs the decode streams of the engine that reads, and what the arriving request
 
 A Mooncake master and store server on loopback, one writer engine (core 0) and two readers
 (core 1) with ``StoreConnector`` on the ``small`` model: ``sync`` (the default settings) and
-``background`` (``sync_load_max`` 0), taking turns (order rotating) in one run. Per prefix
-length and repetition, for each reader:
+``background`` (``sync_load_max`` 0), and one more per ``--arm`` (settings of its own, e.g.
+another ``load_thread_nice``), taking turns (order rotating) in one run. Per prefix length and
+repetition the writer computes a fresh prefix plus one block (its saves put the prefix in the
+store), and then, for each reader in turn:
 
-1. the writer computes a fresh prefix plus one block (its saves put the prefix in the store);
-2. ``--streams`` streamed completions of 64-token prompts start on the reader, and once each
-   has its first token they decode ``--baseline-s`` alone;
-3. the hit: the prefix plus another block, 4 tokens, on the reader (a whole-prefix store
+1. ``--streams`` streamed completions of 64-token prompts start on the reader, and once each
+   has its first token they decode ``--baseline-s`` alone (``--streams 0``: an idle reader);
+2. the hit: the prefix plus another block, 4 tokens, on the reader (a whole-prefix store
    hit); then, after ``--baseline-s``, the same prompt again on the reader (its own
    prefix-cache hit: the same suffix to compute, nothing to load);
-4. the streams are cancelled.
+3. the streams are cancelled.
 
 Reported per reader and length, over the repetitions: the hit's TTFT (median); the longest
 gap between two tokens of any stream while the hit was in flight (sent to its last token;
@@ -28,7 +30,9 @@ same for the own prefix-cache hit, the stall that computing the suffix costs wit
 and how the reader's loads ran (``vllm:mctier_store_loads_total`` by kind), so a row says
 whether its loads were synchronous. The hit's tokens are checked against the writer's
 prefix-cache hit on the same prompt, and the own hit's against the hit; each must report the
-prefix as cached. Writes ``store_streams.json`` to ``--out``. Not a test: nothing here
+prefix as cached. Writes ``store_streams.json`` to ``--out`` (default
+``bench/results/store_streams``). ``--quick``: one 512-token prefix, one repetition, two
+streams (``make test-bench``'s check). Not a test: nothing here
 asserts a speed; the exit status is 1 if a token differed.
 """
 
@@ -71,7 +75,7 @@ async def window(url: str, prompt: list[int], ticks: list[list[tuple[float, int]
     got = await asyncio.to_thread(complete_stream, url, prompt, HIT_TOKENS)
     t1 = time.monotonic()
     inside = [gaps(t, t0, t1) for t in ticks]
-    return got, {"max_gap_s": max((g for s in inside for g in s), default=0.0),
+    return got, {"max_gap_s": max((g for s in inside for g in s), default=None),  # None: no streams
                  "tpot": [tpot(s) for s in inside]}
 
 
@@ -110,14 +114,19 @@ def _x(num: float | None, den: float | None) -> str:
     return f"x{num / den:.2f}" if num and den else "-"
 
 
+def _median(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
 def summarise(reps: list[dict]) -> dict:
     def tp(key):
         return [x for r in reps for x in r[key]["tpot"] if x is not None]
     before = [x for r in reps for x in r["before_tpot"] if x is not None]
     return {"hit_ttft_s": statistics.median(r["hit"].ttft for r in reps),
             "own_ttft_s": statistics.median(r["own"].ttft for r in reps),
-            "hit_max_gap_s": statistics.median(r["during"]["max_gap_s"] for r in reps),
-            "own_max_gap_s": statistics.median(r["own_during"]["max_gap_s"] for r in reps),
+            "hit_max_gap_s": _median(r["during"]["max_gap_s"] for r in reps),
+            "own_max_gap_s": _median(r["own_during"]["max_gap_s"] for r in reps),
             "hit_tpot_p50_s": pct(tp("during"), 0.5), "own_tpot_p50_s": pct(tp("own_during"), 0.5),
             "before_tpot_p50_s": pct(before, 0.5)}
 
@@ -132,7 +141,7 @@ def run(a: argparse.Namespace) -> int:
     check = Checker()
     dep = Deployment(out / "logs")
     prefixes = [int(x) for x in a.prefixes.split(",")]
-    long = long_context_args(max(max(prefixes) + SUFFIX, STREAM_PROMPT + a.stream_tokens))
+    long = long_context_args(max(max(prefixes) + SUFFIX + 64, STREAM_PROMPT + a.stream_tokens))
     rows = []
     arms = {**READERS}
     for x in a.arm:
@@ -197,6 +206,7 @@ def run(a: argparse.Namespace) -> int:
                   f"{_x(s['hit_ttft_s'], b['hit_ttft_s'])}  streams' longest gap {_x(s['hit_max_gap_s'], b['hit_max_gap_s'])}"
                   f"  streams' TPOT while the hit runs {_x(s['hit_tpot_p50_s'], b['hit_tpot_p50_s'])}")
     result = {"machine": machine(model), "readers": arms, "reps": a.reps, "streams": a.streams, "rows": rows,
+              "pids": sorted(set(dep.started)),
               "token_checks": check.checked, "token_mismatches": check.mismatches}
     (out / "store_streams.json").write_text(json.dumps(result, indent=1))
     print(f"[store_streams] {check.checked} token checks, {len(check.mismatches)} mismatches; wrote "
@@ -206,9 +216,10 @@ def run(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="--prefixes 512 --reps 1 --streams 2 --baseline-s 0.2")
     ap.add_argument("--prefixes", default="2048,4096,7936", help="prefix lengths in tokens, comma-separated")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per length (after one warm-up)")
-    ap.add_argument("--streams", type=int, default=4, help="decode streams running on the reader")
+    ap.add_argument("--streams", type=int, default=4, help="decode streams running on the reader (0: idle)")
     ap.add_argument("--stream-tokens", type=int, default=2000,
                     help="max_tokens of each stream (cancelled after the windows; must outlast them)")
     ap.add_argument("--baseline-s", type=float, default=0.5,
@@ -217,8 +228,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="one more reader with these kv_connector_extra_config settings, e.g. "
                          "'bg-nice0={\"sync_load_max\": 0, \"load_thread_nice\": 0}'")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "store_streams"))
-    return run(ap.parse_args(argv))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "store_streams"))
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.prefixes, a.reps, a.streams, a.baseline_s = "512", 1, 2, 0.2
+    return run(a)
 
 
 if __name__ == "__main__":

@@ -42,8 +42,9 @@ Keys (all optional except the master address, which may also come from
                          0 = never pause)
     load_thread_nice     nice value of the worker's load thread, which waits for each Mooncake get by
                          polling it without pause, so that the poll leaves the core to the transfer
-                         (default: 19, the lowest priority, on a CPU engine; 0 elsewhere, where it was
-                         not measured; 0 = as the engine's other threads)
+                         (default: 10 on a CPU engine, where 19 starved background loads while the
+                         engine decoded; 0 elsewhere, where it was not measured; 0 = as the engine's
+                         other threads)
     sync_load_max        a load of at most this many bytes (per rank; all such loads of one engine step
                          together) runs inside the step that schedules its request, before the forward
                          (vLLM's synchronous load), instead of in the background while the request
@@ -92,6 +93,16 @@ IDLE_STEP_MS_ONE_RANK = 2.0
 # and 1.16x at 32K (64 MiB). The limit also bounds how long one step stalls the engine's
 # running requests: about 30 ms at the 1 GB/s one core moves over loopback TCP.
 SYNC_LOAD_MAX_CPU = 32 << 20
+
+# Nice value of the load thread on a CPU engine (mcstore.worker._io_thread says why it is not 0).
+# 19 (the default from 2026-12-02 to 2026-12-05) was measured on idle engines only. With decode
+# streams running, the engine's forward passes keep its core busy and a nice-19 thread gets
+# about 1.5% of it (CFS weights 15 against 1,024): a background store hit took 317, 393 and
+# 604 ms at 2K, 8K and 16K tokens, against 152, 221 and 358 at nice 10 and 110, 209 and 392 at
+# nice 0. Idle, nice 10 kept nice 19's gain over 0: 0.88x, 1.01x and 0.98x nice 19's TTFT,
+# nice 0 0.83x, 1.06x and 1.24x (bench.store_streams --prefixes 2048,7936,15872 --reps 4, with
+# --streams 4 and with --streams 0, background loads, AMD EPYC AVX2 host, 2026-12-05).
+LOAD_THREAD_NICE_CPU = 10
 
 # Where the composite's (and the router's) load-time fit for this tier starts.
 LOAD_PRIOR = LoadPrior(latency_s=0.02, bandwidth_gbps=1.0)
@@ -192,11 +203,11 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return shmspin.IDLE_STEP_S if multi_rank_cpu else IDLE_STEP_MS_ONE_RANK / 1e3
 
     def load_nice(self, device_type: str) -> int:
-        """Nice value of the load thread: ``load_thread_nice`` if set, else 19 on a CPU engine
-        (measured there: mcstore.worker) and 0 on others."""
+        """Nice value of the load thread: ``load_thread_nice`` if set, else LOAD_THREAD_NICE_CPU
+        on a CPU engine (measured there) and 0 on others."""
         if self.load_thread_nice is not None:
             return self.load_thread_nice
-        return 19 if device_type == "cpu" else 0
+        return LOAD_THREAD_NICE_CPU if device_type == "cpu" else 0
 
     def sync_load_bytes(self, device_type: str) -> int:
         """Bytes per step that load synchronously: ``sync_load_max`` if set, else

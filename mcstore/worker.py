@@ -134,7 +134,9 @@ class StoreWorker(Loads):
         # pick-up, the recheck, staged copies) runs at that priority too: a load starts about
         # 1 ms later. Not the save thread: a save runs after its request, while the engine's
         # worker busy-waits for the next step (kvcore.shmspin), and at nice 19 saves took up
-        # to 5x longer (bench.store_phases --ab, 2026-12-02).
+        # to 5x longer (bench.store_phases --ab, 2026-12-02). Not the lowest priority either:
+        # while the engine decodes, its forward passes would leave a nice-19 thread almost no
+        # core (mcstore.config.LOAD_THREAD_NICE_CPU).
         if nice:
             try:
                 tid = threading.get_native_id()

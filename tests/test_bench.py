@@ -2,7 +2,7 @@
 
 The tests marked ``bench_harness`` run the benchmark programs' reduced versions for real
 (``bench.suite --quick``, ``bench.router_bench --quick``, ``bench.trace_replay --quick``,
-``bench.tiered_bench --quick``): a Mooncake master, the store tier's writer and reader
+``bench.tiered_bench --quick``, ``bench.store_streams --quick``): a Mooncake master, the store tier's writer and reader
 engines, LMCache's server and engines from their own virtualenv, 1P1D pairs, the
 TieredConnector and stock MultiConnector pairs, routers, and the raw-API benchmarks. They
 assert what the harness promises (every section and configuration measured, greedy tokens
@@ -151,6 +151,31 @@ def test_router_bench_quick_reports_every_row(tmp_path):
     md = (tmp_path / "router.md").read_text()
     assert "Every run" in md and "Side by side" in md and "Admission above capacity" in md
     assert len(r["pids"]) >= 2 + 3 + 2 + 6  # store pair, A's engines, B's engines, a router per run
+    assert [p for p in r["pids"] if not _gone(p)] == []
+
+
+@pytest.mark.bench_harness
+def test_store_streams_reads_with_each_load_kind_under_running_streams(tmp_path):
+    """``python -m bench.store_streams --quick`` (one 512-token prefix, two streams, one repetition):
+    the sync reader's load ran synchronously and the background reader's in the background
+    (each reader's ``vllm:mctier_store_loads_total`` by kind, so each row is what its name
+    says), both hits measured while both streams ran, their tokens equal to the writer's
+    prefix-cache hit with the prefix cached, every process gone. No assertion on speed."""
+    proc = subprocess.run([sys.executable, "-m", "bench.store_streams", "--quick", "--out", str(tmp_path)],
+                          cwd=str(ROOT), capture_output=True, text=True, timeout=900)
+    (tmp_path / "stdout.txt").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((tmp_path / "store_streams.json").read_text())
+    rows = {x["reader"]: x for x in r["rows"]}
+    assert sorted(rows) == ["background", "sync"]
+    assert rows["sync"]["loads"] == {"sync": 1.0, "background": 0.0}, rows["sync"]
+    assert rows["background"]["loads"] == {"sync": 0.0, "background": 1.0}, rows["background"]
+    for x in rows.values():
+        assert x["hit_ttft_s"] > 0 and x["own_ttft_s"] > 0 and x["before_tpot_p50_s"] > 0, x
+        assert x["hit_max_gap_s"] > 0 and x["hit_tpot_p50_s"] > 0, x  # the streams ran through the hit
+    # 2 repetitions (warm-up included) x 2 readers x 3 checks (vs the writer, vs the own hit, cached tokens)
+    assert r["token_checks"] == 12 and r["token_mismatches"] == [], r["token_mismatches"]
+    assert len(r["pids"]) == 2 + 3  # master, store server, writer, two readers
     assert [p for p in r["pids"] if not _gone(p)] == []
 
 

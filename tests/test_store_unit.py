@@ -146,8 +146,9 @@ def test_config_defaults_and_sizes():
     assert cfg.local_buffer_size == 32 << 20 and cfg.replicas == 1 and not cfg.hard_pin
 
 
-def test_load_thread_nice_is_19_on_cpu_and_0_elsewhere_unless_set():
-    assert load_config({"master": "h:1"}, env={}).load_nice("cpu") == 19
+def test_load_thread_nice_is_10_on_cpu_and_0_elsewhere_unless_set():
+    assert load_config({"master": "h:1"}, env={}).load_nice("cpu") == 10
+    assert load_config({"master": "h:1", "load_thread_nice": 19}, env={}).load_nice("cpu") == 19
     assert load_config({"master": "h:1"}, env={}).load_nice("cuda") == 0
     assert load_config({"master": "h:1", "load_thread_nice": 5}, env={}).load_nice("cuda") == 5
     assert load_config({"master": "h:1", "load_thread_nice": 0}, env={}).load_nice("cpu") == 0
