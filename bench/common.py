@@ -103,6 +103,14 @@ class Checker:
         print(f"  !! {section}: {what} at {tokens} tokens gave {got}, expected {want}", flush=True)
         return False
 
+    def write(self, path: Path, result: dict, name: str) -> int:
+        """Write ``result`` with this checker's counts as JSON to ``path``, print the count,
+        and return the exit status: 1 if any token differed."""
+        result.update(token_checks=self.checked, token_mismatches=self.mismatches)
+        path.write_text(json.dumps(result, indent=1))
+        print(f"[{name}] {self.checked} token checks, {len(self.mismatches)} mismatches; wrote {path}")
+        return 1 if self.mismatches else 0
+
 
 # How long an engine keeps its core busy after its last step: vLLM's shared-memory queue
 # readers (each engine's worker and engine core) spin on sched_yield for 1 s after their last

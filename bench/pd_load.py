@@ -105,6 +105,15 @@ async def arrival(session: aiohttp.ClientSession, url: str, prompt: list[int]) -
     return {"sent": t0, "ttft": ttft, "end": time.monotonic()}
 
 
+def raise_if_ended(tasks: list[asyncio.Task], why: str) -> None:
+    """Raise if a stream's task ended: its own error if it failed, else ``why``."""
+    if any(t.done() for t in tasks):
+        for t in tasks:
+            if t.done() and t.exception():
+                raise t.exception()
+        raise RuntimeError(why)
+
+
 def gaps(ticks: list[tuple[float, int]], start: float, end: float) -> list[float]:
     """Per-token times of the chunks that arrived in ``[start, end]`` (a chunk adding k
     tokens after a gap g counts k tokens of g/k each)."""
@@ -168,11 +177,8 @@ async def workload(url: str, a: argparse.Namespace, seed: int, pids: dict[str, i
                 await asyncio.sleep(quiet_s)
                 w1 = time.monotonic()
             cpu1 = cpu_seconds(pids, CLIENT)
-            if any(t.done() for t in tasks):  # a stream that ended early did not see the whole window
-                for t in tasks:
-                    if t.done() and t.exception():
-                        raise t.exception()
-                raise RuntimeError("a stream ended before the arrivals did: raise --stream-tokens")
+            # a stream that ended early did not see the whole window
+            raise_if_ended(tasks, "a stream ended before the arrivals did: raise --stream-tokens")
         finally:
             for t in tasks:
                 t.cancel()

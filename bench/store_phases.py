@@ -211,12 +211,8 @@ def run(a: argparse.Namespace) -> int:
                   f"ranges per loaded chunk)  reader TTFT x{ratio(lambda r: r['reader_ttft_s'])}  "
                   f"load x{ratio(lambda r: r['load']['load_s'])}  save x{ratio(lambda r: r['save']['save_s'])}  "
                   f"save GB/s x{ratio(lambda r: r['save']['save_transfer_gbps'])}")
-    result = {"machine": machine(model), "configs": configs, "reps": a.reps, "rows": rows,
-              "token_checks": check.checked, "token_mismatches": check.mismatches}
-    (out / "store_phases.json").write_text(json.dumps(result, indent=1))
-    print(f"[store_phases] {check.checked} token checks, {len(check.mismatches)} mismatches; wrote "
-          f"{out / 'store_phases.json'}")
-    return 1 if check.mismatches else 0
+    result = {"machine": machine(model), "configs": configs, "reps": a.reps, "rows": rows}
+    return check.write(out / "store_phases.json", result, "store_phases")
 
 
 def main(argv: list[str] | None = None) -> int:

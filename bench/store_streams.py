@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.client import ids, stream as complete_stream  # noqa: E402
 from bench.common import Checker, long_context_args, machine, rotated, term_as_interrupt  # noqa: E402
-from bench.pd_load import gaps, prompts, stream as decode_stream, tpot  # noqa: E402
+from bench.pd_load import gaps, prompts, raise_if_ended, stream as decode_stream, tpot  # noqa: E402
 from bench.sim.report import pct  # noqa: E402
 from bench.store_hit import SETTLE_S, SUFFIX, store_config  # noqa: E402
 from bench.store_phases import delta, scrape  # noqa: E402
@@ -94,11 +94,7 @@ async def one_rep(url: str, hit: list[int], seed: int, a: argparse.Namespace) ->
             got, during = await window(url, hit, ticks)
             await asyncio.sleep(a.baseline_s)
             own, own_during = await window(url, hit, ticks)
-            if any(t.done() for t in tasks):
-                for t in tasks:
-                    if t.done() and t.exception():
-                        raise t.exception()
-                raise RuntimeError("a stream ended inside the measured windows: raise --stream-tokens")
+            raise_if_ended(tasks, "a stream ended inside the measured windows: raise --stream-tokens")
         finally:
             for t in tasks:
                 t.cancel()
@@ -206,12 +202,8 @@ def run(a: argparse.Namespace) -> int:
                   f"{_x(s['hit_ttft_s'], b['hit_ttft_s'])}  streams' longest gap {_x(s['hit_max_gap_s'], b['hit_max_gap_s'])}"
                   f"  streams' TPOT while the hit runs {_x(s['hit_tpot_p50_s'], b['hit_tpot_p50_s'])}")
     result = {"machine": machine(model), "readers": arms, "reps": a.reps, "streams": a.streams, "rows": rows,
-              "pids": sorted(set(dep.started)),
-              "token_checks": check.checked, "token_mismatches": check.mismatches}
-    (out / "store_streams.json").write_text(json.dumps(result, indent=1))
-    print(f"[store_streams] {check.checked} token checks, {len(check.mismatches)} mismatches; wrote "
-          f"{out / 'store_streams.json'}")
-    return 1 if check.mismatches else 0
+              "pids": sorted(set(dep.started))}
+    return check.write(out / "store_streams.json", result, "store_streams")
 
 
 def main(argv: list[str] | None = None) -> int:
