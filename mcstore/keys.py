@@ -8,9 +8,10 @@ Two ways to get the links, fixed per key space (the choice is in the fingerprint
   SHA-256, from a seed that is ``PYTHONHASHSEED`` or vLLM's fixed default, the cache salt,
   LoRA name and path, multimodal and prompt-embedding hashes folded in). Chunk ``i``'s link
   is ``H(fingerprint, block hash ending chunk i)``: 128 short hashes for a 32K-token prompt
-  instead of digesting 32K token ids in the scheduler's lookup (the links' median 0.10 against
-  0.50 to 0.59 ms, ``bench/store_bench.py``, 2026-12-05). Tools without an engine recompute vLLM's hashes with
-  :func:`vllm_sha256_block_hashes`, the same bytes (a test holds it to vLLM's own hasher).
+  instead of digesting 32K token ids in the scheduler's lookup (the links' median 0.10 to 0.12
+  against 0.50 to 0.59 ms, ``bench/store_bench.py``, 2026-12-05). Tools without an engine
+  recompute vLLM's hashes with :func:`vllm_sha256_block_hashes`, the same bytes (a test holds
+  it to vLLM's own hasher).
 - **Our own chain** otherwise (other hash algorithms: ``xxhash`` is not collision resistant and
   ``sha256_cbor`` is not reproduced here), and in engine-less tests and benchmarks:
 

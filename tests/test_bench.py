@@ -2,15 +2,16 @@
 
 The tests marked ``bench_harness`` run the benchmark programs' reduced versions for real
 (``bench.suite --quick``, ``bench.router_bench --quick``, ``bench.trace_replay --quick``,
-``bench.tiered_bench --quick``, ``bench.store_streams --quick``): a Mooncake master, the store tier's writer and reader
-engines, LMCache's server and engines from their own virtualenv, 1P1D pairs, the
-TieredConnector and stock MultiConnector pairs, routers, and the raw-API benchmarks. They
-assert what the harness promises (every section and configuration measured, greedy tokens
-identical across configurations, the outputs written, every process it started gone
-afterwards), never how fast anything was. They take about 15 minutes here, so ``make test``
-deselects them (``-m "not bench_harness"``; pytest reports them as deselected) to stay
-within CI's budget on the slower CPU class; ``make test-bench`` runs them, and so does a
-plain ``pytest tests``. The raw probe's two tests below need no engine and run in both.
+``bench.tiered_bench --quick``, ``bench.store_streams --quick``): a Mooncake master, the
+store tier's writer and reader engines, LMCache's server and engines from their own
+virtualenv, 1P1D pairs, the TieredConnector and stock MultiConnector pairs, routers, and the
+raw-API benchmarks. They assert what the harness promises (every section and configuration
+measured, greedy tokens identical across configurations, the outputs written, every process
+it started gone afterwards), never how fast anything was. They take about 15 minutes here,
+so ``make test`` deselects them (``-m "not bench_harness"``; pytest reports them as
+deselected) to stay within CI's budget on the slower CPU class; ``make test-bench`` runs
+them, and so does a plain ``pytest tests``. The raw probe's two tests below need no engine
+and run in both.
 """
 
 from __future__ import annotations
@@ -156,8 +157,8 @@ def test_router_bench_quick_reports_every_row(tmp_path):
 
 @pytest.mark.bench_harness
 def test_store_streams_reads_with_each_load_kind_under_running_streams(tmp_path):
-    """``python -m bench.store_streams --quick`` (one 512-token prefix, two streams, one repetition):
-    the sync reader's load ran synchronously and the background reader's in the background
+    """``python -m bench.store_streams --quick`` (one 512-token prefix, two streams, one
+    repetition): the sync reader's load ran synchronously and the background reader's in the background
     (each reader's ``vllm:mctier_store_loads_total`` by kind, so each row is what its name
     says), both hits measured while both streams ran, their tokens equal to the writer's
     prefix-cache hit with the prefix cached, every process gone. No assertion on speed."""
