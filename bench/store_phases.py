@@ -95,12 +95,13 @@ def summarise(d: dict[str, float], n_req: int) -> dict:
     return row
 
 
-def _settings(pairs: list[str]) -> dict:
+def settings(pairs: list[str], flag: str = "--set/--ab") -> dict:
+    """``KEY=JSON`` arguments as a dict (SystemExit naming ``flag`` for one without ``=``)."""
     out = {}
     for x in pairs:
         k, sep, v = x.partition("=")
         if not sep:
-            raise SystemExit(f"--set/--ab takes KEY=JSON, got {x!r}")
+            raise SystemExit(f"{flag} takes KEY=JSON, got {x!r}")
         out[k] = json.loads(v)
     return out
 
@@ -129,10 +130,10 @@ def run(a: argparse.Namespace) -> int:
     rng = random.Random(a.seed)
     check = Checker()
     dep = Deployment(out / "logs")
-    common = _settings(a.set)
+    common = settings(a.set)
     configs = {"default": common}
     if a.ab:
-        configs["ab"] = {**common, **_settings(a.ab)}
+        configs["ab"] = {**common, **settings(a.ab)}
     rows = []
     prefixes = [int(x) for x in a.prefixes.split(",")]
     long = long_context_args(max(prefixes) + SUFFIX + 64)  # past 8,192 positions: --hf-overrides

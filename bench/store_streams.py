@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
@@ -57,7 +56,7 @@ from bench.common import Checker, long_context_args, machine, rotated, term_as_i
 from bench.pd_load import gaps, prompts, raise_if_ended, stream as decode_stream, tpot  # noqa: E402
 from bench.sim.report import pct  # noqa: E402
 from bench.store_hit import SETTLE_S, SUFFIX, store_config  # noqa: E402
-from bench.store_phases import delta, scrape  # noqa: E402
+from bench.store_phases import delta, scrape, settings  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
 from multi.deploy import Deployment  # noqa: E402
 
@@ -130,6 +129,10 @@ def summarise(reps: list[dict]) -> dict:
 def run(a: argparse.Namespace) -> int:
     from multi.models import build
 
+    names = [x.partition("=")[0] for x in a.arm]
+    if taken := sorted({n for n in names if n in READERS or names.count(n) > 1}):
+        raise SystemExit(f"--arm names {taken} are taken (by the default readers or another --arm)")
+    arms = {**READERS, **settings(a.arm, "--arm")}
     out = Path(a.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     model = str(build("small", ROOT / ".cache" / "models" / "small"))
@@ -139,12 +142,6 @@ def run(a: argparse.Namespace) -> int:
     prefixes = [int(x) for x in a.prefixes.split(",")]
     long = long_context_args(max(max(prefixes) + SUFFIX + 64, STREAM_PROMPT + a.stream_tokens))
     rows = []
-    arms = {**READERS}
-    for x in a.arm:
-        name, sep, js = x.partition("=")
-        if not sep or name in arms:
-            raise SystemExit(f"--arm takes a new NAME=JSON, got {x!r} (taken: {sorted(arms)})")
-        arms[name] = json.loads(js)
     term_as_interrupt()
     try:
         dep.cluster = StoreCluster(log_dir=out / "logs", segment_size=4 << 30).start()
