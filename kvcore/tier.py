@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import msgspec
 
@@ -87,8 +87,8 @@ class LoadPrior(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen
     """Where the composite's load-time fit for a tier starts before calibration:
     ``seconds(bytes) = latency_s + bytes / (bandwidth_gbps * 1e9)``."""
 
-    latency_s: float = 0.03
-    bandwidth_gbps: float = 1.0
+    latency_s: Annotated[float, msgspec.Meta(description="A load's fixed cost (seconds).")] = 0.03
+    bandwidth_gbps: Annotated[float, msgspec.Meta(description="Bandwidth in GB (1e9 bytes) per second.")] = 1.0
 
 
 class LoadReport(msgspec.Struct, frozen=True):

@@ -68,16 +68,29 @@ from kvcore.tier import LoadPrior
 
 
 class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    # Load-time priors by tier name; a tier not listed starts from its own
-    # ``Tier.load_prior`` (what the scheduler passes in ``TierReach``).
-    tiers: dict[str, LoadPrior] = msgspec.field(default_factory=dict)
-    prefill_step_s: float = 0.01  # fixed cost of a forward pass
-    prefill_token_s: float = 3e-4  # per new token
-    prefill_attn_s: float = 2e-8  # per new token per context token
-    local_compute_weight: Annotated[float, msgspec.Meta(ge=0)] = 1.5
-    # Seconds of an idle instance's own compute that count at weight 1 (see weighted()).
-    idle_compute_s: Annotated[float, msgspec.Meta(ge=0)] = 0.5
-    calibrate: bool = True
+    """The cost model's settings: ``policy`` of ``TieredConnector``, ``--policy-config`` of
+    ``mctier proxy``. The ``prefill_*`` priors are where the compute fit starts
+    (``compute(c, c+n) = step + token * n + attn * n*(c+n/2)`` seconds for ``n`` new tokens
+    after ``c`` cached ones), before calibration."""
+
+    tiers: Annotated[dict[str, LoadPrior], msgspec.Meta(description=(
+        "Load-time priors by tier name (LoadPrior); a tier not listed starts from its own "
+        "Tier.load_prior."))] = msgspec.field(default_factory=dict)
+    prefill_step_s: Annotated[float, msgspec.Meta(description=(
+        "Prior fixed cost of a forward pass (seconds)."))] = 0.01
+    prefill_token_s: Annotated[float, msgspec.Meta(description=(
+        "Prior cost per new token (seconds)."))] = 3e-4
+    prefill_attn_s: Annotated[float, msgspec.Meta(description=(
+        "Prior cost per new token per context token, the attention term (seconds)."))] = 2e-8
+    local_compute_weight: Annotated[float, msgspec.Meta(ge=0, description=(
+        "w: this instance's own recomputation counts w times its seconds while the instance holds other "
+        "requests (the compute stalls them), and past idle_compute_s while it holds none. 1: the choice "
+        "is by this request's time to first token alone."))] = 1.5
+    idle_compute_s: Annotated[float, msgspec.Meta(ge=0, description=(
+        "Seconds of an idle instance's own compute that count at weight 1 (see local_compute_weight)."))] = 0.5
+    calibrate: Annotated[bool, msgspec.Meta(description=(
+        "Update the compute and load-time fits online from measured forward passes and loads; false: "
+        "keep the priors."))] = True
 
 
 class TierReach(msgspec.Struct, frozen=True):
