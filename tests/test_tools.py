@@ -1,6 +1,7 @@
 """Operator tools against real components: warmup (server and offline engines, idempotence,
-pinning under eviction pressure) and the inspection API through its three faces (Python, CLI,
-HTTP) on a store with known contents.
+pinning under eviction pressure), the inspection API through its three faces (Python, CLI,
+HTTP) on a store with known contents, and both tools from the master and the model name (or
+the engine's URL) alone, reading the rest from what the engine published when it started.
 
 One served engine (no local prefix cache, so any reuse is the store's), one offline engine
 started by warmup, the session baseline for token-id checks, one `mctier inspect serve`.
@@ -19,13 +20,13 @@ import msgspec
 import pytest
 import requests
 
+from kvcore.platform import engine_dtype
 from kvcore.procs import Proc, free_port
-from mcstore.tools.inspect import Inspector
 from mcstore.server import CLIENT_ENV, StoreCluster
 from mcstore.tools.engine import Renderer, derive_meta
+from mcstore.tools.inspect import Inspector
 from mcstore.tools.warmup import OfflineRunner, Prefix, ServerRunner, split_text, warmup
-from kvcore.platform import engine_dtype
-from multi.deploy import engine_env
+from multi.cli.deploy import engine_env
 from tests.harness import LOGS, ROOT, Engine, cached_tokens, kv_bytes_per_token, model_dir, prompt_ids
 from tests.store_util import raw_client, store_kv
 from tests.support import wait_for
@@ -44,9 +45,10 @@ def paragraph(seed: int, words: int = 160) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def cli(*args: str, timeout: float = 180, input: str | None = None) -> subprocess.CompletedProcess:
+def cli(*args: str, timeout: float = 180, input: str | None = None,
+        env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "multi.cli", *args], capture_output=True, text=True, input=input,
-                          timeout=timeout, cwd=str(ROOT), env={**__import__("os").environ, **CLIENT_ENV})
+                          timeout=timeout, cwd=str(ROOT), env={**__import__("os").environ, **CLIENT_ENV, **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +81,8 @@ def env(baseline):
         insp = Inspector(cluster.master_addr, admin, meta, renderer, engine.url)
         yield SimpleNamespace(cluster=cluster, kv=kv, model=model, engine=engine, admin=admin, meta=meta,
                               renderer=renderer, insp=insp, http=f"http://127.0.0.1:{http_port}",
-                              stored=[], obj_bytes=None, messages=None)  # stored: token lists whose full chunks are in the store
+                              # stored: token lists whose full chunks are in the store
+                              stored=[], obj_bytes=None, messages=None)
         insp.close()
     finally:
         for p in reversed(procs):
@@ -110,7 +113,8 @@ def test_store_config_in_every_connector_shape(tmp_path):
     extra = {"master": "127.0.0.1:1", "chunk_tokens": 64}
     plain = store_kv("127.0.0.1:1")
     assert store_extra(plain) == extra
-    assert store_extra({"kv_connector": "TieredConnector", "kv_connector_extra_config": {"store": extra, "p2p": {}}}) == extra
+    assert store_extra({"kv_connector": "TieredConnector",
+                        "kv_connector_extra_config": {"store": extra, "p2p": {}}}) == extra
     assert store_extra({"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [
         {"kv_connector": "P2PConnector", "kv_connector_module_path": "p2p"}, plain]}}) == extra
     with pytest.raises(ConfigError, match="no store tier"):
@@ -187,7 +191,8 @@ def test_warmup_server_cli_stores_verifies_and_is_idempotent(env, baseline, tmp_
     for p, t in zip(rep["prefixes"], toks):
         n = len(t) // CHUNK
         assert n >= 2, "test paragraphs must span several chunks"
-        assert (p["status"], p["chunks"], p["present_before"], p["stored"], p["hit_tokens"]) == ("ok", n, 0, n, n * CHUNK)
+        assert (p["status"], p["chunks"], p["present_before"], p["stored"], p["hit_tokens"]) == (
+            "ok", n, 0, n, n * CHUNK)
     env.stored.extend(toks)
     assert rep["fingerprint"] == env.meta.fingerprint[:16]
 
@@ -245,6 +250,67 @@ def test_warmup_offline_jsonl(env, baseline, tmp_path):
     resp = env.engine.complete(prompt, 8)
     env.stored.append(prompt)
     assert env.engine.metric("vllm:mctier_store_loaded_tokens_total") - loaded0 >= (len(chat) // CHUNK) * CHUNK
+    assert resp["choices"][0]["token_ids"] == baseline.tokens(prompt, 8, cached_prefix=cached_tokens(resp))
+
+
+def test_tools_from_the_model_name_alone(env, baseline, tmp_path):
+    """The engine published its key space when it started, so `warmup --model M` (an offline
+    engine started with the published settings), `inspect lookup` (text, with the tokenizer of
+    the model the engine loaded), `keys` and `summary` need only the master and the model
+    name, or the engine's URL: no --kv-config, no engine flags, no fingerprint. The store also
+    holds the key space of another model_id over the same model path (the wrong-fingerprint
+    test's): the model name picks the one whose identity it is."""
+    master, fp16 = env.cluster.master_addr, env.meta.fingerprint[:16]
+    para = paragraph(50)
+    f = tmp_path / "prefixes.txt"
+    f.write_text(para + "\n")
+    r = cli("warmup", str(f), "--master", master, "--model", env.model, "--json", "--no-progress",
+            "--engine-log", str(LOGS / "tools-offline-by-name.log"), env=engine_env(0), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(r.stdout)
+    toks = env.renderer.text(para)
+    n = len(toks) // CHUNK
+    assert n >= 2, "the test paragraph must span several chunks"
+    assert (rep["mode"], rep["fingerprint"], rep["failed"]) == ("offline", fp16, 0)
+    assert [(p["status"], p["stored"], p["hit_tokens"]) for p in rep["prefixes"]] == [("ok", n, n * CHUNK)]
+    env.stored.append(toks)
+
+    for named in (["--model", env.model], ["--engine", env.engine.url]):
+        out = cli("inspect", "lookup", "--master", master, *named, "--prompt", para, "--json")
+        assert out.returncode == 0, (named, out.stderr[-2000:])
+        lk = json.loads(out.stdout)
+        assert (lk["fingerprint"], lk["prompt_tokens"], lk["hit_tokens"]) == (fp16, len(toks), n * CHUNK), named
+
+    out = cli("inspect", "keys", "--master", master, "--model", env.model, "--limit", "100000", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    listed = json.loads(out.stdout)
+    keys = {k["key"] for k in listed["keys"]}
+    assert listed["prefix"] == f"mct/{fp16}/" and not listed["truncated"]
+    ks = env.meta.key_space()
+    assert f"mct/{fp16}/meta" in keys and set(ks.all_rank_keys(ks.links(toks))) <= keys
+
+    bystander = "4" * 16  # objects of another key space: in the store's summary, not in the model's
+    store = raw_client(master)
+    try:
+        assert store.put(f"mct/{bystander}/{0:064x}/tp0", b"b" * 512) == 0
+    finally:
+        store.close()
+    try:
+        out = cli("inspect", "summary", "--master", master, "--model", env.model, "--json")
+        assert out.returncode == 0, out.stderr[-2000:]
+        rows = {r["fingerprint"]: r for r in json.loads(out.stdout)["fingerprints"]}
+        assert fp16 in rows and bystander not in rows
+        assert rows[fp16]["model"] == env.model and rows[fp16]["chunks"] >= n
+        assert bystander in {r.fingerprint for r in env.insp.summary().fingerprints}
+    finally:
+        env.insp.remove(bystander)
+
+    # The served engine loads what the offline engine stored, with the right tokens.
+    prompt = toks + prompt_ids(12, 9)
+    loaded0 = env.engine.metric("vllm:mctier_store_loaded_tokens_total")
+    resp = env.engine.complete(prompt, 8)
+    env.stored.append(prompt)
+    assert env.engine.metric("vllm:mctier_store_loaded_tokens_total") - loaded0 >= n * CHUNK
     assert resp["choices"][0]["token_ids"] == baseline.tokens(prompt, 8, cached_prefix=cached_tokens(resp))
 
 

@@ -1,18 +1,23 @@
 """An engine's key space, prompts and settings as the tools see them.
 
-Three ways to the key space a running engine stores under (:class:`mcstore.keys.EngineMeta`):
+Two ways to the key space a running engine stores under (:class:`mcstore.keys.EngineMeta`):
 
-* what its connector published when it started (``{prefix}/{fp16}/meta``):
-  :func:`published_metas`, picked by fingerprint or by the model a live server names
-  (:func:`meta_for_server`, from its ``/v1/models``);
+* what its connector published when it started (``{prefix}/{fp16}/meta``), found from what
+  the operator knows: the engine's URL or its model name, or a fingerprint
+  (:mod:`mcstore.tools.published`; :func:`query_from_args` reads the flags);
 * derived from the engine's settings without an engine (:func:`derive_meta`): the same
   ``--model`` string (or ``model_id`` in the connector config), ``--block-size``,
   ``--dtype``, ``--kv-cache-dtype``, ``--tensor-parallel-size``,
   ``--pipeline-parallel-size``, ``--prefix-caching-hash-algo`` and
-  ``--kv-transfer-config``. vLLM lays the KV cache out (:mod:`kvcore.vllm_glue`) and the
+  ``--kv-transfer-config``. vLLM lays the KV cache out (:mod:`kvcore.vllm_layout`) and the
   connector's own :func:`mcstore.connector.key_space` turns it into the key space, so
   connector-side fingerprint changes reach the tools by construction
   (``tests/test_tools.py`` proves the result equal to a real engine's).
+
+The same flags serve both (:func:`add_engine_args`): with ``--kv-config`` they are the
+engine's settings; without, they narrow the published key spaces of the named model.
+:func:`rebuild_engine` goes from a published key space back to settings an offline engine
+stores under (checked against the fingerprint).
 
 Also here: the connector config inside any of the kv-transfer-config shapes that carry a
 store tier, and prompt rendering with the model's tokenizer, mirroring vLLM's OpenAI server
@@ -26,13 +31,10 @@ import json
 import os
 from pathlib import Path
 
-import requests
-
 from kvcore.errors import ConfigError
-from mcstore.admin import MasterAdmin, Unavailable
-from mcstore.client import StoreClient
 from mcstore.config import StoreConfig, load_config
-from mcstore.keys import KEY_VERSION, META_SUFFIX, EngineMeta, engine_meta
+from mcstore.keys import EngineMeta, engine_meta
+from mcstore.tools.published import KeySpaceQuery, offline_settings
 
 # -- kv-transfer-config --------------------------------------------------------------
 
@@ -91,7 +93,8 @@ def derive_meta(model: str, kv_config: str | dict, *, block_size: int | None = N
     ``--prefix-caching-hash-algo`` stores under another key space."""
     # Tools print results on stdout; vLLM logs there by default.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    from kvcore.vllm_glue import engine_kv_cache_layout, engine_vllm_config, kv_fingerprint_fields
+    from kvcore.vllm_glue import kv_fingerprint_fields
+    from kvcore.vllm_layout import engine_kv_cache_layout, engine_vllm_config
     from mcstore.connector import key_space  # the connector's own derivation: one source of truth
 
     kv = read_kv_config(kv_config)
@@ -106,124 +109,101 @@ def derive_meta(model: str, kv_config: str | dict, *, block_size: int | None = N
 
 
 def engine_settings(args) -> dict:
-    """:func:`derive_meta`'s keyword arguments from the shared tool flags (:func:`add_engine_args`):
-    one place, so that a flag added there reaches every tool."""
-    return dict(block_size=args.block_size, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                tensor_parallel_size=args.tensor_parallel_size,
-                pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
-                prefix_caching_hash_algo=getattr(args, "prefix_caching_hash_algo", "sha256"))
+    """:func:`derive_meta`'s keyword arguments from the shared tool flags (:func:`add_engine_args`),
+    vLLM's defaults for those not given: one place, so that a flag added there reaches every tool."""
+
+    def given(name: str, default):
+        value = getattr(args, name, None)
+        return default if value is None else value
+
+    return dict(block_size=given("block_size", None), dtype=given("dtype", "auto"),
+                kv_cache_dtype=given("kv_cache_dtype", "auto"), tensor_parallel_size=given("tensor_parallel_size", 1),
+                pipeline_parallel_size=given("pipeline_parallel_size", 1),
+                prefix_caching_hash_algo=given("prefix_caching_hash_algo", "sha256"))
+
+
+def check_engine_args(args) -> str | None:
+    """Why the shared tool flags do not go together, or None."""
+    if getattr(args, "kv_config", None) and getattr(args, "chunk_tokens", None) is not None:
+        return "--chunk-tokens picks among the published key spaces; with --kv-config the chunk size is the config's"
+    return None
 
 
 def meta_from_args(args) -> EngineMeta | None:
-    """From the shared tool flags (see :func:`add_engine_args`); None when none were given."""
+    """Derived from the shared tool flags (:func:`add_engine_args`) when they carry the engine's
+    settings (``--model`` and ``--kv-config``); None otherwise."""
     if getattr(args, "model", None) and getattr(args, "kv_config", None):
         return derive_meta(args.model, args.kv_config, **engine_settings(args))
     return None
 
 
-def add_engine_args(p, *, required: bool = False) -> None:
-    g = p.add_argument_group("engine settings (the key fingerprint; same values as the engine's)")
-    g.add_argument("--model", required=required, help="model as given to the engine (path or name)")
-    g.add_argument("--kv-config", required=required, help="the engine's --kv-transfer-config (JSON or file)")
+def query_from_args(args, *, fingerprint: bool = True) -> KeySpaceQuery:
+    """The published key space the shared tool flags describe
+    (:func:`mcstore.tools.published.find_meta`): the model ``--model`` names (unless it goes with
+    ``--kv-config``), ``--fingerprint`` (if ``fingerprint``), and the engine settings given."""
+
+    def given(name: str):
+        value = getattr(args, name, None)
+        return None if value == "auto" else value
+
+    return KeySpaceQuery(
+        model=None if given("kv_config") else given("model"), fingerprint=given("fingerprint") if fingerprint else None,
+        tp_size=given("tensor_parallel_size"), pp_size=given("pipeline_parallel_size"),
+        block_size=given("block_size"), chunk_tokens=given("chunk_tokens"), dtype=given("dtype"),
+        kv_cache_dtype=given("kv_cache_dtype"), hash_algo=given("prefix_caching_hash_algo"),
+        key_prefix=given("key_prefix") or "mct")
+
+
+def rebuild_engine(meta: EngineMeta, master: str) -> tuple[str, dict, dict]:
+    """``(model, kv-transfer-config, settings)`` of an engine that stores under the published key
+    space ``meta`` (:func:`mcstore.tools.published.offline_settings`), checked: the key space
+    derived from them is ``meta``'s. The connector's ``verify_checksums`` is not published: both
+    values are tried."""
+    model, kv, settings = offline_settings(meta, master)
+    extra, got = kv["kv_connector_extra_config"], None
+    try:
+        for checksums in (False, True):
+            kv = {**kv, "kv_connector_extra_config": {**extra, "verify_checksums": checksums}}
+            got = derive_meta(model, kv, **settings)
+            if got.fingerprint == meta.fingerprint:
+                return model, kv, settings
+    except (ValueError, OSError) as e:  # ConfigError is a ValueError; vLLM's own refusals too
+        raise ConfigError(f"cannot rebuild the engine of key space {meta.fingerprint[:16]} from what it published "
+                          f"({e}); pass its settings (--model, --kv-config and the engine flags) or warm "
+                          f"through it (--engine URL)") from None
+    raise ConfigError(f"the settings rebuilt from key space {meta.fingerprint[:16]} (model {model}, {settings}) give "
+                      f"key space {got.fingerprint[:16]}: the engine ran with something its metadata does not say "
+                      f"(PYTHONHASHSEED, a model revision, another vLLM); pass its settings (--model, --kv-config "
+                      f"and the engine flags) or warm through it (--engine URL)")
+
+
+def add_engine_args(p, *, fingerprint: bool = True) -> None:
+    """The flags that name the engine (shared by every tool; :func:`query_from_args`,
+    :func:`meta_from_args`, :func:`engine_settings` read them)."""
+    g = p.add_argument_group(
+        "the engine",
+        "Name it by its URL (--engine) or its model (--model): its key space, tokenizer and layout are read from "
+        "what it published in the store when it started, and the settings below pick one when several were "
+        "published for the model. With --kv-config they are the engine's settings instead, and the key space is "
+        "derived from them (no engine needed).")
+    g.add_argument("--model", help="the engine's model: the path it was given, or the connector's model_id")
+    g.add_argument("--kv-config", help="the engine's --kv-transfer-config (JSON or file): derive the key space "
+                                       "from the settings instead of reading what the engine published")
+    if fingerprint:
+        g.add_argument("--fingerprint", help="the key space published under this fingerprint (16 or 64 hex "
+                                             "digits; `mctier inspect summary` lists them)")
+    g.add_argument("--tokenizer", help="tokenizer to render prompts (default: the model the engine loaded)")
     g.add_argument("--block-size", type=int, default=None, help="as given to the engine (default: vLLM's)")
+    g.add_argument("--chunk-tokens", type=int, default=None,
+                   help="the connector's chunk_tokens (without --kv-config: picks among published key spaces)")
     g.add_argument("--dtype", default="auto")
     g.add_argument("--kv-cache-dtype", default="auto")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="(default: 1)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None, help="(default: 1)")
     # Not a choices list of our own: vLLM validates the value when the settings are derived.
-    g.add_argument("--prefix-caching-hash-algo", default="sha256",
+    g.add_argument("--prefix-caching-hash-algo", default=None,
                    help="as given to the engine (default: vLLM's, sha256); another algorithm puts the "
                         "engine's objects in another key space")
-
-
-# -- the key space an engine published ---------------------------------------------------------
-
-
-def published_metas(client: StoreClient, admin: MasterAdmin) -> list[EngineMeta]:
-    """Every engine key space published in the store (lists keys: needs the admin API)."""
-    out = []
-    for k in admin.all_keys():
-        parts = k.split("/")
-        if len(parts) == 3 and len(parts[1]) == 16 and parts[2] == META_SUFFIX:
-            meta = client.read(k, EngineMeta)
-            if meta is not None:
-                out.append(meta)
-    return out
-
-
-class ServerModel:
-    """What a live vLLM OpenAI server says about itself: its served name, the model it
-    loaded (``root`` in ``/v1/models``) and its block size (``vllm:cache_config_info``)."""
-
-    def __init__(self, url: str, timeout: float = 10.0):
-        self.url = url.rstrip("/")
-        try:
-            r = requests.get(self.url + "/v1/models", timeout=timeout)
-            r.raise_for_status()
-            card = r.json()["data"][0]
-        except (requests.RequestException, KeyError, IndexError, ValueError) as e:
-            raise ConfigError(f"engine {self.url} does not answer /v1/models: {e}") from None
-        self.name: str = card["id"]
-        self.root: str = card.get("root") or card["id"]
-        self.block_size: int | None = None
-        try:
-            from prometheus_client.parser import text_string_to_metric_families
-
-            text = requests.get(self.url + "/metrics", timeout=timeout).text
-            for fam in text_string_to_metric_families(text):
-                if fam.name == "vllm:cache_config_info":
-                    self.block_size = int(fam.samples[0].labels["block_size"])
-        except (requests.RequestException, KeyError, IndexError, ValueError):
-            pass
-
-
-def meta_for_server(server: ServerModel, client: StoreClient, admin: MasterAdmin,
-                    fingerprint: str | None = None, key_prefix: str = "mct") -> EngineMeta:
-    """The key space the engine behind ``server`` published when it started (or the one
-    published under ``fingerprint``). Key spaces of another key version
-    (:meth:`EngineMeta.foreign`) are never returned: this mctier's keys would not be theirs.
-    Of several of the model, those that name this key version win (the others are from
-    engines that ran before an upgrade), then those of the server's block size."""
-    if fingerprint:
-        fp = fingerprint.lower()
-        meta = client.read(f"{key_prefix}/{fp[:16]}/{META_SUFFIX}", EngineMeta)
-        if meta is None or not meta.fingerprint.startswith(fp):
-            raise ConfigError(f"no key space published under fingerprint {fp[:16]} (key prefix {key_prefix!r}); "
-                              f"`mctier inspect summary` lists them")
-        if meta.foreign():
-            raise ConfigError(_foreign_error([meta]))
-        return meta
-    try:
-        metas = published_metas(client, admin)
-    except Unavailable as e:
-        raise ConfigError(f"cannot list the engines' published metadata ({e}); pass --admin, --fingerprint, "
-                          f"or the engine's settings (--model, --kv-config)") from None
-    names = {server.name, server.root}
-    found = [m for m in metas if m.model in names or m.fields.get("model") in names]
-    foreign = [m for m in found if m.foreign()]
-    found = [m for m in found if not m.foreign()]
-    if not found and foreign:
-        raise ConfigError(_foreign_error(foreign))
-    if len(found) > 1:  # published before and after an upgrade: the current version's
-        found = [m for m in found if m.key_version == KEY_VERSION] or found
-    if len(found) > 1 and server.block_size is not None:  # e.g. an older engine of the same model
-        same = [m for m in found if {g.get("block_size") for g in m.fields.get("groups", [])} == {server.block_size}]
-        found = same or found
-    if len(found) == 1:
-        return found[0]
-    seen = ", ".join(f"{m.fingerprint[:16]} ({m.model})" for m in metas) or "none"
-    if not found:
-        raise ConfigError(f"no published key space for model {server.root!r} (served as {server.name!r}) in the "
-                          f"store; published: {seen}. Is the engine's store tier on this master (--master)? "
-                          f"Otherwise pass the engine's settings (--model, --kv-config)")
-    raise ConfigError(f"several key spaces were published for model {server.root!r}: "
-                      + ", ".join(m.fingerprint[:16] for m in found) + "; pick one with --fingerprint")
-
-
-def _foreign_error(metas: list[EngineMeta]) -> str:
-    return ("key space " + ", ".join(f"{m.fingerprint[:16]} (key version {m.key_version})" for m in metas)
-            + f" was published by another mctier; this one computes {KEY_VERSION} keys, which that engine "
-            "would not find: use the mctier the engine runs")
 
 
 # -- prompts ---------------------------------------------------------------------------
@@ -239,7 +219,7 @@ class Renderer:
         try:
             self.tok = AutoTokenizer.from_pretrained(model)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"cannot load the tokenizer of {model}: {e}") from None
+            raise ConfigError(f"cannot load the tokenizer of {model} (pass --tokenizer): {e}") from None
 
     def text(self, prompt: str) -> list[int]:
         return list(self.tok(prompt, add_special_tokens=True)["input_ids"])

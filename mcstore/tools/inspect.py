@@ -17,11 +17,13 @@ Sources of truth, all real, all through :class:`mcstore.client.StoreClient` (and
   still answers the hit depth, with tier ``unknown``) and for removal;
 * an engine's ``/metrics`` (``--engine URL``) for the connector counters (``vllm:mctier_*``).
 
-A prompt's lookup needs the engine's key space: derived from the engine's settings
-(:mod:`mcstore.tools.engine`) or, with a fingerprint, read from the metadata object the
-engine published. ``hit_tokens`` is the store's hit depth: leading tokens covered by chunks
-whose every TP part is present; an engine loads at most ``prompt_tokens - 1`` of them
-(``loadable_tokens``).
+A prompt's lookup needs the engine's key space: the one the engine published when it
+started, found from its URL or its model name (a :class:`~mcstore.tools.published.KeySpaceQuery`,
+resolved on first use: :meth:`Inspector.engine_meta`) or from a fingerprint; or derived from
+the engine's settings (:mod:`mcstore.tools.engine`). Text and chat prompts are tokenized with
+the tokenizer of the model that key space's engine loaded, unless one is given.
+``hit_tokens`` is the store's hit depth: leading tokens covered by chunks whose every TP
+part is present; an engine loads at most ``prompt_tokens - 1`` of them (``loadable_tokens``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from kvcore.procs import port_open
 from mcstore.admin import MasterAdmin, Unavailable
 from mcstore.client import StoreClient
 from mcstore.keys import KEY_VERSION, META_SUFFIX, EngineMeta, KeySpace
-from mcstore.tools.engine import Renderer, meta_from_args, read_kv_config, store_config
+from mcstore.tools.engine import Renderer, meta_from_args, query_from_args, read_kv_config, store_config
+from mcstore.tools.published import KeySpaceQuery, ServerModel, find_all, find_meta, tokenizer_path
 from mcstore.tools.results import (
     ChunkInfo,
     FingerprintSummary,
@@ -85,33 +88,48 @@ def _prom_samples(text: str, keep) -> dict[str, float]:
 
 
 class Inspector:
-    """Read-mostly view of a store; ``meta`` is the default engine key space for lookups."""
+    """Read-mostly view of a store. The default engine key space for lookups is ``meta``, else
+    the one ``query`` describes (with the engine at ``engine_url``), read from the store on
+    first use; prompts are tokenized by ``renderer``, else with ``tokenizer``, else with the
+    tokenizer of the model the key space's engine loaded."""
 
     def __init__(self, master: str, admin: str | None = None, meta: EngineMeta | None = None,
-                 renderer: Renderer | None = None, engine_url: str | None = None, key_prefix: str = "mct"):
+                 renderer: Renderer | None = None, engine_url: str | None = None, key_prefix: str = "mct", *,
+                 query: KeySpaceQuery | None = None, tokenizer: str | None = None):
         host, sep, port = master.rpartition(":")
         if not sep or not port.isdigit():
             raise ConfigError(f"--master must be HOST:PORT, got {master!r}")
         self.master = master
         self.admin_url = admin.rstrip("/") if admin else None
         self.meta = meta
+        self.query = query if meta is None else None
         self.renderer = renderer
+        self.tokenizer = tokenizer
         self.engine_url = engine_url.rstrip("/") if engine_url else None
         self.key_prefix = meta.key_prefix if meta is not None else key_prefix
         self._client: StoreClient | None = None
         self._admin: MasterAdmin | None = None
         self._lock = threading.Lock()
+        self._resolve_lock = threading.Lock()  # taken before _lock, never inside it
+        self._renderers: dict[str, Renderer] = {}
 
     @classmethod
     def from_args(cls, a) -> Inspector:
         """From ``mctier inspect`` flags: ``--master`` (else ``--kv-config``'s, else
-        127.0.0.1:50051), ``--admin``, ``--key-prefix``, ``--engine``, the engine settings."""
+        127.0.0.1:50051), ``--admin``, ``--key-prefix``, ``--engine``, the engine flags
+        (:func:`mcstore.tools.engine.add_engine_args`): with ``--kv-config`` the key space is
+        derived now; otherwise ``--model`` or ``--engine`` name the engine whose published key
+        space is read when first needed."""
         meta = meta_from_args(a)
         master = a.master or (store_config(read_kv_config(a.kv_config)).master if getattr(a, "kv_config", None)
                               else "127.0.0.1:50051")
-        model = getattr(a, "model", None)
-        renderer = Renderer(model) if model and getattr(a, "cmd_inspect", None) in ("lookup", "serve") else None
-        return cls(master, a.admin, meta, renderer, getattr(a, "engine", None), a.key_prefix)
+        engine = getattr(a, "engine", None)
+        op = getattr(a, "cmd_inspect", None)
+        named = meta is None and (getattr(a, "model", None) or engine) and op != "stats"
+        query = query_from_args(a, fingerprint=False) if named else None
+        tokenizer = getattr(a, "tokenizer", None) or (a.model if meta is not None else None)
+        renderer = Renderer(tokenizer) if tokenizer and op in ("lookup", "serve") else None
+        return cls(master, a.admin, meta, renderer, engine, a.key_prefix or "mct", query=query, tokenizer=tokenizer)
 
     @property
     def client(self) -> StoreClient:
@@ -150,16 +168,38 @@ class Inspector:
     def read_meta(self, fp16: str) -> EngineMeta | None:
         return self.client.read(f"{self.key_prefix}/{fp16}/{META_SUFFIX}", EngineMeta)
 
-    def key_space(self, fingerprint: str | None = None) -> KeySpace:
+    def _server(self) -> ServerModel | None:
+        return ServerModel(self.engine_url) if self.engine_url else None
+
+    def engine_meta(self) -> EngineMeta | None:
+        """The engine's key space: ``meta``, else the published one ``query`` describes (read once;
+        :class:`~kvcore.errors.ConfigError` or its :class:`~mcstore.tools.published.AmbiguousKeySpace`
+        when none or several fit, tried again on the next call). None when the engine was not named."""
+        if self.meta is None and self.query is not None:
+            with self._resolve_lock:
+                if self.meta is None:
+                    meta = find_meta(self.client, self.admin, self.query, self._server())
+                    self.key_prefix, self.meta = meta.key_prefix, meta
+        return self.meta
+
+    def published(self) -> list[EngineMeta]:
+        """Every key space published for the named engine's model that the given settings admit."""
+        if self.query is None:
+            return [self.meta] if self.meta is not None else []
+        return find_all(self.client, self.admin, self.query, self._server())
+
+    def _meta_of(self, fingerprint: str | None) -> EngineMeta:
         if fingerprint is None:
-            if self.meta is None:
-                raise ValueError("no engine key space: start with --model/--kv-config or pass a fingerprint")
-            return self.meta.key_space()
+            meta = self.engine_meta()
+            if meta is None:
+                raise ValueError("no engine key space: name the engine (--engine URL or --model), pass a "
+                                 "fingerprint, or give its settings (--model with --kv-config)")
+            return meta
         fp = fingerprint.lower()
         if not _HEX16.match(fp):
             raise ValueError(f"fingerprint must be 16 or 64 hex digits, got {fingerprint!r}")
         if self.meta is not None and self.meta.fingerprint.startswith(fp):
-            return self.meta.key_space()
+            return self.meta
         meta = self.read_meta(fp[:16])
         if meta is None or not meta.fingerprint.startswith(fp):
             raise NotFound(f"no metadata for fingerprint {fp[:16]} (engines publish it when they start; "
@@ -167,14 +207,36 @@ class Inspector:
         if meta.foreign():  # its chunks would all read as missing: say why instead
             raise ValueError(f"fingerprint {fp[:16]} was published by mctier key version {meta.key_version}; this "
                              f"one computes {KEY_VERSION} keys: look it up with the mctier that engine runs")
-        return meta.key_space()
+        return meta
+
+    def key_space(self, fingerprint: str | None = None) -> KeySpace:
+        """The key space published under ``fingerprint``, else the engine's (:meth:`engine_meta`)."""
+        return self._meta_of(fingerprint).key_space()
+
+    def _renderer(self, fingerprint: str | None) -> Renderer:
+        if self.renderer is not None:
+            return self.renderer
+        path = self.tokenizer
+        if path is None:
+            if fingerprint is None and self.meta is None and self.query is None:
+                raise ValueError("no tokenizer: name the engine (--engine URL or --model), pass --tokenizer or a "
+                                 "fingerprint, or send tokens")
+            path = tokenizer_path(self._meta_of(fingerprint))
+        with self._resolve_lock:
+            if path not in self._renderers:
+                if len(self._renderers) >= 4:  # one per model looked up: a few, bounded
+                    self._renderers.pop(next(iter(self._renderers)))
+                self._renderers[path] = Renderer(path)
+            return self._renderers[path]
 
     def _replicas(self, keys: Sequence[str]) -> dict[str, Replicas]:
         return {k: Replicas.from_admin(v) for k, v in self.admin.query(list(keys)).items()}
 
     # -- operations ---------------------------------------------------------------------------------
 
-    def summary(self) -> Summary:
+    def summary(self, fingerprints: set[str] | None = None) -> Summary:
+        """Every key space's objects (only those of ``fingerprints``' 16-digit prefixes, if
+        given), the totals and the segments."""
         keys = self.admin.all_keys()
         reps = self._replicas(keys)
         fps: dict[str, FingerprintSummary] = {}
@@ -206,6 +268,8 @@ class Inspector:
             fs.model, fs.chunk_tokens = fs.model or self.meta.model, fs.chunk_tokens or self.meta.chunk_tokens
         for fp, fs in fps.items():
             fs.chunks = len(links.get(fp, ()))
+        if fingerprints is not None:
+            fps = {fp: fs for fp, fs in fps.items() if fp in fingerprints}
         segments = [SegmentInfo(s.get("segment_name", "?"),
                                 int(s.get("allocator_capacity_bytes") or s.get("size_bytes") or 0),
                                 int(s.get("allocator_used_bytes") or 0)) for s in self.admin.segments()]
@@ -213,7 +277,10 @@ class Inspector:
                        other_keys=other_keys, other_bytes=other_bytes, segments=segments)
 
     def tokens_of(self, *, prompt: str | None = None, tokens: Sequence[int] | None = None,
-                  messages: list[dict] | None = None, add_generation_prompt: bool = True) -> list[int]:
+                  messages: list[dict] | None = None, add_generation_prompt: bool = True,
+                  fingerprint: str | None = None) -> list[int]:
+        """Token ids of a prompt; text and messages with the tokenizer of ``fingerprint``'s (else
+        the engine's) model unless one was given."""
         given = [x is not None for x in (prompt, tokens, messages)]
         if sum(given) != 1:
             raise ValueError("give exactly one of prompt, tokens, messages")
@@ -221,11 +288,10 @@ class Inspector:
             if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in tokens):
                 raise ValueError("tokens must be non-negative integers")
             return list(tokens)
-        if self.renderer is None:
-            raise ValueError("no tokenizer: start with --model to look up text or messages, or send tokens")
+        renderer = self._renderer(fingerprint)
         if prompt is not None:
-            return self.renderer.text(prompt)
-        return self.renderer.messages(messages, add_generation_prompt)
+            return renderer.text(prompt)
+        return renderer.messages(messages, add_generation_prompt)
 
     def _presence(self, keys: list[str]) -> tuple[dict[str, Replicas], str | None]:
         """Replicas per key from the admin API; from the store alone (tier unknown) without it."""
@@ -260,6 +326,13 @@ class Inspector:
         return Lookup(fingerprint=ks.fp[:16], chunk_tokens=ks.chunk_tokens, prompt_tokens=len(tokens),
                       hit_tokens=hit, loadable_tokens=max(0, min(hit, len(tokens) - 1)), chunks=chunks, note=note)
 
+    def fingerprint_prefix(self, fingerprint: str) -> str:
+        """``{key_prefix}/{fp16}/``: every key of that fingerprint (its metadata object included)."""
+        fp = fingerprint.lower()
+        if not _HEX16.match(fp):
+            raise ValueError(f"fingerprint must be 16 or 64 hex digits, got {fingerprint!r}")
+        return f"{self.key_prefix}/{fp[:16]}/"
+
     def keys(self, prefix: str | None = None, limit: int = 1000) -> KeyList:
         if limit < 0:
             raise ValueError("limit must be >= 0")
@@ -273,10 +346,8 @@ class Inspector:
     def remove(self, fingerprint: str, *, force: bool = False, timeout: float = 12.0) -> RemoveResult:
         """Remove every object of a fingerprint. Leased objects (being read) are retried until
         ``timeout`` (cover the master's ``default_kv_lease_ttl``) unless ``force``."""
+        prefix = self.fingerprint_prefix(fingerprint)
         fp = fingerprint.lower()
-        if not _HEX16.match(fp):
-            raise ValueError(f"fingerprint must be 16 or 64 hex digits, got {fingerprint!r}")
-        prefix = f"{self.key_prefix}/{fp[:16]}/"
         todo = [k for k in self.admin.all_keys() if k.startswith(prefix)]
         matched, removed, failed = len(todo), 0, {}
         deadline = time.monotonic() + timeout

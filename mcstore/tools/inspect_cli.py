@@ -1,4 +1,12 @@
-"""``mctier inspect``: the inspection API on the command line (human tables, ``--json``)."""
+"""``mctier inspect``: the inspection API on the command line (human tables, ``--json``).
+
+Every operation needs only the master (``--master``, else ``$MCTIER_MASTER``) and, where an
+engine's key space matters, the engine's URL (``--engine``) or its model (``--model``): the
+rest is what the engine published when it started (:mod:`mcstore.tools.published`).
+``summary`` then shows that model's key spaces only, ``lookup`` tokenizes with the model the
+engine loaded, ``keys`` lists that key space's objects and ``remove`` removes them. Several
+key spaces for one model are an error listing them, with the flag that picks one.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +18,10 @@ import msgspec
 
 from kvcore.errors import ConfigError
 from mcstore.keys import KEY_VERSION, foreign_version
-from mcstore.tools.engine import add_engine_args
+from mcstore.tools.engine import add_engine_args, check_engine_args
+from mcstore.tools.format import fmt_bytes, table
 from mcstore.tools.inspect import Inspector, NotFound, Unavailable
 from mcstore.tools.results import KeyList, Lookup, RemoveResult, Stats, Summary
-from mcstore.tools.text import fmt_bytes, table
 
 # -- rendering --------------------------------------------------------------------------------------------
 
@@ -98,6 +106,10 @@ def _read_messages(path: str) -> list[dict]:
 
 
 def _run(a, rest) -> int:
+    why = check_engine_args(a)
+    if why:
+        print(f"mctier inspect {a.cmd_inspect}: {why}", file=sys.stderr)
+        return 2
     try:
         insp = Inspector.from_args(a)
     except (ConfigError, ValueError) as e:
@@ -108,18 +120,25 @@ def _run(a, rest) -> int:
 
         return serve(insp, a.host, a.port, a.token or os.environ.get("MCTIER_INSPECT_TOKEN") or None)
     try:
-        if a.cmd_inspect == "summary":
-            out = insp.summary()
+        if a.cmd_inspect == "summary":  # a named engine: its model's key spaces only
+            out = insp.summary({m.fingerprint[:16] for m in insp.published()} if insp.query else None)
         elif a.cmd_inspect == "lookup":
             toks = insp.tokens_of(
                 prompt=a.prompt, tokens=_read_tokens(a.tokens) if a.tokens else None,
                 messages=_read_messages(a.messages) if a.messages else None,
-                add_generation_prompt=not a.no_generation_prompt)
+                add_generation_prompt=not a.no_generation_prompt, fingerprint=a.fingerprint)
             out = insp.lookup(toks, fingerprint=a.fingerprint, cache_salt=a.cache_salt)
         elif a.cmd_inspect == "keys":
-            out = insp.keys(a.prefix, a.limit)
+            prefix = a.prefix
+            if prefix is None and a.fingerprint:
+                prefix = insp.fingerprint_prefix(a.fingerprint)
+            elif prefix is None and insp.engine_meta() is not None:  # the named engine's
+                prefix = insp.fingerprint_prefix(insp.engine_meta().fingerprint)
+            out = insp.keys(prefix, a.limit)
         elif a.cmd_inspect == "remove":
-            out = insp.remove(a.fingerprint, force=a.force, timeout=a.timeout)
+            if not a.fingerprint and insp.engine_meta() is None:
+                raise ValueError("what to remove: --fingerprint, or the engine (--engine URL or --model)")
+            out = insp.remove(a.fingerprint or insp.engine_meta().fingerprint, force=a.force, timeout=a.timeout)
         else:
             out = insp.stats()
     except (ValueError, NotFound, OSError) as e:
@@ -140,7 +159,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("inspect", help="what the store holds: summary, lookup, keys, remove, stats, serve (HTTP)")
     ops = p.add_subparsers(dest="cmd_inspect", required=True)
 
-    def common(q, engine_settings=False):
+    def common(q, engine_help: str, engine_args: bool = True, fingerprint: bool = True):
         q.add_argument("--master", default=os.environ.get("MCTIER_MASTER"),
                        help="mooncake_master RPC address HOST:PORT (env MCTIER_MASTER; default: from "
                             "--kv-config, else 127.0.0.1:50051)")
@@ -149,35 +168,36 @@ def add_parser(sub) -> None:
                             "store server published, else http://MASTER_HOST:9003)")
         q.add_argument("--key-prefix", default="mct")
         q.add_argument("--json", action="store_true", help="one JSON object on stdout")
-        if engine_settings:
-            add_engine_args(q)
+        q.add_argument("--engine", metavar="URL", help=engine_help)
+        if engine_args:
+            add_engine_args(q, fingerprint=fingerprint)
         q.set_defaults(func=_run, passthrough=False)
 
-    common(ops.add_parser("summary", help="objects and bytes per fingerprint and tier, segments"), True)
+    named = "a live engine's base URL: its model's published key spaces"
+    common(ops.add_parser("summary", help="objects and bytes per fingerprint and tier, segments (with --engine or "
+                                          "--model: that model's key spaces only)"), named, fingerprint=False)
     lk = ops.add_parser("lookup", help="a prompt's hit depth chunk by chunk")
-    common(lk, True)
+    common(lk, named + " (the one it stores under)")
     src = lk.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="completion prompt text (tokenized with --model's tokenizer)")
+    src.add_argument("--prompt", help="completion prompt text (tokenized with the engine's model's tokenizer)")
     src.add_argument("--tokens", help="file (or -) with token ids: JSON list or whitespace-separated")
     src.add_argument("--messages", help="JSON file with chat messages (rendered with the chat template)")
     lk.add_argument("--no-generation-prompt", action="store_true", help="render messages without the assistant header")
-    lk.add_argument("--fingerprint", help="look up under this fingerprint (published by its engine at start; see `inspect summary`)")
     lk.add_argument("--cache-salt")
     ks = ops.add_parser("keys", help="list keys with size and tiers")
-    common(ks)
-    ks.add_argument("--prefix", help="key prefix (default: all of ours)")
+    common(ks, named + " (default --prefix: the key space it stores under)")
+    ks.add_argument("--prefix", help="key prefix (default: the named engine's or --fingerprint's key space, else "
+                                     "all of ours)")
     ks.add_argument("--limit", type=int, default=1000)
-    rm = ops.add_parser("remove", help="remove every object of a fingerprint")
-    common(rm)
-    rm.add_argument("--fingerprint", required=True)
+    rm = ops.add_parser("remove", help="remove every object of a key space (--fingerprint, or the named engine's)")
+    common(rm, named + " (removes the key space it stores under)")
     rm.add_argument("--force", action="store_true", help="also remove objects being read (leased)")
     rm.add_argument("--timeout", type=float, default=12.0, help="retry leased objects this long")
     st = ops.add_parser("stats", help="the master's metrics and an engine's connector counters")
-    common(st)
-    st.add_argument("--engine", help="engine base URL whose /metrics to scrape (vllm:mctier_*)")
+    common(st, "engine base URL whose /metrics to scrape (vllm:mctier_*)", engine_args=False)
     sv = ops.add_parser("serve", help="HTTP JSON server for the same operations (+ /health, /docs, /openapi.json)")
-    common(sv, True)
+    common(sv, "engine base URL for /stats, and whose published key space /lookup uses by default",
+           fingerprint=False)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=9400)
-    sv.add_argument("--engine", help="engine base URL for /stats")
     sv.add_argument("--token", default=None, help="bearer token for destructive calls (env MCTIER_INSPECT_TOKEN)")

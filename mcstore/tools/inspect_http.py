@@ -6,6 +6,7 @@ browsable at ``/docs``)::
     GET    /health                       liveness plus whether the master (RPC, admin API) answers
     GET    /summary                      objects and bytes per fingerprint and tier
     POST   /lookup                       {"prompt"|"tokens"|"messages", "fingerprint"?, "cache_salt"?}
+                                         (default key space: the engine named at start-up)
     GET    /keys?prefix=&limit=          keys with size and tiers
     GET    /stats                        master metrics, engine connector counters
     DELETE /fingerprints/{fingerprint}   remove a fingerprint's objects (bearer token)
@@ -13,7 +14,8 @@ browsable at ``/docs``)::
 Destructive calls need ``Authorization: Bearer <token>`` with the token given at
 start-up (``--token`` or ``MCTIER_INSPECT_TOKEN``); without a configured token
 they are refused. Malformed input answers 4xx (400/422), an unreachable master
-503, an unknown fingerprint 404.
+503 (also: the named engine's key space not published yet), an unknown fingerprint 404,
+several published key spaces fitting the engine named at start-up 409 (pass a fingerprint).
 """
 
 # No ``from __future__ import annotations``: FastAPI resolves the handlers' annotations at run
@@ -25,6 +27,7 @@ import msgspec
 
 from kvcore.errors import ConfigError
 from mcstore.tools.inspect import Inspector, NotFound, Unavailable
+from mcstore.tools.published import AmbiguousKeySpace
 
 
 def create_app(insp: Inspector, token: str | None):
@@ -52,9 +55,11 @@ def create_app(insp: Inspector, token: str | None):
             return JSONResponse({"detail": str(e)}, status_code=code)
         return handler
 
-    # Bad input 400, unknown fingerprint 404, store or tool set-up unusable 503 (ConfigError is
-    # a ValueError: Starlette picks the handler of the most specific class).
-    for exc, code in ((ValueError, 400), (NotFound, 404), (Unavailable, 503), (ConfigError, 503)):
+    # Bad input 400, unknown fingerprint 404, several key spaces for the engine 409, store or tool
+    # set-up unusable 503 (ConfigError is a ValueError, AmbiguousKeySpace a ConfigError: Starlette
+    # picks the handler of the most specific class).
+    for exc, code in ((ValueError, 400), (NotFound, 404), (AmbiguousKeySpace, 409), (Unavailable, 503),
+                      (ConfigError, 503)):
         app.add_exception_handler(exc, status(code))
 
     def authorized(authorization: str | None = Header(default=None)) -> None:
@@ -77,7 +82,7 @@ def create_app(insp: Inspector, token: str | None):
     @app.post("/lookup")
     def lookup(body: LookupBody):
         toks = insp.tokens_of(prompt=body.prompt, tokens=body.tokens, messages=body.messages,
-                              add_generation_prompt=body.add_generation_prompt)
+                              add_generation_prompt=body.add_generation_prompt, fingerprint=body.fingerprint)
         return ok(insp.lookup(toks, fingerprint=body.fingerprint, cache_salt=body.cache_salt))
 
     @app.get("/keys")
@@ -102,8 +107,10 @@ def serve(insp: Inspector, host: str = "127.0.0.1", port: int = 9400, token: str
     import uvicorn
 
     app = create_app(insp, token)
+    space = (insp.meta.fingerprint[:16] if insp.meta else "the named engine's, read on first use" if insp.query
+             else "none")
     print(f"mctier inspect serving http://{host}:{port} (master {insp.master}, admin "
-          f"{insp.admin_url or 'published/default'}, key space {insp.meta.fingerprint[:16] if insp.meta else 'none'}, "
+          f"{insp.admin_url or 'published/default'}, key space {space}, "
           f"destructive calls {'need the token' if token else 'disabled'})", flush=True)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -11,13 +11,14 @@ Input (``FILE``, ``-`` for stdin):
   template, no generation prompt unless ``"add_generation_prompt": true``) or
   ``{"tokens": [...]}``; each may carry ``"cache_salt"``.
 
-Two ways to compute the KV (:mod:`mcstore.tools.warmup_runners`): ``--server URL``
+Two ways to compute the KV (:mod:`mcstore.tools.warmup_runners`): ``--engine URL``
 sends each prefix (as token ids) to a live engine whose store connector saves it
-(``max_tokens=1``); without it, an offline vLLM engine in a child process does the same
-against the store named in ``--kv-config``. Either way the engine's connector writes the
-chunks (and dedups them). The tool knows the engine's key space (published by the live
-engine, or derived from ``--model``/``--kv-config`` and the engine flags:
-:mod:`mcstore.tools.engine`) so that it can
+(``max_tokens=1``); without it, an offline vLLM engine in a child process does the same,
+with the settings the model's engine published (``--model NAME``) or those given
+(``--kv-config`` and the engine flags). Either way the engine's connector writes the
+chunks (and dedups them). The tool knows the engine's key space (the one it published,
+or derived from its settings: :mod:`mcstore.tools.published`, :mod:`mcstore.tools.engine`)
+so that it can
 
 * skip prefixes whose chunks are all present (re-running is cheap),
 * wait until the engine's asynchronous saves landed and verify the hit depth,

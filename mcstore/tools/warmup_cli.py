@@ -1,11 +1,18 @@
 """``mctier warmup``: the command line of :mod:`mcstore.tools.warmup`.
 
-``mctier warmup --server URL FILE`` needs nothing else when the engine's store tier uses
-the master at ``--master`` (default ``$MCTIER_MASTER``, else 127.0.0.1:50051): the
-server's ``/v1/models`` names its model (whose tokenizer renders the prefixes) and the
-key space is the one the engine's connector published when it started. With
+The master (``--master``, default ``$MCTIER_MASTER``, else 127.0.0.1:50051) and one of:
+
+* ``--engine URL`` (or ``--server``): a live engine computes the KV. Its ``/v1/models``
+  names its model (whose tokenizer renders the prefixes) and the key space is the one its
+  connector published when it started.
+* ``--model NAME``: an offline engine in a child process computes it, started with the
+  settings the model's engine published (model path, block size, dtype, TP and PP sizes,
+  chunk size, key prefix), checked to store under the published fingerprint.
+
+Several key spaces published for the model are an error that lists them; ``--fingerprint``
+or an engine flag (``--tensor-parallel-size``, ``--block-size``...) picks one. With
 ``--kv-config`` (and ``--model`` and the engine flags) the key space is derived from the
-settings instead, which the offline mode (no ``--server``) always does.
+engine's settings instead of read from the store.
 """
 
 from __future__ import annotations
@@ -20,15 +27,17 @@ from mcstore.admin import Unavailable
 from mcstore.client import StoreClient
 from mcstore.tools.engine import (
     Renderer,
-    ServerModel,
     add_engine_args,
+    check_engine_args,
     derive_meta,
     engine_settings,
-    meta_for_server,
+    query_from_args,
     read_kv_config,
+    rebuild_engine,
     store_config,
 )
-from mcstore.tools.text import table
+from mcstore.tools.format import table
+from mcstore.tools.published import ServerModel, find_meta, same_model
 from mcstore.tools.warmup import OfflineRunner, ServerRunner, WarmupReport, read_prefixes, warmup
 
 DEFAULT_MASTER = "127.0.0.1:50051"
@@ -47,11 +56,10 @@ def _check(a) -> str | None:
         return "--pin-ttl needs --pin soft"
     if a.replicas < 1 or a.concurrency < 1:
         return "--replicas and --concurrency must be >= 1"
-    if not a.server and not (a.model and a.kv_config):
-        return "without --server (offline engine) --model and --kv-config are required"
-    if a.model and not a.kv_config and not a.tokenizer:
-        return "--model goes with --kv-config (the engine settings); for the tokenizer alone use --tokenizer"
-    return None
+    if not a.server and not a.model:
+        return ("name the engine: --engine URL (a live engine computes the KV) or --model NAME (an offline engine "
+                "with the settings the model's engine published, or with --kv-config and the engine flags)")
+    return check_engine_args(a)
 
 
 def _cmd(a, rest) -> int:
@@ -62,17 +70,23 @@ def _cmd(a, rest) -> int:
     client = None
     try:
         server = ServerModel(a.server) if a.server else None
+        settings = engine_settings(a)
         if a.kv_config:  # the key space from the engine's settings
             kv = read_kv_config(a.kv_config)
             model = a.model or server.root
+            if server is not None and not any(same_model(model, n) for n in (server.name, server.root)):
+                raise ValueError(f"--model {model} is not the model of engine {server.url} ({server.root})")
             master = a.master or store_config(kv).master
             client = StoreClient.for_tool(master, "warmup")
-            meta = derive_meta(model, kv, **engine_settings(a))
-        else:  # the key space the live engine published
+            meta = derive_meta(model, kv, **settings)
+        else:  # the key space the engine published
             master = a.master or os.environ.get("MCTIER_MASTER") or DEFAULT_MASTER
             client = StoreClient.for_tool(master, "warmup")
-            meta = meta_for_server(server, client, client.admin(a.admin), a.fingerprint, a.key_prefix)
-            model = server.root
+            meta = find_meta(client, client.admin(a.admin), query_from_args(a), server)
+            if server is not None:
+                model = server.root
+            else:  # an offline engine as the published settings say
+                model, kv, settings = rebuild_engine(meta, master)
         renderer = Renderer(a.tokenizer or model)
         prefixes = read_prefixes(a.file, renderer, a.format)
         if not prefixes:
@@ -80,8 +94,10 @@ def _cmd(a, rest) -> int:
         if server is not None:
             runner = ServerRunner(server.url, a.concurrency, model_name=server.name)
         else:
-            runner = OfflineRunner(a.model, kv, block_size=a.block_size, dtype=a.dtype,
-                                   kv_cache_dtype=a.kv_cache_dtype, tp=a.tensor_parallel_size,
+            runner = OfflineRunner(model, kv, block_size=settings["block_size"], dtype=settings["dtype"],
+                                   kv_cache_dtype=settings["kv_cache_dtype"], tp=settings["tensor_parallel_size"],
+                                   pp=settings["pipeline_parallel_size"],
+                                   hash_algo=settings["prefix_caching_hash_algo"],
                                    max_model_len=a.max_model_len, log=a.engine_log)
         rep = warmup(prefixes, meta, master, runner, pin=a.pin, pin_ttl_ms=a.pin_ttl, replicas=a.replicas,
                      verify_timeout=a.verify_timeout, lease_wait_s=a.lease_wait, progress=not a.no_progress,
@@ -104,15 +120,13 @@ def add_parser(sub) -> None:
                        description=__doc__.split("\n\n", 1)[1])
     p.add_argument("file", help="prefixes: text (paragraphs or lines) or JSONL; - for stdin")
     p.add_argument("--format", choices=["auto", "text", "jsonl"], default="auto")
-    p.add_argument("--server", help="live engine base URL; without it an offline engine runs in a child process")
+    p.add_argument("--engine", "--server", dest="server", metavar="URL",
+                   help="live engine base URL; without it an offline engine runs in a child process")
     p.add_argument("--master", help=f"master HOST:PORT (default: --kv-config's, else $MCTIER_MASTER, else "
                                     f"{DEFAULT_MASTER})")
     p.add_argument("--admin", default=os.environ.get("MCTIER_MASTER_ADMIN"),
                    help="master admin URL, to list the published key spaces (default: as `mctier inspect`)")
-    p.add_argument("--fingerprint", help="--server without --kv-config: use the key space published under this "
-                                         "fingerprint (when several engines of the model published one)")
     p.add_argument("--key-prefix", default="mct", help="with --fingerprint: the connector's key_prefix")
-    p.add_argument("--tokenizer", help="tokenizer to render the prefixes (default: the engine's model)")
     add_engine_args(p)
     p.add_argument("--max-model-len", type=int, help="offline engine only (default: longest prefix + 16)")
     p.add_argument("--engine-log", help="offline engine only: append its log here")

@@ -79,7 +79,8 @@ class OfflineRunner:
     mode = "offline"
 
     def __init__(self, model: str, kv: dict, *, block_size: int, dtype: str, kv_cache_dtype: str, tp: int,
-                 max_model_len: int | None, log: str | None = None, env: dict | None = None, timeout: float = 600.0):
+                 max_model_len: int | None, log: str | None = None, env: dict | None = None, timeout: float = 600.0,
+                 pp: int = 1, hash_algo: str = "sha256"):
         child_kv = {
             "kv_connector": "StoreConnector", "kv_connector_module_path": "mcstore", "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
@@ -87,8 +88,10 @@ class OfflineRunner:
             # disappears with this process.
             "kv_connector_extra_config": {**store_extra(kv), "global_segment_size": 0},
         }
+        # Every setting in the key fingerprint, as the key space was derived or published with.
         self.spec = {"model": model, "kv": child_kv, "block_size": block_size, "dtype": dtype,
-                     "kv_cache_dtype": kv_cache_dtype, "tp": tp, "max_model_len": max_model_len}
+                     "kv_cache_dtype": kv_cache_dtype, "tp": tp, "pp": pp, "hash_algo": hash_algo,
+                     "max_model_len": max_model_len}
         self.log, self.env, self.timeout = log, env, timeout
         self.proc: subprocess.Popen | None = None
 
@@ -145,7 +148,8 @@ def _offline_child() -> int:
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=spec["model"], block_size=spec["block_size"], dtype=spec["dtype"],
-              kv_cache_dtype=spec["kv_cache_dtype"], tensor_parallel_size=spec["tp"], enforce_eager=True,
+              kv_cache_dtype=spec["kv_cache_dtype"], tensor_parallel_size=spec["tp"],
+              pipeline_parallel_size=spec["pp"], prefix_caching_hash_algo=spec["hash_algo"], enforce_eager=True,
               max_model_len=spec["max_model_len"], seed=0, kv_transfer_config=spec["kv"])
     prompts = [TokensPrompt(prompt_token_ids=t, **({"cache_salt": s} if s else {})) for t, s in spec["prompts"]]
     errors: list[str | None] = [None] * len(prompts)
