@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         if not recorded:
             print(f"{path}: no calibration samples (was the engine at VLLM_LOGGING_LEVEL=DEBUG?)", file=sys.stderr)
             continue
-        by = {name: replay(recorded, functools.partial(OnlineFit, relative_to=name)) for name in ("prediction", "sample")}
+        by = {name: replay(recorded, functools.partial(OnlineFit, relative_to=name))
+              for name in ("prediction", "sample")}
         for kind in by["prediction"]:
             for name, pairs in by.items():
                 s = summary(pairs[kind])

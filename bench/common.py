@@ -1,4 +1,5 @@
-"""What every benchmark section shares: the machine record, spreads, rotation, token checks."""
+"""What every benchmark section shares: the machine record, spreads, rotation, token checks,
+and starting the model, engines and routers a benchmark measures."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ import platform
 import random
 import signal
 import statistics
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from kvcore.procs import Proc
+    from multi.cli.deploy import Deployment
+
+ROOT = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 300.0  # one engine, from spawn to /health
 
 
 def machine(model: str | None = None) -> dict:
@@ -133,6 +143,29 @@ def long_context_args(tokens: int, positions: int = MODEL_POSITIONS) -> list[str
     return ["--max-model-len", str(tokens), "--hf-overrides", json.dumps({"max_position_embeddings": tokens})]
 
 
+def run_deployments(dep: Deployment, deployments: dict[str, Callable[[], object]], tag: str) -> dict[str, str]:
+    """Run each deployment's part of a benchmark (name -> callable) in turn, each on cores of
+    its own: everything ``dep`` started is stopped after each one, and at the end, also on
+    Ctrl-C (or SIGTERM, :func:`term_as_interrupt`). One that raises does not stop the next:
+    the errors by name (type and message), and ``"interrupted"`` if the run was."""
+    errors: dict[str, str] = {}
+    try:
+        for name, run in deployments.items():
+            try:
+                run()
+            except Exception as e:  # noqa: BLE001 - a deployment that failed: report what the others measured
+                errors[name] = f"{type(e).__name__}: {e}"[:3000]
+                print(f"[{tag}] deployment {name} FAILED: {errors[name]}", file=sys.stderr, flush=True)
+            finally:
+                dep.stop()  # engines and routers, then the store server and the master
+    except KeyboardInterrupt:
+        print(f"\n[{tag}] interrupted; stopping everything, reporting what was measured", file=sys.stderr)
+        errors["interrupted"] = "KeyboardInterrupt"
+    finally:
+        dep.stop()
+    return errors
+
+
 def term_as_interrupt() -> None:
     """SIGTERM raises KeyboardInterrupt in the main thread, so that a benchmark stopped with
     ``kill`` runs its ``finally`` and stops every process it started, as after Ctrl-C."""
@@ -141,3 +174,56 @@ def term_as_interrupt() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+
+
+def model_dir(name: str) -> str:
+    """A model directory as given, or a built-in preset (``tiny``, ``small``:
+    :func:`multi.cli.models.build`) built once under ``$MCTIER_CACHE/models`` (default
+    ``.cache/models`` in the repository)."""
+    if os.path.isdir(name):
+        return name
+    from multi.cli.models import build
+
+    cache = Path(os.environ.get("MCTIER_CACHE", ROOT / ".cache"))
+    return str(build(name, cache / "models" / name))
+
+
+def output_dir(path: str | Path) -> Path:
+    """``path`` with its ``logs/`` subdirectory, created: where a benchmark writes its results
+    and its processes' logs."""
+    out = Path(path)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def start_engines(dep: Deployment, model: str, specs: list[tuple], extra: list[str] | tuple[str, ...] = (),
+                  timeout: float = START_TIMEOUT_S) -> list[tuple[str, Proc]]:
+    """Engines started together, then waited for: one ``(url, process)`` per spec, in order.
+    A spec is ``(name, core, kv_config)``, or ``(name, core, kv_config, options)`` with
+    ``options`` more keyword arguments of :meth:`Deployment.engine` (``python``, ``env``, and
+    ``extra`` flags added to the shared ``extra``). Started together, their start-ups overlap
+    (each loads its model on its own core)."""
+    started = []
+    for name, core, kv, *options in specs:
+        opts = dict(options[0]) if options else {}
+        flags = [*extra, *opts.pop("extra", [])]
+        started.append(dep.engine(name, model, core, kv, extra=flags, **opts))
+    for url, proc in started:
+        dep.wait_http(url, proc, timeout)
+    return started
+
+
+def start_router(dep: Deployment, name: str, args: list[str], env: dict[str, str] | None = None,
+                 timeout: float = 60.0) -> tuple[str, Proc]:
+    """``mctier proxy ARGS`` on a free loopback port (log ``logs/<name>.log``), once it is
+    healthy with its tokenizer loaded: its URL and process."""
+    from kvcore.procs import Proc, free_port
+
+    port = free_port()
+    argv = [sys.executable, "-m", "multi.cli", "proxy", "--host", "127.0.0.1", "--port", str(port),
+            "--timeout", "600", *args]
+    proc = dep.track(Proc(name, argv, dep.log_dir / f"{name}.log", cwd=str(ROOT), env=env))
+    proc.wait_port(port, timeout)
+    url = f"http://127.0.0.1:{port}"
+    dep.wait_router(url, proc, timeout)
+    return url, proc

@@ -1,11 +1,67 @@
-"""What a benchmark reads off an engine's ``/metrics`` around one request."""
+"""What a benchmark reads off an engine's ``/metrics`` (and the host's counters) around a
+request or a run, and what moved in between.
+
+Two kinds of snapshot: :func:`multi.cli.deploy.metrics` (re-exported here), ``(name, kind
+label) -> value`` of the mctier series or of the named ones, read with :func:`series_delta`;
+and :func:`scrape`, every ``vllm:`` sample with its labels, read with :func:`get` and
+compared with :func:`moved`.
+"""
 
 from __future__ import annotations
 
 import os
 import time
 
-from multi.deploy import metrics
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from multi.cli.deploy import metrics
+
+Key = tuple[str, frozenset]  # a sample of scrape(): name, labels
+
+
+def scrape(url: str) -> dict[Key, float]:
+    """Every ``vllm:`` sample of an engine except histogram buckets, keyed by name and labels
+    (the engine's own ``model_name`` and ``engine`` labels left out)."""
+    out: dict[Key, float] = {}
+    for fam in text_string_to_metric_families(requests.get(url + "/metrics", timeout=10).text):
+        for s in fam.samples:
+            if s.name.startswith("vllm:") and not s.name.endswith(("_bucket", "_created")):
+                k = (s.name, frozenset((a, b) for a, b in s.labels.items() if a not in ("model_name", "engine")))
+                out[k] = out.get(k, 0.0) + s.value
+    return out
+
+
+def settled(url: str, wait_s: float = 10.0) -> dict[Key, float]:
+    """A scrape once two in a row agree: stats reach /metrics a step or a log interval late."""
+    prev, deadline = scrape(url), time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        if (cur := scrape(url)) == prev:
+            break
+        prev = cur
+    return prev
+
+
+def get(m: dict[Key, float], name: str, **labels) -> float:
+    """The sum of a scrape's samples named ``name`` whose labels include ``labels``."""
+    return sum(v for (n, ls), v in m.items() if n == name and set(labels.items()) <= ls)
+
+
+def delta(after: dict, before: dict) -> dict:
+    """``after - before`` for every key of ``after`` (a key ``before`` lacks counts from 0):
+    two snapshots of counters of any kind."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def moved(after: dict[Key, float], before: dict[Key, float]) -> dict[Key, float]:
+    """The counters and histogram sums and counts of two scrapes that moved, by how much."""
+    return {k: d for k, d in delta(after, before).items() if d and k[0].endswith(("_total", "_sum", "_count"))}
+
+
+def series_delta(after: dict, before: dict, name: str, kind: str = "") -> float:
+    """How much one series of two :func:`metrics` snapshots moved."""
+    return after.get((name, kind), 0.0) - before.get((name, kind), 0.0)
 
 
 def settle_metric(url: str, name: str, before: dict, want_count: float = 1.0) -> tuple[float, float]:
@@ -13,11 +69,30 @@ def settle_metric(url: str, name: str, before: dict, want_count: float = 1.0) ->
     deadline = time.monotonic() + 3.0
     while True:
         after = metrics(url)
-        d_sum = after.get((name + "_sum", ""), 0.0) - before.get((name + "_sum", ""), 0.0)
-        d_cnt = after.get((name + "_count", ""), 0.0) - before.get((name + "_count", ""), 0.0)
+        d_sum, d_cnt = (series_delta(after, before, name + part) for part in ("_sum", "_count"))
         if d_cnt >= want_count or time.monotonic() > deadline:
             return d_sum, d_cnt
         time.sleep(0.1)
+
+
+# The composite's decisions, counted by plan ("store+recompute", ...).
+DECISIONS = "vllm:mctier_tiered_decisions_total"
+
+
+def new_plans(after: dict, before: dict) -> list[str]:
+    """The plans the composite counted between two :func:`metrics` snapshots, sorted."""
+    return sorted(kind for (name, kind), d in delta(after, before).items() if name == DECISIONS and d > 0)
+
+
+def counted_plan(url: str, before: dict, deadline_s: float = 5.0) -> str:
+    """The plan an engine's composite counted since the :func:`metrics` snapshot ``before``
+    (its stats reach /metrics a step late); ``?`` when none showed up in time."""
+    end = time.monotonic() + deadline_s
+    while True:
+        plans = new_plans(metrics(url, (DECISIONS,)), before)
+        if plans or time.monotonic() > end:
+            return "+".join(plans) or "?"
+        time.sleep(0.2)
 
 
 # vLLM's own per-request times (engine-core timestamps): queued from arrival until first
@@ -37,10 +112,9 @@ def request_times(url: str, before: dict) -> dict:
     deadline = time.monotonic() + 3.0
     while True:
         after = request_sums(url)
-        done = all(after.get((f"{n}_count", ""), 0.0) > before.get((f"{n}_count", ""), 0.0) for n in REQUEST_TIMES)
+        done = all(series_delta(after, before, f"{n}_count") > 0 for n in REQUEST_TIMES)
         if done or time.monotonic() > deadline:
-            return {key: after.get((f"{n}_sum", ""), 0.0) - before.get((f"{n}_sum", ""), 0.0)
-                    for n, key in REQUEST_TIMES.items()}
+            return {key: series_delta(after, before, f"{n}_sum") for n, key in REQUEST_TIMES.items()}
         time.sleep(0.1)
 
 
@@ -51,12 +125,10 @@ def load_io(url: str, before: dict) -> dict:
     bytes it loaded."""
     seconds, _ = settle_metric(url, "vllm:mctier_store_load_seconds", before)
     after = metrics(url)
-
-    def d(name: str, kind: str = "") -> float:
-        return after.get((name, kind), 0.0) - before.get((name, kind), 0.0)
-    chunks = d("vllm:mctier_store_io_chunks_total", "load")
-    loaded = d("vllm:mctier_store_loaded_bytes_total")
-    return {"ranges_per_chunk": d("vllm:mctier_store_io_ranges_total", "load") / chunks if chunks else 0.0,
+    chunks = series_delta(after, before, "vllm:mctier_store_io_chunks_total", "load")
+    loaded = series_delta(after, before, "vllm:mctier_store_loaded_bytes_total")
+    ranges = series_delta(after, before, "vllm:mctier_store_io_ranges_total", "load")
+    return {"ranges_per_chunk": ranges / chunks if chunks else 0.0,
             "seconds": seconds, "gbps": loaded / seconds / 1e9 if seconds else 0.0, "bytes": loaded}
 
 
@@ -95,10 +167,6 @@ def host_counters(pid: int) -> dict[str, float]:
         vm = dict(line.split() for line in f)
     out.update({k: float(vm.get(k, 0)) for k in VMSTAT})
     return out
-
-
-def counters_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: after[k] - before.get(k, 0.0) for k in after}
 
 
 def thread_cpu(pid: int) -> dict[str, float]:

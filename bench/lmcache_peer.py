@@ -4,8 +4,8 @@ LMCache's in-process ``LMCacheConnectorV1`` has no CPU branch and silently runs 
 "degraded mode (recompute)" on CPU engines (shared/notes/lmcache-cpu.md), so the
 peer is ``lmcache server`` plus vLLM's ``LMCacheMPConnector``, as LMCache documents
 for multi-process deployments. LMCache lives in its own virtualenv
-(``scripts/setup_lmcache.sh``, under ``~/.cache/mctier/venv-lmcache`` unless ``LMCACHE_VENV``): its pins (numpy, protobuf, prometheus_client)
-must not touch the project's.
+(``scripts/setup_lmcache.sh``, under ``~/.cache/mctier/venv-lmcache`` unless ``LMCACHE_VENV``):
+its pins (numpy, protobuf, prometheus_client) must not touch the project's.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Load on a whole P/D deployment: many concurrent streaming clients through ``mctier proxy``.
 
 Starts a Mooncake master + store server, a prefill and a decode engine with
-``TieredConnector`` (``multi.deploy.Deployment``, ``tiered_config``; one core each) and the
+``TieredConnector`` (``multi.cli.deploy.Deployment``, ``tiered_config``; one core each) and the
 proxy, all on loopback; then ``--clients`` asyncio clients send completions for
 ``--duration`` seconds, a mix of shared-prefix prompts (a few long common prefixes with
 unique tails: store hits) and unique prompts (P2P handoffs). Reports requests completed,
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import sys
 import tempfile
@@ -31,10 +30,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.client import sse_events  # noqa: E402
-from bench.common import term_as_interrupt  # noqa: E402
+from bench.common import model_dir, term_as_interrupt  # noqa: E402
+from bench.engine_metrics import delta, series_delta  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
-from multi.deploy import Deployment, metrics, tiered_config  # noqa: E402
+from multi.cli.deploy import Deployment, metrics, tiered_config  # noqa: E402
 
 VOCAB = 2048
 MiB = 1 << 20
@@ -109,10 +109,6 @@ async def drive(url: str, clients: int, duration: float, wl: Workload, max_token
     return out
 
 
-def delta(after: dict, before: dict, name: str, kind: str = "") -> float:
-    return after.get((name, kind), 0.0) - before.get((name, kind), 0.0)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", type=int, default=32)
@@ -127,10 +123,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     term_as_interrupt()  # kill runs the cleanup, as Ctrl-C does
 
-    from multi.models import build
-
-    cache = Path(os.environ.get("MCTIER_CACHE", ROOT / ".cache"))
-    model = a.model if os.path.isdir(a.model) else str(build(a.model, cache / "models" / a.model))
+    model = model_dir(a.model)
     log_dir = Path(a.log_dir or tempfile.mkdtemp(prefix="mctier-load-"))
     dep = Deployment(log_dir)
     t_start = time.monotonic()
@@ -169,12 +162,12 @@ def report(a, res: dict, wall: float, idle: dict, end: dict, m0: dict, m1: dict)
     ttft = [r["ttft"] for r in ok]
     tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
     plan = "vllm:mctier_tiered_planned_tokens_total"
-    d_tok = {k: delta(m1["d"], m0["d"], plan, k) for k in ("local", "store", "p2p", "recompute")}
-    p_tok = {k: delta(m1["p"], m0["p"], plan, k) for k in ("local", "store", "p2p", "recompute")}
+    d_tok = {k: series_delta(m1["d"], m0["d"], plan, k) for k in ("local", "store", "p2p", "recompute")}
+    p_tok = {k: series_delta(m1["p"], m0["p"], plan, k) for k in ("local", "store", "p2p", "recompute")}
     p_total = sum(p_tok.values())
-    hits = delta(m1["p"], m0["p"], "vllm:mctier_store_lookups_total", "hit") + \
-        delta(m1["d"], m0["d"], "vllm:mctier_store_lookups_total", "hit")
-    looks = hits + sum(delta(m1[e], m0[e], "vllm:mctier_store_lookups_total", k)
+    hits = series_delta(m1["p"], m0["p"], "vllm:mctier_store_lookups_total", "hit") + \
+        series_delta(m1["d"], m0["d"], "vllm:mctier_store_lookups_total", "hit")
+    looks = hits + sum(series_delta(m1[e], m0[e], "vllm:mctier_store_lookups_total", k)
                        for e in ("p", "d") for k in ("miss", "unavailable"))
     print(f"\n== load: {a.clients} clients, {a.duration:.0f}s, model {a.model}, max_tokens {a.max_tokens}, "
           f"{a.shared_ratio:.0%} shared-prefix ({a.shared_prefixes} x {a.prefix_tokens} tokens) ==")
@@ -190,13 +183,12 @@ def report(a, res: dict, wall: float, idle: dict, end: dict, m0: dict, m1: dict)
     print(f"decode-side plan tokens: {', '.join(f'{k} {v:.0f}' for k, v in d_tok.items())}")
     print("bytes: saved to store (P) {:.1f} MiB, loaded from store (P {:.1f}, D {:.1f}) MiB, "
           "P2P pulled (D) {:.1f} MiB".format(
-              delta(m1["p"], m0["p"], "vllm:mctier_store_saved_bytes_total") / MiB,
-              delta(m1["p"], m0["p"], "vllm:mctier_store_loaded_bytes_total") / MiB,
-              delta(m1["d"], m0["d"], "vllm:mctier_store_loaded_bytes_total") / MiB,
-              delta(m1["d"], m0["d"], "vllm:mctier_p2p_bytes_total", "pulled") / MiB))
-    fails = {k[1] or k[0]: v for e in ("p", "d") for k, v in m1[e].items()
-             if k[0] in ("vllm:mctier_store_failures_total", "vllm:mctier_p2p_failures_total")
-             and v - m0[e].get(k, 0) > 0}
+              series_delta(m1["p"], m0["p"], "vllm:mctier_store_saved_bytes_total") / MiB,
+              series_delta(m1["p"], m0["p"], "vllm:mctier_store_loaded_bytes_total") / MiB,
+              series_delta(m1["d"], m0["d"], "vllm:mctier_store_loaded_bytes_total") / MiB,
+              series_delta(m1["d"], m0["d"], "vllm:mctier_p2p_bytes_total", "pulled") / MiB))
+    fails = {k[1] or k[0]: m1[e][k] for e in ("p", "d") for k, d in delta(m1[e], m0[e]).items()
+             if k[0] in ("vllm:mctier_store_failures_total", "vllm:mctier_p2p_failures_total") and d > 0}
     print(f"tier failures during the run: {fails or 'none'}")
     print(f"KV usage idle -> end: prefill {idle['prefill']:.4f} -> {end['prefill']:.4f}, "
           f"decode {idle['decode']:.4f} -> {end['decode']:.4f} "

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import sys
@@ -43,13 +42,12 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import QUIET_S, machine, term_as_interrupt  # noqa: E402
-from bench.pd_load import MODEL_NAME, cpu_seconds, gaps, prompts, stream, tpot  # noqa: E402
-from multi.deploy import Deployment  # noqa: E402
+from bench.common import QUIET_S, machine, model_dir, output_dir, start_engines, term_as_interrupt  # noqa: E402
+from bench.pd_load import MODEL_NAME, cpu_seconds, decode_streams, gaps, prompts, raise_if_ended, tpot  # noqa: E402
+from multi.cli.deploy import Deployment  # noqa: E402
 
 CONDITIONS = ("quiet", "spinning", "prefilling")
 PREFILL_LEN = 2048
-START_TIMEOUT_S = 300
 
 
 async def complete(session: aiohttp.ClientSession, url: str, prompt: list[int]) -> None:
@@ -84,26 +82,18 @@ async def measure(a_url: str, b_url: str, condition: str, a: argparse.Namespace,
     """B's streams' TPOT over a window of ``a.seconds`` while A is in ``condition``."""
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        ticks: list[list[tuple[float, int]]] = [[] for _ in range(a.streams)]
-        firsts = [asyncio.Event() for _ in range(a.streams)]
-        tasks = [asyncio.create_task(stream(session, b_url, p, 3000, e, t))
-                 for p, e, t in zip(prompts(seed, a.streams, 64), firsts, ticks)]
         stop = asyncio.Event()
         load = None
         try:
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 120)
-            load = asyncio.create_task(neighbour(session, a_url, condition, stop, seed + 1))
-            await asyncio.sleep(1.0)  # A reaches its state (a prefill is under way, the spin has begun)
-            cpu0, w0 = cpu_seconds({"A": a_pid}), time.monotonic()
-            await asyncio.sleep(a.seconds)
-            cpu1, w1 = cpu_seconds({"A": a_pid}), time.monotonic()
-            if any(t.done() for t in tasks):
-                raise RuntimeError(f"a stream ended early: {[t.exception() for t in tasks if t.done()]}")
+            async with decode_streams(session, b_url, prompts(seed, a.streams, 64), 3000) as (ticks, tasks):
+                load = asyncio.create_task(neighbour(session, a_url, condition, stop, seed + 1))
+                await asyncio.sleep(1.0)  # A reaches its state (a prefill is under way, the spin has begun)
+                cpu0, w0 = cpu_seconds({"A": a_pid}), time.monotonic()
+                await asyncio.sleep(a.seconds)
+                cpu1, w1 = cpu_seconds({"A": a_pid}), time.monotonic()
+                raise_if_ended(tasks, "a stream ended early")
         finally:
             stop.set()
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
             answered = await asyncio.wait_for(load, 600) if load is not None else 0
     return {"condition": condition, "tpot": [tpot(gaps(t, w0, w1)) for t in ticks],
             "a_core_share": round((cpu1["A"] - cpu0["A"]) / (w1 - w0), 3), "a_requests": answered}
@@ -143,20 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "neighbour"))
     a = ap.parse_args(argv)
     term_as_interrupt()  # kill runs the cleanup, as Ctrl-C does
-    from multi.models import build
-
-    out = Path(a.out)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    model = str(build("small", Path(os.environ.get("MCTIER_CACHE", ROOT / ".cache")) / "models" / "small"))
+    out = output_dir(a.out)
+    model = model_dir("small")
     dep = Deployment(out / "logs")
     rows: list[dict] = []
     t0 = time.monotonic()
     try:
-        extra = ["--max-model-len", "4096"]
-        (a_url, a_proc), (b_url, b_proc) = (dep.engine("A", model, 0, None, extra=extra),
-                                            dep.engine("B", model, 1, None, extra=extra))
-        for url, proc in ((a_url, a_proc), (b_url, b_proc)):
-            dep.wait_http(url, proc, START_TIMEOUT_S)
+        (a_url, a_proc), (b_url, _) = start_engines(dep, model, [("A", 0, None), ("B", 1, None)],
+                                                    extra=["--max-model-len", "4096"])
         # Untimed: each engine's first requests.
         asyncio.run(measure(a_url, b_url, "prefilling", argparse.Namespace(**{**vars(a), "seconds": 2.0}),
                             10**6, a_proc.pid))

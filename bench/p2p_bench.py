@@ -103,7 +103,7 @@ def main() -> int:
         return 0
 
     from kvcore.metrics import TierStats
-    from p2p.puller import PullJob, Puller
+    from p2p.puller import Puller, PullJob
     from p2p.transfer import TransferEngineHandle
 
     sizes = {"512": 512 // BLOCK, "2K": 2048 // BLOCK, "8K": 8192 // BLOCK}
@@ -184,10 +184,10 @@ def main() -> int:
               f" (best in brackets):")
         print(f"  raw batch_transfer_sync_write   {gb(raw_w):6.2f} GB/s  [{best(raw_w):.2f}]")
         print(f"  raw batch_transfer_sync_read    {gb(raw_r):6.2f} GB/s  [{best(raw_r):.2f}]")
-        print(f"  tier pull, transfer phase       {gb(tier_x):6.2f} GB/s  [{best(tier_x):.2f}]  ratio vs raw write {gb(tier_x) / gb(raw_w):.2f}, "
-              f"vs raw read {gb(tier_x) / gb(raw_r):.2f}")
-        print(f"  tier pull, whole handoff        {gb(tier_h):6.2f} GB/s  [{best(tier_h):.2f}]  ratio vs raw write {gb(tier_h) / gb(raw_w):.2f}, "
-              f"vs raw read {gb(tier_h) / gb(raw_r):.2f}")
+        print(f"  tier pull, transfer phase       {gb(tier_x):6.2f} GB/s  [{best(tier_x):.2f}]  "
+              f"ratio vs raw write {gb(tier_x) / gb(raw_w):.2f}, vs raw read {gb(tier_x) / gb(raw_r):.2f}")
+        print(f"  tier pull, whole handoff        {gb(tier_h):6.2f} GB/s  [{best(tier_h):.2f}]  "
+              f"ratio vs raw write {gb(tier_h) / gb(raw_w):.2f}, vs raw read {gb(tier_h) / gb(raw_r):.2f}")
         figures = {"bytes": nbytes, "descriptors": len(lens), "reps": args.reps,
                    "gbps": {"raw_write": gb(raw_w), "raw_read": gb(raw_r), "tier_transfer": gb(tier_x),
                             "tier_handoff": gb(tier_h)},

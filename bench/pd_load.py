@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -61,19 +62,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.client import sse_events  # noqa: E402
+from bench.common import machine, model_dir, output_dir, start_engines, start_router, term_as_interrupt  # noqa: E402
 from bench.engine_metrics import process_tree  # noqa: E402
-from bench.common import machine, term_as_interrupt  # noqa: E402
 from bench.sim.report import pct  # noqa: E402
 from bench.suite import p2p_config  # noqa: E402
-from kvcore.procs import Proc, free_port  # noqa: E402
-from multi.deploy import Deployment  # noqa: E402
+from kvcore.procs import free_port  # noqa: E402
+from multi.cli.deploy import Deployment  # noqa: E402
 
 MODEL_NAME = "demo"  # Deployment.engine's --served-model-name
 STREAM_PROMPT = 64
 ARRIVAL_OUTPUT = 4
 VOCAB_LOW, VOCAB_HIGH = 10, 2000  # the small model's vocabulary is 2,048
 REQUEST_TIMEOUT_S = 600
-START_TIMEOUT_S = 300
 CLIENT = frozenset({"client"})  # counted without its descendants (cpu_seconds)
 
 
@@ -103,6 +103,25 @@ async def arrival(session: aiohttp.ClientSession, url: str, prompt: list[int]) -
         if ttft is None and ev.get("choices"):
             ttft = time.monotonic() - t0
     return {"sent": t0, "ttft": ttft, "end": time.monotonic()}
+
+
+@contextlib.asynccontextmanager
+async def decode_streams(session: aiohttp.ClientSession, url: str, stream_prompts: list[list[int]],
+                         max_tokens: int, first_token_s: float = 120.0):
+    """One :func:`stream` per prompt, running once every one has its first token (within
+    ``first_token_s``): yields ``(ticks, tasks)``, each stream's ticks and task; the streams
+    are cancelled on exit (the engine aborts them)."""
+    ticks: list[list[tuple[float, int]]] = [[] for _ in stream_prompts]
+    firsts = [asyncio.Event() for _ in stream_prompts]
+    tasks = [asyncio.create_task(stream(session, url, p, max_tokens, e, t))
+             for p, e, t in zip(stream_prompts, firsts, ticks)]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), first_token_s)
+        yield ticks, tasks
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def raise_if_ended(tasks: list[asyncio.Task], why: str) -> None:
@@ -156,12 +175,7 @@ async def workload(url: str, a: argparse.Namespace, seed: int, pids: dict[str, i
     arrivals = prompts(seed + 1, a.arrivals, a.prompt_len)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        ticks: list[list[tuple[float, int]]] = [[] for _ in streams]
-        firsts = [asyncio.Event() for _ in streams]
-        tasks = [asyncio.create_task(stream(session, url, p, a.stream_tokens, e, t))
-                 for p, e, t in zip(streams, firsts, ticks)]
-        try:
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 120)
+        async with decode_streams(session, url, streams, a.stream_tokens) as (ticks, tasks):
             t_stream = time.monotonic()
             await asyncio.sleep(a.interval)  # a baseline of undisturbed decode steps
             done = []
@@ -179,10 +193,6 @@ async def workload(url: str, a: argparse.Namespace, seed: int, pids: dict[str, i
             cpu1 = cpu_seconds(pids, CLIENT)
             # a stream that ended early did not see the whole window
             raise_if_ended(tasks, "a stream ended before the arrivals did: raise --stream-tokens")
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
     inside = [gaps(t, w0, w1) for t in ticks]
     before = [gaps(t, t_stream, w0) for t in ticks]
     # The CPU snapshots bracket the window (taken just before the first arrival is sent and
@@ -222,27 +232,14 @@ class Bench:
 
     def engines(self, specs: list[tuple[str, int, dict | None]]) -> list[str]:
         extra = ["--max-model-len", str(max(4096, self.a.prompt_len + 64))]
-        started = [self.dep.engine(n, self.model, core, kv, extra=extra) for n, core, kv in specs]
-        for url, proc in started:
-            self.dep.wait_http(url, proc, START_TIMEOUT_S)
-        return [u for u, _ in started]
-
-    def router(self, args: list[str]) -> str:
-        port = free_port()
-        proc = self.dep.track(Proc("router", [sys.executable, "-m", "multi.cli", "proxy", "--host", "127.0.0.1",
-                                              "--port", str(port), "--timeout", "600", *args],
-                                   self.dep.log_dir / f"router-{port}.log", cwd=str(ROOT)))
-        proc.wait_port(port, 60)
-        url = f"http://127.0.0.1:{port}"
-        self.dep.wait_router(url, proc)
-        return url
+        return [url for url, _ in start_engines(self.dep, self.model, specs, extra)]
 
     def url(self, name: str) -> str:
         if name == "one":
             return self.engines([("one", 0, None)])[0]
         if name == "two":
             u = self.engines([("two-0", 0, None), ("two-1", 1, None)])
-            return self.router(["--plain", *u, "--policy", "round-robin"])
+            return start_router(self.dep, "router-two", ["--plain", *u, "--policy", "round-robin"], timeout=120)[0]
         boot = free_port()
         _, _, proxy = self.dep.pd_pair(self.model, p2p_config("kv_producer", boot),
                                        p2p_config("kv_consumer", free_port()), boot)
@@ -352,12 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     if not a.intervals or min(a.intervals) <= 0:
         ap.error("--intervals must be positive")
 
-    from multi.models import build
-
-    out = Path(a.out)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    cache = Path(os.environ.get("MCTIER_CACHE", ROOT / ".cache"))
-    model = a.model if os.path.isdir(a.model) else str(build(a.model, cache / "models" / a.model))
+    out = output_dir(a.out)
+    model = model_dir(a.model)
     b = Bench(a, model, out)
 
     term_as_interrupt()

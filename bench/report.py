@@ -104,12 +104,15 @@ def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         head = ["tier", "bytes", "raw GB/s", "raw on the KV pages GB/s", "tier GB/s", "tier/raw",
                 "tier/raw on the KV pages", "note"]
         g = s["gbps"]
-        rows = [["store save", f"{s['bytes'] >> 20} MiB", f"{g['raw_put']:.2f}", f"{g['mb_put']:.2f}", f"{g['tier_save']:.2f}",
+        rows = [["store save", f"{s['bytes'] >> 20} MiB", f"{g['raw_put']:.2f}", f"{g['mb_put']:.2f}",
+                 f"{g['tier_save']:.2f}",
                  _x(s["save_ratio"]), _x(g["tier_save"] / g["mb_put"]), "raw = batch_put_from"],
-                ["store load", f"{s['bytes'] >> 20} MiB", f"{g['raw_get']:.2f}", f"{g['mb_get']:.2f}", f"{g['tier_load']:.2f}",
+                ["store load", f"{s['bytes'] >> 20} MiB", f"{g['raw_get']:.2f}", f"{g['mb_get']:.2f}",
+                 f"{g['tier_load']:.2f}",
                  _x(s["load_ratio"]), _x(g["tier_load"] / g["mb_get"]),
                  _lookup_note(s["lookup_ms"], s.get("lookup_previous_ms"))],
-                ["p2p pull", f"{p['bytes'] >> 20} MiB", f"{p['gbps']['raw_read']:.2f}", "-", f"{p['gbps']['tier_transfer']:.2f}",
+                ["p2p pull", f"{p['bytes'] >> 20} MiB", f"{p['gbps']['raw_read']:.2f}", "-",
+                 f"{p['gbps']['tier_transfer']:.2f}",
                  _x(p["transfer_ratio"]), "-", f"whole handoff {p['gbps']['tier_handoff']:.2f} GB/s"]]
         out.append(("4. Tier vs raw Mooncake API, same bytes (medians)", head, rows))
     return out
@@ -171,7 +174,8 @@ def header(r: dict) -> str:
     m = r["machine"]
     shape = m.get("model_shape") or {}
     model = r["model"] + (f" ({shape['layers']} layers, hidden {shape['hidden']}, {shape['kv_heads']} KV heads, "
-                          f"{m.get('dtype', '?')}; 2K-token prefill ~{m.get('model_2k_prefill_s') or 0:.1f} s estimated)"
+                          f"{m.get('dtype', '?')}; 2K-token prefill ~{m.get('model_2k_prefill_s') or 0:.1f} s "
+                          "estimated)"
                           if shape else "")
     isa = ", ".join(m.get("isa") or []) or "?"
     sim = "; AVX2-only CPU simulated" if m.get("simulated_cpu") else ""
@@ -209,12 +213,18 @@ def render_markdown(r: dict) -> str:
     return as_markdown(header(r), tables(r), verdicts(r))
 
 
-def plot(r: dict, path: Path) -> None:
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend: plots to files, no display needed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot(r: dict, path: Path) -> None:
+    plt = pyplot()
     panels = [k for k in ("store_hit", "ssd_hit", "pd", "composite", "raw") if r.get(k)]
     if not panels:
         return
@@ -279,7 +289,7 @@ def _errorline(ax, xs, spreads, label):
 
 
 def publish(r: dict, out: Path, readme: Path, png: Path) -> None:
-    """Put this run's table and plot into the README, between its bench markers."""
+    """Put this run's table and plot into its report (docs/benchmarks/store-hit.md), between its bench markers."""
     text = readme.read_text()
     head, sep, rest = text.partition(README_START)
     _, sep2, tail = rest.partition(README_END)

@@ -65,18 +65,17 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine, term_as_interrupt  # noqa: E402
+from bench.common import machine, model_dir, output_dir, run_deployments, start_engines, start_router, term_as_interrupt  # noqa: E402
 from bench.router_report import plot, render_markdown, render_table, router_view, summarize  # noqa: E402
 from kvcore.procs import Proc, free_port  # noqa: E402
 from mcstore.server import StoreCluster, client_env  # noqa: E402
-from multi.deploy import Deployment, tiered_config  # noqa: E402
+from multi.cli.deploy import Deployment, tiered_config  # noqa: E402
 
 BLOCK = 32
 SUFFIX, OUTPUT = 32, 16     # short suffixes, short outputs
 CONCURRENCY = 4             # closed loop: two requests in flight per prefill core
 MODEL_NAME = "demo"         # Deployment.engine's --served-model-name
 BENCH_TIMEOUT_S = 1200      # one `vllm bench serve` run
-START_TIMEOUT_S = 300       # one engine, from spawn to /health
 POLICIES = {"pd": ("kv", "round-robin", "least-outstanding"), "plain": ("round-robin", "kv")}
 
 
@@ -176,28 +175,20 @@ class Bench:
         self.dep = Deployment(out / "logs")
         self.rows: list[dict] = []
         self.n = 0
+        # Every engine's flags: the small prefix cache.
+        self.extra = ["--num-gpu-blocks-override", str(self.sc.cache_blocks), "--max-model-len",
+                      str(self.sc.max_model_len)]
 
     # ---- processes
     def start_engines(self, specs: list[tuple[str, int, dict | None]]) -> list[str]:
-        """Engines started together (name, core, kv config), each with the small prefix cache."""
-        extra = ["--num-gpu-blocks-override", str(self.sc.cache_blocks), "--max-model-len", str(self.sc.max_model_len)]
-        started = [self.dep.engine(name, self.model, core, kv, extra=extra) for name, core, kv in specs]
-        for url, proc in started:
-            self.dep.wait_http(url, proc, START_TIMEOUT_S)
-        return [url for url, _ in started]
+        """Engines started together (name, core, kv config), each with :attr:`extra`: their URLs."""
+        return [url for url, _ in start_engines(self.dep, self.model, specs, self.extra)]
 
     def router(self, name: str, args: list[str]) -> tuple[str, Proc]:
-        port = free_port()
-        argv = [sys.executable, "-m", "multi.cli", "proxy", "--host", "127.0.0.1", "--port", str(port),
-                "--timeout", "600", "--connect-timeout", "5", *args]
-        argv += ["--tokenizer", self.model]  # the router hashes text prompts with the served model's tokenizer
-        # The store view's Mooncake client binds loopback, as the engines' do.
-        proc = self.dep.track(Proc(name, argv, self.dep.log_dir / f"{name}.log", cwd=str(ROOT),
-                                   env={**client_env("127.0.0.1"), "VLLM_HOST_IP": "127.0.0.1"}))
-        proc.wait_port(port, 60)
-        url = f"http://127.0.0.1:{port}"
-        self.dep.wait_router(url, proc, 60)
-        return url, proc
+        # The router hashes text prompts with the served model's tokenizer; the store view's
+        # Mooncake client binds loopback, as the engines' do.
+        return start_router(self.dep, name, ["--connect-timeout", "5", *args, "--tokenizer", self.model],
+                            env={**client_env("127.0.0.1"), "VLLM_HOST_IP": "127.0.0.1"})
 
     def warm(self, url: str, tag: str) -> None:
         """One text request with a prompt no run shares: an engine's or a P -> D pair's first
@@ -324,12 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--policies: unknown {sorted(set(a.policies) - known)}; known: {sorted(known)}")
 
     from kvcore.platform import engine_dtype, kv_bytes_per_token
-    from multi.models import build
 
-    out = Path(a.out)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    cache = Path(os.environ.get("MCTIER_CACHE", ROOT / ".cache"))
-    model = a.model if os.path.isdir(a.model) else str(build(a.model, cache / "models" / a.model))
+    out = output_dir(a.out)
+    model = model_dir(a.model)
     dtype, b = engine_dtype(), Bench(a, model, out)
     sc, per_token = b.sc, kv_bytes_per_token(model, dtype)
     cap = sc.cache_blocks * BLOCK
@@ -347,21 +335,7 @@ def main(argv: list[str] | None = None) -> int:
 
     term_as_interrupt()
     t0 = time.monotonic()
-    errors = {}
-    try:
-        for name, deployment in (("pd", b.deployment_pd), ("plain", b.deployment_plain)):
-            try:
-                deployment()
-            except Exception as e:  # noqa: BLE001 - a deployment that failed: report what was measured
-                errors[name] = f"{type(e).__name__}: {e}"[:3000]
-                print(f"[router] deployment {name} FAILED: {errors[name]}", file=sys.stderr, flush=True)
-            finally:
-                b.dep.stop()  # A and B never share the cores
-    except KeyboardInterrupt:
-        print("\n[router] interrupted; stopping everything, reporting what was measured", file=sys.stderr)
-        errors["interrupted"] = "KeyboardInterrupt"
-    finally:
-        b.dep.stop()
+    errors = run_deployments(b.dep, {"pd": b.deployment_pd, "plain": b.deployment_plain}, "router")
     if errors:
         result["error"] = "; ".join(f"deployment {k}: {v}" for k, v in errors.items())
     result.update(rows=b.rows, seconds=round(time.monotonic() - t0), pids=sorted(set(b.dep.started)))

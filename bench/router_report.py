@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from bench.report import as_markdown, as_text
+from bench.report import as_markdown, as_text, pyplot
 
 DEPLOYMENTS = {"pd": "P/D (A)", "plain": "plain (B)"}
 REJECTED = "Too Many Requests"  # aiohttp's reason for a 429, which `vllm bench serve` records as the error
@@ -178,11 +178,7 @@ def render_markdown(r: dict) -> str:
 
 
 def plot(r: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = [x for x in r.get("rows") or [] if x.get("mean_ttft_ms") is not None]
     work = list(dict.fromkeys(x["workload"] for x in rows if x["workload"] != "admission"))
     configs = [(d, p) for d in ("pd", "plain") for p in ("kv", "round-robin", "least-outstanding")

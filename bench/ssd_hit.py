@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from bench.client import ids, stream
-from bench.common import Checker, spread
+from bench.common import Checker, spread, start_engines
 from mcstore.admin import MasterAdmin
 
 FILLER_BYTES = 8 << 20   # one filler object
@@ -162,7 +162,8 @@ def ssd_hit(base: str, writer: str, reader: str, admin: MasterAdmin, client, ssd
                "ssd_vs_dram": med["ssd"]["median"] / med["dram"]["median"],
                "dram_vs_floor": med["dram"]["median"] / med["floor"]["median"]}
         rows.append(row)
-        print(f"  {n_pfx + suffix:>5} tokens  miss {med['miss']['median'] * 1e3:7.0f} ms  floor {med['floor']['median'] * 1e3:6.0f} ms"
+        print(f"  {n_pfx + suffix:>5} tokens  miss {med['miss']['median'] * 1e3:7.0f} ms  "
+              f"floor {med['floor']['median'] * 1e3:6.0f} ms"
               f"  DRAM hit {med['dram']['median'] * 1e3:6.0f} ms  SSD hit {med['ssd']['median'] * 1e3:6.0f} ms "
               f"(x{row['ssd_vs_miss']:.2f} miss, x{row['ssd_vs_dram']:.2f} DRAM; hits {row['hit_tokens']})", flush=True)
     return rows
@@ -191,10 +192,9 @@ def run_section(dep, model: str, base: str, out: Path, prefixes: list[int], reps
         client = StoreClient(StoreConfig(master=cluster.master_addr, local_buffer_size=2 * FILLER_BYTES,
                                          slow_rpc_s=120.0), "ssd-filler", segment=False)
         cfg = store_config(cluster.master_addr)
-        w_url, w = dep.engine("ssd-writer", model, 0, cfg, extra=extra)
-        r_url, r = dep.engine("ssd-reader", model, 1, cfg, extra=[*extra, "--no-enable-prefix-caching"])
-        dep.wait_http(w_url, w)
-        dep.wait_http(r_url, r)
+        (w_url, _), (r_url, _) = start_engines(
+            dep, model, [("ssd-writer", 0, cfg), ("ssd-reader", 1, cfg, {"extra": ["--no-enable-prefix-caching"]})],
+            extra=extra)
         print(f"[bench] ssd_hit: DRAM segment {seg >> 20} MiB, offload to {ssd_dir} ({reps} reps):", flush=True)
         admin = MasterAdmin(f"http://127.0.0.1:{cluster.metrics_port}")
         return ssd_hit(base, w_url, r_url, admin, client, str(ssd_dir), prefixes, reps, chunk, suffix, max_tokens,

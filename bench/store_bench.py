@@ -116,20 +116,23 @@ def main() -> int:
             t0 = time.perf_counter()
             for j in range(0, n, PER_JOB):
                 sl = range(j, min(n, j + PER_JOB))
-                rcs = raw.batch_put_from_multi_buffers(mk[j:j + PER_JOB], [ptrs[i][0] for i in sl], [ptrs[i][1] for i in sl])
+                rcs = raw.batch_put_from_multi_buffers(mk[j:j + PER_JOB], [ptrs[i][0] for i in sl],
+                                                       [ptrs[i][1] for i in sl])
                 assert all(rc == 0 for rc in rcs), rcs
             res["mb_put"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             for j in range(0, n, PER_JOB):
                 sl = range(j, min(n, j + PER_JOB))
-                rcs = raw.batch_get_into_multi_buffers(mk[j:j + PER_JOB], [ptrs[i][0] for i in sl], [ptrs[i][1] for i in sl])
+                rcs = raw.batch_get_into_multi_buffers(mk[j:j + PER_JOB], [ptrs[i][0] for i in sl],
+                                                       [ptrs[i][1] for i in sl])
                 assert all(rc == chunk_bytes for rc in rcs), rcs
             res["mb_get"].append(time.perf_counter() - t0)
             raw.batch_remove(mk, True)
             # the tier: chunks are KV pages (one block per chunk slot), layer-major objects
             links = [f"tier/{tag}/{i}" for i in range(n)]
             chunk_blocks = [list(range(1 + i * BLOCKS_PER_CHUNK, 1 + (i + 1) * BLOCKS_PER_CHUNK)) for i in range(n)]
-            saves = [SaveJob(f"s{tag}-{j}", [ChunkIO(links[i], i, chunk_blocks[i]) for i in range(j, min(n, j + PER_JOB))])
+            saves = [SaveJob(f"s{tag}-{j}", [ChunkIO(links[i], i, chunk_blocks[i])
+                                             for i in range(j, min(n, j + PER_JOB))])
                      for j in range(0, n, PER_JOB)]
             ids = {s.req_id for s in saves}
             done: set[str] = set()
@@ -138,7 +141,8 @@ def main() -> int:
             wait(lambda: done.update(w.get_finished(ids)[0] or ()) or done >= ids)
             res["tier_save"].append(time.perf_counter() - t0)
             take_phases(w, phases)
-            loads = [LoadJob(f"l{tag}-{j}", [ChunkIO(links[i], i, chunk_blocks[i]) for i in range(j, min(n, j + PER_JOB))], 60)
+            loads = [LoadJob(f"l{tag}-{j}", [ChunkIO(links[i], i, chunk_blocks[i])
+                                             for i in range(j, min(n, j + PER_JOB))], 60)
                      for j in range(0, n, PER_JOB)]
             ids = {x.req_id for x in loads}
             done = set()
@@ -174,8 +178,10 @@ def main() -> int:
                   f"{statistics.median(res[mb]) * 1e3:.1f} ms), "
                   + ", ".join(f"{o} {med(f'{kind}_{o}'):.1f} ms" for o in other)
                   + f", the rest (hand-over, polling, bookkeeping) {rest:.1f} ms")
-        print(f"(raw multi-buffer on the same KV pages: put {gbps(res['mb_put']):.2f} GB/s, get {gbps(res['mb_get']):.2f} GB/s;"
-              f" tier/that: save {gbps(res['tier_save']) / gbps(res['mb_put']):.2f}, load {gbps(res['tier_load']) / gbps(res['mb_get']):.2f})")
+        print(f"(raw multi-buffer on the same KV pages: put {gbps(res['mb_put']):.2f} GB/s, "
+              f"get {gbps(res['mb_get']):.2f} GB/s; "
+              f"tier/that: save {gbps(res['tier_save']) / gbps(res['mb_put']):.2f}, "
+              f"load {gbps(res['tier_load']) / gbps(res['mb_get']):.2f})")
 
         # Lookup latency: the scheduler's whole lookup for a fresh prompt of --lookup-tokens
         # (its links + one batch_is_exist of its chunks' keys; none stored: every key asked), and

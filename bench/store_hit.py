@@ -22,10 +22,18 @@ from typing import Callable
 
 from bench import lmcache_peer, raw_probe
 from bench.client import ids, stream
-from bench.common import QUIET_S, Checker, rotated, spread
-from bench.engine_metrics import (VMSTAT, counters_delta, host_counters, host_thread_cpu, load_io, request_sums,
-                                  request_times, thread_cpu)
-from multi.deploy import metrics
+from bench.common import QUIET_S, Checker, rotated, spread, start_engines
+from bench.engine_metrics import (
+    VMSTAT,
+    delta,
+    host_counters,
+    host_thread_cpu,
+    load_io,
+    request_sums,
+    request_times,
+    thread_cpu,
+)
+from multi.cli.deploy import metrics
 
 SUFFIX = 32          # the unshared tail of a store_hit prompt: one block
 MAX_TOKENS = 8       # generated per timed request (store_hit, and the suite's composite)
@@ -111,13 +119,14 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
                     th1 = thread_cpu(reader_pid) if th0 is not None else None
                     c1 = host_counters(reader_pid) if c0 is not None else None
                     if io0 is not None and rep:
-                        io.append({**load_io(reader, io0), **(counters_delta(c0, c1) if c0 else {}),
+                        io.append({**load_io(reader, io0), **(delta(c1, c0) if c0 else {}),
                                    **request_times(reader, rq0)})
                         if th0 is not None:
                             for key, (a, b) in (("threads", (th0, th1)), ("others", (oth0, oth1))):
-                                io[-1][key] = {k: v for k, v in counters_delta(a, b).items() if v > 1e-3}
+                                io[-1][key] = {k: v for k, v in delta(b, a).items() if v > 1e-3}
                             top = sorted(io[-1]["others"].items(), key=lambda kv: -kv[1])[:4]
-                            print(f"        rep {rep}: ours {got[who].ttft * 1e3:.0f} ms, load {io[-1]['seconds'] * 1e3:.0f} ms;"
+                            print(f"        rep {rep}: ours {got[who].ttft * 1e3:.0f} ms, "
+                                  f"load {io[-1]['seconds'] * 1e3:.0f} ms;"
                                   " others' CPU: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in top), flush=True)
                         if probe is not None and got[who].cached >= n_pfx and io[-1]["bytes"] > 0:  # a whole hit
                             time.sleep(QUIET_S)  # the reader spins after its request, on the probe's core
@@ -180,17 +189,19 @@ def store_hit(base: str, peers: dict[str, tuple[str, str]], prefixes: list[int],
             row["ours_raw_bound_vs_floor"] = (floor + ld["bytes"] / ld["raw_gbps"] / 1e9) / floor
             print(f"        ours: load {ld['gbps']:.2f} GB/s in the reader; on its core just after, raw get "
                   f"{ld['raw_gbps']:.2f} GB/s, into {ld['ranges_per_chunk']:.0f} ranges per chunk "
-                  f"{ld['raw_ranges_gbps']:.2f}; floor + raw read of the same bytes = x{row['ours_raw_bound_vs_floor']:.2f}"
+                  f"{ld['raw_ranges_gbps']:.2f}; floor + raw read of the same bytes = "
+                  f"x{row['ours_raw_bound_vs_floor']:.2f}"
                   " floor", flush=True)
         if "queue_s" in row.get("ours_load", {}) and "floor_times" in row:
             ld, fl = row["ours_load"], row["floor_times"]
-            print(f"        ours: queued {ld['queue_s'] * 1e3:.1f} ms (its load {ld['seconds'] * 1e3:.1f}), scheduled to "
+            print(f"        ours: queued {ld['queue_s'] * 1e3:.1f} ms (its load {ld['seconds'] * 1e3:.1f}), "
+                  "scheduled to "
                   f"first token {ld['prefill_s'] * 1e3:.1f}; floor: queued {fl['queue_s'] * 1e3:.1f}, scheduled to "
                   f"first token {fl['prefill_s'] * 1e3:.1f} (vLLM's request times)", flush=True)
         if row.get("ours_load", {}).get("threads"):
             ld = row["ours_load"]
-            print(f"        ours: reader's CPU over the hit's request (load {ld['seconds'] * 1e3:.0f} ms): " + ", ".join(
-                f"{k} {v * 1e3:.0f} ms" for k, v in list(ld["threads"].items())[:6]), flush=True)
+            print(f"        ours: reader's CPU over the hit's request (load {ld['seconds'] * 1e3:.0f} ms): "
+                  + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in list(ld["threads"].items())[:6]), flush=True)
             print("        other processes' CPU over it: " + ", ".join(
                 f"{k} {v * 1e3:.0f} ms" for k, v in list(ld.get("others", {}).items())[:8]), flush=True)
         if "minflt" in row.get("ours_load", {}):
@@ -210,22 +221,16 @@ def run_section(dep, model: str, base_url: str, base, master: str, out: Path, pr
     and run :func:`store_hit` (with the raw probe unless ``probe`` is off). The suite stops
     the engines this section started."""
     print("[bench] store_hit: starting writers (core 0) and readers (core 1)", flush=True)
-    engines = {"ours": (dep.engine("store-writer", model, 0, store_config(master), extra=long),
-                        dep.engine("store-reader", model, 1, store_config(master), extra=long))}
-    previous = None if not previous_path else dep.engine(
-        "store-reader-previous", model, 1, store_config(master, **PREVIOUS_LOAD_PATH), extra=long)
+    specs = {"ours": [("store-writer", 0, store_config(master)), ("store-reader", 1, store_config(master))]}
+    if previous_path:
+        specs["previous"] = [("store-reader-previous", 1, store_config(master, **PREVIOUS_LOAD_PATH))]
     if lmc_python:
         _, port = lmcache_peer.start_server(out / "logs", l1_gb=2, track=dep.track)
-        kv = lmcache_peer.kv_config(port)
-        engines["lmcache"] = (dep.engine("lmcache-writer", model, 0, kv, python=lmc_python, env=lmcache_peer.ENV,
-                                         extra=long),
-                              dep.engine("lmcache-reader", model, 1, kv, python=lmc_python, env=lmcache_peer.ENV,
-                                         extra=long))
-    for w, r in engines.values():
-        dep.wait_http(*w)
-        dep.wait_http(*r)
-    if previous is not None:
-        dep.wait_http(*previous)
+        kv, peer = lmcache_peer.kv_config(port), {"python": lmc_python, "env": lmcache_peer.ENV}
+        specs["lmcache"] = [("lmcache-writer", 0, kv, peer), ("lmcache-reader", 1, kv, peer)]
+    started = iter(start_engines(dep, model, [s for group in specs.values() for s in group], extra=long))
+    engines = {name: tuple(next(started) for _ in group) for name, group in specs.items()}
+    previous = engines.pop("previous", [None])[0]
     dep.wait_http(base_url, base)
     print(f"[bench] store_hit: TTFT of a prompt whose prefix another engine stored ({reps} reps):", flush=True)
     return store_hit(base_url, {k: (w[0], r[0]) for k, (w, r) in engines.items()}, prefixes, reps, rng, check,

@@ -32,66 +32,55 @@ import sys
 import time
 from pathlib import Path
 
-import requests
-from prometheus_client.parser import text_string_to_metric_families
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.client import ids, stream  # noqa: E402
-from bench.common import Checker, long_context_args, machine, rotated, term_as_interrupt  # noqa: E402
-from bench.engine_metrics import REQUEST_TIMES, request_sums, request_times  # noqa: E402
+from bench.common import (  # noqa: E402
+    Checker,
+    long_context_args,
+    machine,
+    model_dir,
+    output_dir,
+    rotated,
+    start_engines,
+    term_as_interrupt,
+)
+from bench.engine_metrics import REQUEST_TIMES, get, moved, request_sums, request_times, scrape  # noqa: E402
 from bench.store_hit import SETTLE_S, SUFFIX, store_config  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
-from multi.deploy import Deployment  # noqa: E402
+from multi.cli.deploy import Deployment  # noqa: E402
 
 PHASES = ("load_queue", "load_transfer", "load_staging", "load_copy", "load_recheck",
           "save_queue", "save_exists", "save_transfer")
 
 
-def scrape(url: str) -> dict[str, float]:
-    """The store tier's series of one engine, keyed ``name`` or ``name{label}`` (vLLM's
-    per-request split is read per request, :func:`bench.engine_metrics.request_times`)."""
-    out: dict[str, float] = {}
-    text = requests.get(url + "/metrics", timeout=10).text
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name.endswith("_bucket") or not s.name.startswith("vllm:mctier_store_"):
-                continue
-            label = s.labels.get("phase") or s.labels.get("kind") or ""
-            key = f"{s.name}{{{label}}}" if label else s.name
-            out[key] = out.get(key, 0.0) + s.value
-    return out
-
-
-def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
-
-
-def summarise(d: dict[str, float], n_req: int) -> dict:
-    """Per request: seconds per phase, plus ranges per chunk and the rate of Mooncake's calls
-    (a load's bytes over its transfer and staging phases, a save's over its transfer)."""
-    ph = "vllm:mctier_store_phase_seconds"
-    per = {p: d.get(f"{ph}_sum{{{p}}}", 0.0) / n_req for p in PHASES}
+def summarise(d: dict, n_req: int) -> dict:
+    """Per request, from what the store tier's series moved by (:func:`bench.engine_metrics.moved`
+    of two scrapes): seconds per phase, plus ranges per chunk and the rate of Mooncake's calls
+    (a load's bytes over its transfer and staging phases, a save's over its transfer). vLLM's
+    per-request split is read per request (:func:`bench.engine_metrics.request_times`)."""
+    ph = "vllm:mctier_store_phase_seconds_sum"
+    per = {p: get(d, ph, phase=p) / n_req for p in PHASES}
     row = {"phase_s": per,
-           "load_s": d.get("vllm:mctier_store_load_seconds_sum", 0.0) / n_req,
-           "save_s": d.get("vllm:mctier_store_save_seconds_sum", 0.0) / n_req,
-           "lookup_s": d.get("vllm:mctier_store_lookup_seconds_sum", 0.0)
-           / max(1.0, d.get("vllm:mctier_store_lookup_seconds_count", 0.0))}
-    row["failures"] = {k.split("{", 1)[1].rstrip("}"): v for k, v in d.items()
-                       if k.startswith("vllm:mctier_store_failures_total{")}
+           "load_s": get(d, "vllm:mctier_store_load_seconds_sum") / n_req,
+           "save_s": get(d, "vllm:mctier_store_save_seconds_sum") / n_req,
+           "lookup_s": get(d, "vllm:mctier_store_lookup_seconds_sum")
+           / max(1.0, get(d, "vllm:mctier_store_lookup_seconds_count"))}
+    row["failures"] = {dict(ls)["kind"]: v for (n, ls), v in d.items()
+                       if n == "vllm:mctier_store_failures_total" and dict(ls).get("kind")}
     for kind in ("load", "save"):
-        chunks = d.get(f"vllm:mctier_store_io_chunks_total{{{kind}}}", 0.0)
-        ranges = d.get(f"vllm:mctier_store_io_ranges_total{{{kind}}}", 0.0)
+        chunks = get(d, "vllm:mctier_store_io_chunks_total", kind=kind)
+        ranges = get(d, "vllm:mctier_store_io_ranges_total", kind=kind)
         row[f"{kind}_ranges_per_chunk"] = ranges / chunks if chunks else None
-        moved = d.get(f"vllm:mctier_store_{'loaded' if kind == 'load' else 'saved'}_bytes_total", 0.0)
+        moved_bytes = get(d, f"vllm:mctier_store_{'loaded' if kind == 'load' else 'saved'}_bytes_total")
         # A load's bytes arrive in two of Mooncake's calls: straight into the pages (transfer)
         # and, for scattered chunks, into host staging; over the first alone the rate of a
         # mostly staged load came out at 14 GB/s.
-        secs = sum(d.get(f"{ph}_sum{{{kind}_{p}}}", 0.0)
-                   for p in (("transfer", "staging") if kind == "load" else ("transfer",)))
-        row[f"{kind}_bytes"] = moved / n_req
-        row[f"{kind}_transfer_gbps"] = moved / secs / 1e9 if secs else None
+        calls = ("transfer", "staging") if kind == "load" else ("transfer",)
+        secs = sum(get(d, ph, phase=f"{kind}_{p}") for p in calls)
+        row[f"{kind}_bytes"] = moved_bytes / n_req
+        row[f"{kind}_transfer_gbps"] = moved_bytes / secs / 1e9 if secs else None
     return row
 
 
@@ -109,24 +98,23 @@ def settings(pairs: list[str], flag: str = "--set/--ab") -> dict:
 def _print(name: str, n_pfx: int, row: dict) -> None:
     ld, sv = row["load"], row["save"]
     fl, own = row["floor_times"], row["own_times"]
-    print(f"{name:>10} {n_pfx:>6} tokens  TTFT {row['reader_ttft_s'] * 1e3:6.0f} ms | reader queued {ld['queue_s'] * 1e3:.1f} ms,"
+    print(f"{name:>10} {n_pfx:>6} tokens  TTFT {row['reader_ttft_s'] * 1e3:6.0f} ms | "
+          f"reader queued {ld['queue_s'] * 1e3:.1f} ms,"
           f" scheduled to first token {ld['prefill_s'] * 1e3:.1f} | prefix-cache hits: writer's TTFT "
           f"{row['floor_ttft_s'] * 1e3:.0f} (scheduled to first token {fl['prefill_s'] * 1e3:.1f}), reader's own "
           f"{row['own_ttft_s'] * 1e3:.0f} ({own['prefill_s'] * 1e3:.1f})"
           f" | load {ld['load_s'] * 1e3:6.1f} ms: "
           + " ".join(f"{p[5:]} {ld['phase_s'][p] * 1e3:.1f}" for p in PHASES[:5])
           + f" | {ld['load_ranges_per_chunk'] or 0:.0f} ranges/chunk, {ld['load_transfer_gbps'] or 0:.2f} GB/s"
-          + f" | save {sv['save_s'] * 1e3:6.1f} ms: " + " ".join(f"{p[5:]} {sv['phase_s'][p] * 1e3:.1f}" for p in PHASES[5:])
+          + f" | save {sv['save_s'] * 1e3:6.1f} ms: "
+          + " ".join(f"{p[5:]} {sv['phase_s'][p] * 1e3:.1f}" for p in PHASES[5:])
           + f" | {sv['save_ranges_per_chunk'] or 0:.0f} ranges/chunk, {sv['save_transfer_gbps'] or 0:.2f} GB/s"
           + f" | failures {sum(ld['failures'].values()) + sum(sv['failures'].values()):.0f}", flush=True)
 
 
 def run(a: argparse.Namespace) -> int:
-    from multi.models import build
-
-    out = Path(a.out)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    model = str(build("small", ROOT / ".cache" / "models" / "small"))
+    out = output_dir(a.out)
+    model = model_dir("small")
     rng = random.Random(a.seed)
     check = Checker()
     dep = Deployment(out / "logs")
@@ -141,17 +129,12 @@ def run(a: argparse.Namespace) -> int:
     try:
         dep.cluster = StoreCluster(log_dir=out / "logs", segment_size=4 << 30).start()
         master = dep.cluster.master_addr
-        pairs = {}
-        for name, extra in configs.items():
-            cfg = store_config(master)
-            cfg["kv_connector_extra_config"].update(extra)
-            small = ["--num-gpu-blocks-override", str(a.reader_blocks)] if a.reader_blocks else []
-            pairs[name] = (dep.engine(f"phases-{name}-writer", model, 0, cfg, extra=long),
-                           dep.engine(f"phases-{name}-reader", model, 1, cfg, extra=long + small))
-        for (w_url, w), (r_url, r) in pairs.values():
-            dep.wait_http(w_url, w)
-            dep.wait_http(r_url, r)
-        urls = {name: (w[0], r[0]) for name, (w, r) in pairs.items()}
+        small = {"extra": ["--num-gpu-blocks-override", str(a.reader_blocks)] if a.reader_blocks else []}
+        specs = [spec for name, extra in configs.items()
+                 for spec in ((f"phases-{name}-writer", 0, store_config(master, **extra)),
+                              (f"phases-{name}-reader", 1, store_config(master, **extra), small))]
+        started = iter(url for url, _ in start_engines(dep, model, specs, extra=long))
+        urls = {name: (next(started), next(started)) for name in configs}
         for n_pfx in prefixes:
             before, ttft, floor = {}, {name: [] for name in configs}, {name: [] for name in configs}
             own_ttft, times = {name: [] for name in configs}, {name: [] for name in configs}
@@ -186,15 +169,16 @@ def run(a: argparse.Namespace) -> int:
                     before = {name: (scrape(w), scrape(r)) for name, (w, r) in urls.items()}
             time.sleep(0.5)
             for name, (w_url, r_url) in urls.items():
-                dw = delta(scrape(w_url), before[name][0])
-                dr = delta(scrape(r_url), before[name][1])
+                dw = moved(scrape(w_url), before[name][0])
+                dr = moved(scrape(r_url), before[name][1])
                 row = {"config": name, "settings": configs[name], "prefix_tokens": n_pfx,
                        "reader_ttft_s": statistics.median(ttft[name]), "floor_ttft_s": statistics.median(floor[name]),
                        "own_ttft_s": statistics.median(own_ttft[name]),
                        "load": summarise(dr, a.reps), "save": summarise(dw, a.reps)}
                 # vLLM's split per request (queued until scheduled, scheduled to first token)
                 for i, who in enumerate(("hit", "floor", "own")):
-                    row[f"{who}_times"] = {k: statistics.median(x[i][k] for x in times[name]) for k in REQUEST_TIMES.values()}
+                    row[f"{who}_times"] = {k: statistics.median(x[i][k] for x in times[name])
+                                           for k in REQUEST_TIMES.values()}
                 row["load"].update(row["hit_times"])
                 rows.append(row)
                 _print(name, n_pfx, row)
@@ -208,7 +192,8 @@ def run(a: argparse.Namespace) -> int:
             def ratio(f):
                 x, y = f(d), f(b)
                 return f"{y / x:.2f}" if x and y else "n/a"
-            print(f"  {n_pfx:>6} tokens ({d['load']['load_ranges_per_chunk'] or 0:.0f} / {b['load']['load_ranges_per_chunk'] or 0:.0f} "
+            print(f"  {n_pfx:>6} tokens ({d['load']['load_ranges_per_chunk'] or 0:.0f} / "
+                  f"{b['load']['load_ranges_per_chunk'] or 0:.0f} "
                   f"ranges per loaded chunk)  reader TTFT x{ratio(lambda r: r['reader_ttft_s'])}  "
                   f"load x{ratio(lambda r: r['load']['load_s'])}  save x{ratio(lambda r: r['save']['save_s'])}  "
                   f"save GB/s x{ratio(lambda r: r['save']['save_transfer_gbps'])}")

@@ -52,19 +52,28 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.client import ids, stream as complete_stream  # noqa: E402
-from bench.common import Checker, long_context_args, machine, rotated, term_as_interrupt  # noqa: E402
-from bench.pd_load import gaps, prompts, raise_if_ended, stream as decode_stream, tpot  # noqa: E402
+from bench.common import (  # noqa: E402
+    Checker,
+    long_context_args,
+    machine,
+    model_dir,
+    output_dir,
+    rotated,
+    start_engines,
+    term_as_interrupt,
+)
+from bench.engine_metrics import get, moved, scrape  # noqa: E402
+from bench.pd_load import decode_streams, gaps, prompts, raise_if_ended, tpot  # noqa: E402
 from bench.sim.report import pct  # noqa: E402
 from bench.store_hit import SETTLE_S, SUFFIX, store_config  # noqa: E402
-from bench.store_phases import delta, scrape, settings  # noqa: E402
+from bench.store_phases import settings  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
-from multi.deploy import Deployment  # noqa: E402
+from multi.cli.deploy import Deployment  # noqa: E402
 
 # name -> the reader's kv_connector_extra_config settings; --arm adds more readers.
 READERS = {"sync": {}, "background": {"sync_load_max": 0}}
 STREAM_PROMPT = 64
 HIT_TOKENS = 4
-START_TIMEOUT_S = 120
 
 
 async def window(url: str, prompt: list[int], ticks: list[list[tuple[float, int]]]):
@@ -81,12 +90,8 @@ async def window(url: str, prompt: list[int], ticks: list[list[tuple[float, int]
 async def one_rep(url: str, hit: list[int], seed: int, a: argparse.Namespace) -> dict:
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        ticks: list[list[tuple[float, int]]] = [[] for _ in range(a.streams)]
-        firsts = [asyncio.Event() for _ in range(a.streams)]
-        tasks = [asyncio.create_task(decode_stream(session, url, p, a.stream_tokens, e, t))
-                 for p, e, t in zip(prompts(seed, a.streams, STREAM_PROMPT), firsts, ticks)]
-        try:
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), START_TIMEOUT_S)  # none: at once
+        streams = prompts(seed, a.streams, STREAM_PROMPT)  # with --streams 0 the windows start at once
+        async with decode_streams(session, url, streams, a.stream_tokens) as (ticks, tasks):
             t_base = time.monotonic()
             await asyncio.sleep(a.baseline_s)
             before = [tpot(gaps(t, t_base, time.monotonic())) for t in ticks]
@@ -94,10 +99,6 @@ async def one_rep(url: str, hit: list[int], seed: int, a: argparse.Namespace) ->
             await asyncio.sleep(a.baseline_s)
             own, own_during = await window(url, hit, ticks)
             raise_if_ended(tasks, "a stream ended inside the measured windows: raise --stream-tokens")
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
     return {"hit": got, "own": own, "before_tpot": before, "during": during, "own_during": own_during}
 
 
@@ -127,15 +128,12 @@ def summarise(reps: list[dict]) -> dict:
 
 
 def run(a: argparse.Namespace) -> int:
-    from multi.models import build
-
     names = [x.partition("=")[0] for x in a.arm]
     if taken := sorted({n for n in names if n in READERS or names.count(n) > 1}):
         raise SystemExit(f"--arm names {taken} are taken (by the default readers or another --arm)")
     arms = {**READERS, **settings(a.arm, "--arm")}
-    out = Path(a.out)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    model = str(build("small", ROOT / ".cache" / "models" / "small"))
+    out = output_dir(a.out)
+    model = model_dir("small")
     rng = random.Random(a.seed)
     check = Checker()
     dep = Deployment(out / "logs")
@@ -146,11 +144,11 @@ def run(a: argparse.Namespace) -> int:
     try:
         dep.cluster = StoreCluster(log_dir=out / "logs", segment_size=4 << 30).start()
         master = dep.cluster.master_addr
-        w_url, w = dep.engine("streams-writer", model, 0, store_config(master), extra=long)
-        readers = {name: dep.engine(f"streams-{name}", model, 1, store_config(master, **extra), extra=long)
-                   for name, extra in arms.items()}
-        for url, proc in [(w_url, w), *readers.values()]:
-            dep.wait_http(url, proc)
+        (w_url, _), *started = start_engines(
+            dep, model, [("streams-writer", 0, store_config(master)),
+                         *((f"streams-{name}", 1, store_config(master, **extra)) for name, extra in arms.items())],
+            extra=long)
+        readers = dict(zip(arms, started))
         for n_pfx in prefixes:
             reps: dict[str, list[dict]] = {name: [] for name in arms}
             before = {}
@@ -179,8 +177,8 @@ def run(a: argparse.Namespace) -> int:
                 if rep == 0:
                     before = {name: scrape(url) for name, (url, _) in readers.items()}
             for name, (url, _) in readers.items():
-                d = delta(scrape(url), before[name])
-                loads = {k: d.get(f"vllm:mctier_store_loads_total{{{k}}}", 0.0) for k in ("sync", "background")}
+                d = moved(scrape(url), before[name])
+                loads = {k: get(d, "vllm:mctier_store_loads_total", kind=k) for k in ("sync", "background")}
                 row = {"reader": name, "settings": arms[name], "prefix_tokens": n_pfx, "streams": a.streams,
                        "loads": loads, **summarise(reps[name])}
                 rows.append(row)
@@ -196,7 +194,8 @@ def run(a: argparse.Namespace) -> int:
     for b in [r for r in rows if r["reader"] == "background"]:
         for s in [r for r in rows if r["reader"] != "background" and r["prefix_tokens"] == b["prefix_tokens"]]:
             print(f"  {s['prefix_tokens']:>6} tokens {s['reader']:>12}  store hit TTFT "
-                  f"{_x(s['hit_ttft_s'], b['hit_ttft_s'])}  streams' longest gap {_x(s['hit_max_gap_s'], b['hit_max_gap_s'])}"
+                  f"{_x(s['hit_ttft_s'], b['hit_ttft_s'])}  "
+                  f"streams' longest gap {_x(s['hit_max_gap_s'], b['hit_max_gap_s'])}"
                   f"  streams' TPOT while the hit runs {_x(s['hit_tpot_p50_s'], b['hit_tpot_p50_s'])}")
     result = {"machine": machine(model), "readers": arms, "reps": a.reps, "streams": a.streams, "rows": rows,
               "pids": sorted(set(dep.started))}

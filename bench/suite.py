@@ -49,13 +49,13 @@ sys.path.insert(0, str(ROOT))
 
 from bench import lmcache_peer, ssd_hit, store_hit  # noqa: E402
 from bench.client import complete, ids, stream  # noqa: E402
-from bench.common import Checker, long_context_args, machine, rotated, spread, term_as_interrupt  # noqa: E402
+from bench.common import Checker, long_context_args, machine, model_dir, output_dir, rotated, spread, term_as_interrupt  # noqa: E402
+from bench.engine_metrics import new_plans, settle_metric  # noqa: E402
 from bench.report import plot, publish, render_markdown, render_table  # noqa: E402
+from bench.store_hit import CHUNK, MAX_TOKENS, SETTLE_S, SUFFIX, store_config  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
-from bench.engine_metrics import settle_metric  # noqa: E402
-from bench.store_hit import CHUNK, MAX_TOKENS, SETTLE_S, SUFFIX, store_config  # noqa: E402
-from multi.deploy import Deployment, metrics, tiered_config  # noqa: E402
+from multi.cli.deploy import Deployment, metrics, tiered_config  # noqa: E402
 
 SECTIONS = ("store_hit", "ssd_hit", "pd", "composite", "raw")
 PD_MAX_TOKENS = 32   # generated per P/D request: "total time" includes decoding
@@ -162,9 +162,7 @@ def composite(base: str, pairs: dict[str, tuple[str, str, str]], lengths: list[i
                 time.sleep(SETTLE_S)
                 before = metrics(d_url)
                 r = stream(proxy, prompt, MAX_TOKENS)
-                after = metrics(d_url)
-                plan = [k[1] for k, v in after.items()
-                        if k[0] == "vllm:mctier_tiered_decisions_total" and v > before.get(k, 0)]
+                plan = new_plans(metrics(d_url), before)
                 if rep == 0:
                     # The stock pair always pulls the whole prompt (P2P is its first child).
                     pulled = name == "stock" or any("p2p" in x for x in plan)
@@ -208,8 +206,6 @@ def raw(out: Path, quick: bool) -> dict:
 # ---------------------------------------------------------------- orchestration
 
 def run(a: argparse.Namespace) -> int:
-    from multi.models import build
-
     sections = [s for s in a.sections.split(",") if s]
     unknown = set(sections) - set(SECTIONS)
     if unknown:
@@ -222,10 +218,8 @@ def run(a: argparse.Namespace) -> int:
     # The store-hit engines and the reference take the longest prompt (its suffix and output too).
     long = long_context_args(max(prefixes + ssd_prefixes) + SUFFIX + MAX_TOKENS + 64)
     lengths = PD_LENGTHS["quick" if quick else "full"]
-    out = Path(a.out)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    cache = Path(os.environ.get("MCTIER_CACHE", ROOT / ".cache"))
-    model = str(build("small", cache / "models" / "small"))
+    out = output_dir(a.out)
+    model = model_dir("small")
     lmc_python = None
     if "store_hit" in sections and not a.no_lmcache:
         lmc_python = str(lmcache_peer.ensure_venv())
@@ -315,8 +309,9 @@ def run(a: argparse.Namespace) -> int:
     (out / "bench.md").write_text(render_markdown(result))
     plot(result, out / "bench.png")
     if a.publish:
-        publish(result, out, ROOT / "README.md", ROOT / "docs" / "bench-latest.png")
-        print("[bench] README.md benchmark section and docs/bench-latest.png updated")
+        docs = ROOT / "docs" / "benchmarks"
+        publish(result, out, docs / "store-hit.md", docs / "bench-latest.png")
+        print("[bench] docs/benchmarks/store-hit.md latest table and docs/benchmarks/bench-latest.png updated")
     print(f"\n[bench] {check.checked} token comparisons, {len(check.mismatches)} mismatches; "
           f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'} ({result['seconds']} s)")
     for name, err in errors.items():
@@ -345,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="leave out the raw get on the reader's core after each of our store hits (bench/raw_probe.py)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--publish", action="store_true",
-                    help="write the table and plot into README.md (between its bench markers) and docs/")
+                    help="write the table and plot into docs/benchmarks/store-hit.md (between its bench markers)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
     return run(ap.parse_args(argv))
 

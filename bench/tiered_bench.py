@@ -37,7 +37,7 @@ decode-only cells with a stored prefix, 22 of 40 ``store`` requests ran right af
 ``auto``. A cell runs ``--reps`` repetitions (default 3), then more, up to ``--max-reps`` (9),
 until its timed repetitions have run ``--min-cell-s`` seconds (60): a request of 30 to
 600 ms spreads by 15% or more between repetitions of one plan on a 2-core host (the fifth
-full run's misses, README), and three of them do not give a median within 10%; a cell of
+full run's misses, docs/benchmarks/decisions.md), and three of them do not give a median within 10%; a cell of
 long prompts takes a minute in three repetitions anyway. Per cell: TTFT median and min-max
 per source; the best forced source (lowest median); the per-request oracle, the fastest forced
 source within each repetition (it knows the outcome; its median is what a perfect
@@ -75,7 +75,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -86,13 +85,23 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.client import complete, ids, reset_prefix_cache, stream  # noqa: E402
-from bench.common import (QUIET_S, Checker, balanced_orders, long_context_args, machine, ratio_interval,  # noqa: E402
-                          spread, term_as_interrupt)
+from bench.common import (  # noqa: E402
+    QUIET_S,
+    Checker,
+    balanced_orders,
+    long_context_args,
+    machine,
+    model_dir,
+    output_dir,
+    ratio_interval,
+    spread,
+    term_as_interrupt,
+)
 from bench.decisions_report import progress_line, render  # noqa: E402
-from bench.engine_metrics import load_io  # noqa: E402
+from bench.engine_metrics import DECISIONS, counted_plan, load_io  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
-from multi.deploy import Deployment, metrics, tiered_config  # noqa: E402
+from multi.cli.deploy import Deployment, metrics, tiered_config  # noqa: E402
 
 LAYOUTS = {"with prefill": ("recompute", "store", "p2p", "auto"), "decode only": ("recompute", "store", "auto"),
            "cold prefill": ("recompute", "store", "p2p", "auto")}
@@ -101,7 +110,6 @@ HANDOFF = {"with prefill", "cold prefill"}  # layouts whose requests go through 
 CHUNK = 256
 BLOCK = 32
 STORED_PASS_TAIL = [5]  # store_prefix's extra token: a pass the reference repeats exactly
-DECISIONS = "vllm:mctier_tiered_decisions_total"
 WITHIN_BEST, WITHIN_RECOMPUTE = 1.10, 1.05
 
 
@@ -115,27 +123,6 @@ def store_prefix(p_url: str, prefix: list[int], forget: bool = False) -> None:
     if forget:
         reset_prefix_cache(p_url)
     time.sleep(QUIET_S)
-
-
-def own_decisions(series: dict[tuple[str, str], float]) -> dict[str, float]:
-    """The composite's decision counters (by plan) among an engine's mctier series."""
-    return {kind: v for (name, kind), v in series.items() if name == DECISIONS}
-
-
-def decisions(url: str) -> dict[str, float]:
-    return own_decisions(metrics(url, (DECISIONS,)))
-
-
-def counted_plan(url: str, before: dict[str, float], deadline_s: float = 5.0) -> str:
-    """The plan an engine's composite counted since ``before`` (its stats reach /metrics a
-    step late); ``?`` when none showed up in time."""
-    end = time.monotonic() + deadline_s
-    while True:
-        now = decisions(url)
-        moved = [k for k, v in now.items() if v > before.get(k, 0.0)]
-        if moved or time.monotonic() > end:
-            return "+".join(sorted(moved)) or "?"
-        time.sleep(0.2)
 
 
 def loaded_tokens(plan: list[dict], n: int) -> int:
@@ -176,7 +163,7 @@ def check_cell(urls: dict[str, str], layout: str, n: int, hit: int, rng: random.
         prefix = ids(hit, rng)
         store_prefix(urls["prefill"], prefix, forget=cold)
         prompt = prefix + ids(n - hit, rng)
-        p_before = decisions(urls["prefill"]) if cold else {}
+        p_before = metrics(urls["prefill"], (DECISIONS,)) if cold else {}
         r = complete(target, prompt, 2, {"kv_source": src})
         params = r.get("kv_transfer_params") or {}
         plan = params.get("kv_plan") or []
@@ -230,7 +217,7 @@ def cell(urls: dict[str, str], layout: str, n: int, f: float, reps: int, rng: ra
             before = metrics(urls["decode"])
             store_prefix(urls["prefill"], prefix, forget=layout == "cold prefill")
             times[src].append(stream(target, prefix + ids(n - hit, rng), 2, {"kv_source": src}).ttft)
-            planned[src].append(plan := counted_plan(urls["decode"], own_decisions(before)))
+            planned[src].append(plan := counted_plan(urls["decode"], before))
             store_io[src].append(load_io(urls["decode"], before) if "store" in plan.split("+") else None)
     forced = [s for s in sources if s != "auto"]
     med = {s: statistics.median(v) for s, v in times.items()}
@@ -268,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "decisions"))
     a = ap.parse_args(argv)
-    lengths = [int(x) for x in (a.lengths or ("257,2049" if a.quick else "65,257,1025,2049,4097,8193,16385")).split(",")]
+    lengths = [int(x) for x in
+               (a.lengths or ("257,2049" if a.quick else "65,257,1025,2049,4097,8193,16385")).split(",")]
     if bad := [n for n in lengths if n % BLOCK != 1]:
         ap.error(f"lengths {bad} are not 32k + 1: a handoff's N - 1 tokens must be whole blocks for the token check")
     fractions = [float(x) for x in (a.fractions or ("0,1" if a.quick else "0,0.5,1")).split(",")]
@@ -278,11 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     reps = a.reps or (1 if a.quick else 3)
     min_cell_s = a.min_cell_s if a.min_cell_s is not None else (0.0 if a.quick else 60.0)
     max_reps = max(reps, a.max_reps)
-    out = Path(a.out)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    from multi.models import build
-
-    model = str(build("small", Path(os.environ.get("MCTIER_CACHE", ROOT / ".cache")) / "models" / "small"))
+    out = output_dir(a.out)
+    model = model_dir("small")
     extra = long_context_args(max(lengths) + 64)
     rng = random.Random(a.seed)
     check = Checker()

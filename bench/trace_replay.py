@@ -65,7 +65,8 @@ the prefix-cache capacity per engine (``vllm:cache_config_info``) and the store'
 Writes ``trace_replay.json`` (all of it, with the trace's ``describe`` and every command),
 ``trace_replay.md``, ``speeds.json``, the scaled trace (``trace.jsonl``), each router's
 decisions over the replay in the order routed (``decisions-{tiered,plain}.jsonl``, from
-``mctier proxy --decision-log``) and the client's raw results (``runs/``) to ``--out`` (default ``bench/results/trace_replay/``); prints the table.
+``mctier proxy --decision-log``) and the client's raw results (``runs/``) to ``--out``
+(default ``bench/results/trace_replay/``); prints the table.
 Everything started is stopped at the end, also on failure and Ctrl-C (clients before the
 master). Exit status 1 if a deployment or a request failed.
 """
@@ -74,7 +75,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import time
@@ -82,62 +82,28 @@ from dataclasses import replace
 from pathlib import Path
 
 import requests
-from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import trace  # noqa: E402
 from bench.client import complete, ids, stream  # noqa: E402
-from bench.common import machine, term_as_interrupt  # noqa: E402
+from bench.common import machine, model_dir, output_dir, run_deployments, term_as_interrupt  # noqa: E402
+from bench.engine_metrics import Key, get, moved, settled  # noqa: E402
+from bench.replay_speeds import CHUNK, contention, decode_speeds, fit, handoff_overhead, overhead, prefill_speeds  # noqa: E402
 from bench.router_bench import Bench, bench_serve  # noqa: E402
 from bench.router_report import router_view  # noqa: E402
 from bench.sim import decisions  # noqa: E402
-from bench.replay_speeds import (CHUNK, contention, decode_speeds, fit, handoff_overhead, overhead,  # noqa: E402
-                                 prefill_speeds)
 from bench.trace_replay_report import render_markdown, table  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
-from multi.deploy import tiered_config  # noqa: E402
+from multi.cli.deploy import tiered_config  # noqa: E402
 
 BLOCK = 32
 HASH_SEED = "0"  # the client's PYTHONHASHSEED
-Key = tuple[str, frozenset]  # a sample: name, labels
 
 
-# ---------------------------------------------------------------- metrics
-def scrape(url: str) -> dict[Key, float]:
-    """Every ``vllm:`` sample of an engine except histogram buckets."""
-    out: dict[Key, float] = {}
-    for fam in text_string_to_metric_families(requests.get(url + "/metrics", timeout=10).text):
-        for s in fam.samples:
-            if s.name.startswith("vllm:") and not s.name.endswith(("_bucket", "_created")):
-                k = (s.name, frozenset((a, b) for a, b in s.labels.items() if a not in ("model_name", "engine")))
-                out[k] = out.get(k, 0.0) + s.value
-    return out
-
-
-def settled(url: str, wait_s: float = 10.0) -> dict[Key, float]:
-    """A scrape once two in a row agree: stats reach /metrics a step or a log interval late."""
-    prev, deadline = scrape(url), time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        time.sleep(1.0)
-        if (cur := scrape(url)) == prev:
-            break
-        prev = cur
-    return prev
-
-
-def get(m: dict[Key, float], name: str, **labels) -> float:
-    return sum(v for (n, ls), v in m.items() if n == name and set(labels.items()) <= ls)
-
-
-def delta(after: dict[Key, float], before: dict[Key, float]) -> dict[Key, float]:
-    """Counters and histogram sums/counts that moved."""
-    return {k: v - before.get(k, 0.0) for k, v in after.items()
-            if k[0].endswith(("_total", "_sum", "_count")) and v != before.get(k, 0.0)}
-
-
+# ---------------------------------------------------------------- metrics (bench.engine_metrics.scrape's)
 def keyed(m: dict[Key, float]) -> dict[str, float]:
     """For JSON: ``name{label="value",...}`` -> value."""
     return dict(sorted((n + ("{" + ",".join(f'{a}="{b}"' for a, b in sorted(ls)) + "}" if ls else ""), round(v, 6))
@@ -198,7 +164,7 @@ def probe(d_url: str, send, kind: str, max_len: int) -> dict:
     for n in [n for n in PROBE_SIZES if n + BLOCK + 1 <= max_len] * 2:
         before = settled(d_url)
         send(n)
-        x = transfers({"d": delta(settled(d_url), before)})[kind]
+        x = transfers({"d": moved(settled(d_url), before)})[kind]
         pts.append((x["bytes"], x["seconds"]))
     f = fit([[1, b] for b, _ in pts], [t for _, t in pts], ("latency_s", "s_per_byte"))
     return {"latency_s": f["latency_s"], "gbps": 1e-9 / f["s_per_byte"] if f["s_per_byte"] > 0 else None,
@@ -224,12 +190,6 @@ class Replay(Bench):
         log.unlink(missing_ok=True)
         url, proc = self.router(name, [*args, "--decision-log", str(log)])
         return url, proc, log
-
-    def start_engines(self, specs):
-        started = [self.dep.engine(name, self.model, core, kv, extra=self.extra) for name, core, kv in specs]
-        for url, proc in started:
-            self.dep.wait_http(url, proc, 300)
-        return [url for url, _ in started]
 
     def replay(self, name: str, engines: dict[str, str], router_args: list[str], commands: dict,
                direct: str) -> None:
@@ -259,7 +219,7 @@ class Replay(Bench):
                   f"times (wall clock stepped {res['wall_clock_step_s']:+.1f} s during the replay)", flush=True)
         commands.update(client=raw.pop("command"), client_env={"PYTHONHASHSEED": HASH_SEED})
         after = {e: settled(u) for e, u in engines.items()}
-        per = self.deltas[name] = {e: delta(after[e], before[e]) for e in engines}
+        per = self.deltas[name] = {e: moved(after[e], before[e]) for e in engines}
         ttfts, errors = raw.get("ttfts") or [], raw.get("errors") or []
         met = sum(1 for t, e in zip(ttfts, errors) if not e and t and 0 < t <= self.a.ttft_slo)
         res.update({k: raw.get(k) for k in ("completed", "failed", "duration", "request_throughput",
@@ -392,12 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     a.count = a.count or (30 if a.quick else None)
 
     from kvcore.platform import engine_dtype, kv_bytes_per_token
-    from multi.models import build
 
-    out = Path(a.out)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    cache = Path(os.environ.get("MCTIER_CACHE", ROOT / ".cache"))
-    model = a.model if os.path.isdir(a.model) else str(build(a.model, cache / "models" / a.model))
+    out = output_dir(a.out)
+    model = model_dir(a.model)
     positions = json.loads((Path(model) / "config.json").read_text()).get("max_position_embeddings", 8192)
     reqs, trace_cmd, cut = window(a, out / "trace.jsonl", positions)
     max_len = max(4096, -(-max(r.input_length + r.output_length for r in reqs) // 1024) * 1024)
@@ -412,23 +369,12 @@ def main(argv: list[str] | None = None) -> int:
               "max_model_len": max_len, "deployments": b.results}
 
     term_as_interrupt()
-    t0, errors = time.monotonic(), {}
-    try:
-        for name, run in (("plain", b.deployment_plain), ("tiered", b.deployment_tiered)):
-            if a.only not in (None, name):
-                continue
-            try:
-                run()
-            except Exception as e:  # noqa: BLE001 - report what the other deployment measured
-                errors[name] = b.results.setdefault(name, {})["error"] = f"{type(e).__name__}: {e}"[:3000]
-                print(f"[replay] deployment {name} FAILED: {errors[name]}", file=sys.stderr, flush=True)
-            finally:
-                b.dep.stop()  # engines and routers, then the store server and the master
-    except KeyboardInterrupt:
-        print("\n[replay] interrupted; stopping everything, reporting what was measured", file=sys.stderr)
-        errors["interrupted"] = "KeyboardInterrupt"
-    finally:
-        b.dep.stop()
+    t0 = time.monotonic()
+    deployments = {"plain": b.deployment_plain, "tiered": b.deployment_tiered}
+    errors = run_deployments(b.dep, {k: v for k, v in deployments.items() if a.only in (None, k)}, "replay")
+    for name, err in errors.items():
+        if name in deployments:
+            b.results.setdefault(name, {})["error"] = err
     caps = [v for r in b.results.values() for v in (r.get("cache_tokens_per_engine") or {}).values() if v]
     speeds = {**b.speeds, "bytes_per_token": b.bpt, "dtype": dtype, "block_size": BLOCK, "model": a.model,
               "prefix_cache_tokens_per_engine": min(caps) if caps else None,

@@ -33,7 +33,7 @@ class Code(NamedTuple):
 
 CODES: tuple[Code, ...] = (
     #    code  Mooncake name            class              cause
-    Code(-1,   "INTERNAL_ERROR",        "InternalError",   "error",          rpc_down=True),  # is_exist: "could not ask"
+    Code(-1,   "INTERNAL_ERROR",        "InternalError",   "error",          rpc_down=True),  # is_exist: could not ask
     Code(-200, "NO_AVAILABLE_HANDLE",   "NoSpace",         "no_space"),
     Code(-600, "INVALID_PARAMS",        "InvalidParams",   "invalid_params"),
     Code(-703, "REPLICA_IS_NOT_READY",  "ReplicaNotReady", "not_ready",      missing=True),

@@ -155,7 +155,3 @@ class KVGeometry:
             a.layer == b.layer and a.page_bytes == b.page_bytes
             for a, b in zip(self.regions, remote)
         )
-
-    def signature(self) -> list[tuple[str, int]]:
-        """Address-free description, for config fingerprints."""
-        return [(r.layer, r.page_bytes) for r in self.regions]

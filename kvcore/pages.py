@@ -67,9 +67,7 @@ class PageViews:
         One run of consecutive blocks is one ``copy_``. Scattered blocks are one indexed
         write for the whole ``src``, through views of 8-byte elements where the strides allow:
         a ``copy_`` per run pays torch's per-call cost per page, and a uint8 indexed write
-        copies byte by byte. Measured on 2026-12-04 (AMD EPYC, one thread; 16 chunks of 8
-        scattered blocks in 24 regions of 8 KiB pages, 25 MB): 26 ms with a ``copy_`` per run,
-        29 ms uint8 indexed, 6.2 ms int64 indexed, 3.1 ms for one contiguous copy of it all."""
+        copies byte by byte, each 4 to 5 times slower (docs/benchmarks/store-phases.md)."""
         self.geo.check_blocks(block_ids)  # a slice past the end would not fail by itself
         dst = self.views[region]
         if src.dim() < 2 or src.shape[-1] != dst.shape[1] or math.prod(src.shape[:-1]) != len(block_ids):

@@ -13,16 +13,15 @@ waits for one).
 CPU classes, and the one rule for the dtype of the engines this project starts
 (demo, tests, benchmarks, example scripts): ``bfloat16`` where the CPU has native
 bf16 arithmetic (``avx512_bf16`` or ``amx_bf16`` in ``/proc/cpuinfo``), ``float32``
-otherwise, because without it every bf16 matmul takes torch's AVX2 fallback, 4 to 8
-times slower than float32 (measured: a 2048x1024 by 1024x1024 linear, 265 ms bf16
-against 35 ms float32 on one core with the AVX2 paths forced). An explicit dtype
+otherwise, because without it every bf16 matmul takes torch's AVX2 fallback, several
+times slower than float32 (docs/benchmarks/cpu-classes.md). An explicit dtype
 (``--dtype`` on a command line, or ``MCTIER_DTYPE``) always wins.
 
 ``MCTIER_SIMULATE_CPU=avx2`` makes an AVX-512/AMX machine behave as an AVX2-only one
 for everything this project starts: the rule above sees no native bf16, and engines
 get ``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2`` and a ``sitecustomize``
 (:mod:`kvcore.simcpu`) that makes torch's ISA probes answer "no AVX-512, no AMX", so
-vLLM loads its AVX2 kernel library and bf16 linears fall back as they do on AMD EPYC.
+vLLM loads its AVX2 kernel library and bf16 linears fall back as on an AVX2-only CPU.
 The environment variables alone are not enough: vLLM would still load its AMX
 kernels and its AMX attention dies on a SIGILL without oneDNN having asked the kernel
 for AMX state. Simulated engines also get their own torch inductor cache

@@ -14,11 +14,10 @@ from pathlib import Path
 
 from kvcore.errors import TransferTimeout
 
-
 # Ports picked for listeners come from below the kernel's ephemeral range: a port the kernel
 # handed out (bind to port 0) is free only until the next outgoing connection or ephemeral
 # bind takes it, and one did: a prefill's bootstrap port, picked that way, was taken before
-# the engine bound it (Errno 98, tests/test_router_e2e.py in CI, 2026-12-02). Below 20000 are
+# the engine bound it (Errno 98 in tests/test_router_e2e.py). Below 20000 are
 # well-known services and the range Mooncake's Transfer Engine draws its RPC ports from
 # (rpc_min_port to rpc_max_port, 15000 to 17000 by default).
 _PICK_FROM = 20000
@@ -105,7 +104,8 @@ class Proc:
             if port_open(port, host):
                 return
             time.sleep(0.2)
-        raise TransferTimeout(f"{self.name} did not listen on {host}:{port} within {timeout:.0f}s; log tail:\n{self.tail()}")
+        raise TransferTimeout(f"{self.name} did not listen on {host}:{port} within {timeout:.0f}s; "
+                              f"log tail:\n{self.tail()}")
 
     def tail(self, n: int = 40) -> str:
         try:

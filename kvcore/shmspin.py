@@ -8,17 +8,17 @@ on a socket. Our connectors keep an engine stepping while it holds blocks for a 
 (``has_pending_push_work``) or waits for remote KV, a step every few milliseconds, so
 its engine core and every rank busy-wait for as long as that lasts. On a CPU host those
 processes share the cores with the engine's own API server (and, on a small host, with
-other instances): measured on two cores, a TP 2 prefill instance holding one request's
-blocks did not even parse the next request until the hold ended (30 s, its abort
-timeout), and a TP 2 decode instance waiting for KV froze its co-located prefill.
+other instances), which then starves: on two cores a TP 2 instance holding blocks or
+waiting for KV stopped serving its own and its neighbours' requests
+(docs/benchmarks/idle-steps.md).
 
 :func:`shorten` lowers ``busy_loop_s`` of the queues this process reads to a few
 milliseconds: between steps of a busy engine the readers still spin (a step follows
 within microseconds), between the slow steps of a waiting engine they sleep on the
-queue's own notification socket. On its own it was not enough (that next request still
-waited 7 to 23 s); with the P2P tier's pacing of steps that compute nothing
-(``p2p.connector.IDLE_STEP_S``) it waited 0.25 s. It reaches into vLLM's internals (the
-attribute names of vLLM 0.32); when they are not there it logs once and changes nothing.
+queue's own notification socket. It is enough only together with the tiers' pacing of
+steps that compute nothing (:data:`IDLE_STEP_S`; docs/benchmarks/idle-steps.md). It reaches
+into vLLM's internals (the attribute names of vLLM 0.32); when they are not there it logs
+once and changes nothing.
 """
 
 from __future__ import annotations

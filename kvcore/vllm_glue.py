@@ -14,10 +14,12 @@ import importlib.metadata as md
 import os
 import sys
 
+from vllm.config import KVTransferConfig  # noqa: F401  (re-export: the composite builds its tiers' configs)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401  (re-exports)
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: F401
     KVConnectorPromMetrics,
@@ -62,8 +64,7 @@ def vllm_main(args: list[str]) -> int:
     return 0
 
 
-def request_prompt_len(request) -> int:
-    return request.num_prompt_tokens
+# --- a request's fields, state and blocks --------------------------------------------------------
 
 
 def request_cache_salt(request) -> str | None:
@@ -80,10 +81,24 @@ def request_mm_hashes(request) -> list[str]:
     return [str(getattr(f, "identifier", "")) for f in features]
 
 
-# --- added for the P2P tier ---
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402,F401
-    KVConnectorTransferResults,
-)
+def request_finished_normally(request) -> bool:
+    """True when a request ended by length or stop (its prompt KV is complete), not abort/error."""
+    return request.status.name in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+
+
+def first_group_block_ids(blocks) -> list[int]:
+    """Block ids of the first KV cache group of a ``KVCacheBlocks`` (the only one:
+    :func:`require_full_attention`)."""
+    ids = blocks.get_block_ids()
+    return list(ids[0]) if ids else []
+
+
+def request_block_ids(kv_cache_manager, req_id: str) -> list[int]:
+    """Block ids of the request's (single: :func:`require_full_attention`) KV cache group."""
+    return list(kv_cache_manager.get_block_ids(req_id)[0])
+
+
+# --- the calling worker's place in the engine ----------------------------------------------------
 
 
 def parallel_ranks(vllm_config) -> tuple[int, int, int, int]:
@@ -99,19 +114,36 @@ def parallel_ranks(vllm_config) -> tuple[int, int, int, int]:
     return dp, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(), get_pp_group().rank_in_group
 
 
-def request_finished_normally(request) -> bool:
-    """True when a request ended by length or stop (its prompt KV is complete), not abort/error."""
-    return request.status.name in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+def tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except (ImportError, AssertionError):
+        return 0
 
 
-def first_group_block_ids(blocks) -> list[int]:
-    """Block ids of the first KV cache group of a ``KVCacheBlocks`` (the only one:
-    :func:`require_full_attention`)."""
-    ids = blocks.get_block_ids()
-    return list(ids[0]) if ids else []
+def pp_rank() -> int:
+    """The calling worker's pipeline stage (0 outside a distributed worker)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return get_pp_group().rank_in_group
+    except (ImportError, AssertionError):
+        return 0
 
 
-# --- added for the store tier (mcstore) ---------------------------------------------
+def pp_stages() -> int:
+    """How many pipeline stages the calling worker's engine has (1 outside a distributed worker)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return get_pp_group().world_size
+    except (ImportError, AssertionError):
+        return 1
+
+
+# --- an engine's KV layout: what makes two engines' pages interchangeable, and its sizes ---------
 
 
 def kv_fingerprint_fields(vllm_config, kv_cache_config) -> dict:
@@ -201,36 +233,7 @@ def bytes_per_token(kv_cache_config) -> float:
     return total / block_size_of(kv_cache_config)
 
 
-def tp_rank() -> int:
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        return get_tensor_model_parallel_rank()
-    except (ImportError, AssertionError):
-        return 0
-
-
-def pp_rank() -> int:
-    """The calling worker's pipeline stage (0 outside a distributed worker)."""
-    try:
-        from vllm.distributed.parallel_state import get_pp_group
-
-        return get_pp_group().rank_in_group
-    except (ImportError, AssertionError):
-        return 0
-
-
-def pp_stages() -> int:
-    """How many pipeline stages the calling worker's engine has (1 outside a distributed worker)."""
-    try:
-        from vllm.distributed.parallel_state import get_pp_group
-
-        return get_pp_group().world_size
-    except (ImportError, AssertionError):
-        return 1
-
-
-# --- what every tier requires of the engine's layout ------------------------------------------
+# --- what every tier requires of the engine's layout ---------------------------------------------
 
 
 def _group_kind(spec) -> tuple[str, str | None]:
@@ -315,6 +318,9 @@ def warn_pipeline_parallel(vllm_config, who: str, log) -> None:
         "request even without a connector, so this project's CPU CI cannot run one", who, pp)
 
 
+# --- vLLM's connector registry -------------------------------------------------------------------
+
+
 def register_connector_name(name: str, module: str, class_name: str) -> None:
     """Make ``name`` resolvable by vLLM's factory registry.
 
@@ -324,98 +330,3 @@ def register_connector_name(name: str, module: str, class_name: str) -> None:
 
     if name not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(name, module, class_name)
-
-
-def request_block_ids(kv_cache_manager, req_id: str) -> list[int]:
-    """Block ids of the request's (single: :func:`require_full_attention`) KV cache group."""
-    return list(kv_cache_manager.get_block_ids(req_id)[0])
-
-
-# --- added for the composite ---
-from vllm.config import KVTransferConfig  # noqa: E402,F401
-
-
-
-# --- added for the store tools: an engine's KV layout without starting an engine ---------
-
-
-def engine_vllm_config(model: str, kv_transfer_config: dict, *, block_size: int | None = None, dtype: str = "auto",
-                       kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                       prefix_caching_hash_algo: str = "sha256"):
-    """The ``VllmConfig`` vLLM builds from these engine arguments (reads the model's config, no weights)."""
-    install_version_alias()
-    from vllm.engine.arg_utils import EngineArgs
-
-    args = EngineArgs(
-        model=model, block_size=block_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-        prefix_caching_hash_algo=prefix_caching_hash_algo,
-        tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size, enforce_eager=True,
-        distributed_executor_backend="mp" if tensor_parallel_size * pipeline_parallel_size > 1 else None,
-        kv_transfer_config=KVTransferConfig(**kv_transfer_config),
-    )
-    return args.create_engine_config()
-
-
-def engine_kv_cache_layout(vllm_config):
-    """The parts of the engine's ``KVCacheConfig`` that :func:`kv_fingerprint_fields` and
-    :func:`require_full_attention` read (``kv_cache_groups``, ``kv_cache_layout``), computed as
-    the engine core does for stage 0: the platform's default attention backend customizes
-    each decoder layer's spec (full attention, or vLLM's own ``Attention.get_kv_cache_spec``
-    for a sliding-window layer: ``layer_types`` / ``sliding_window`` as vLLM's Llama reads
-    them), ``get_kv_cache_groups`` groups them (promoting sliding windows to full attention
-    when the hybrid allocator is off), ``resolve_kv_cache_layout`` picks the layout. MLA,
-    Mamba and chunked-local models are refused (:class:`kvcore.errors.ConfigError`)."""
-    from types import SimpleNamespace
-
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
-    from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
-    from vllm.v1.attention.backend import AttentionType
-    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
-
-    from kvcore.errors import ConfigError
-
-    model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-    if model.use_mla or getattr(model, "is_hybrid", False) or getattr(model, "attention_chunk_size", None):
-        raise ConfigError("only full-attention and sliding-window decoder models are laid out without an "
-                          "engine; use the fingerprint a running engine published instead")
-    with set_current_vllm_config(vllm_config):
-        backends = get_current_attn_backends(vllm_config)
-    backend = backends[0]
-    dtype = STR_DTYPE_TO_TORCH_DTYPE[cache.cache_dtype] if cache.cache_dtype != "auto" else model.dtype
-    try:  # the worker's helper (vLLM 0.32); older releases only have the backend's classmethod
-        from vllm.v1.worker.utils import customize_attention_spec
-    except ImportError:
-        def customize_attention_spec(b, spec):
-            return b.customize_spec(spec)
-    full = customize_attention_spec(backend, FullAttentionSpec(
-        block_size=cache.block_size,
-        num_kv_heads=model.get_num_kv_heads(parallel),
-        head_size=model.get_head_size(),
-        dtype=dtype,
-        kv_quant_mode=get_kv_quant_mode(cache.cache_dtype),
-    ))
-    hf = model.hf_text_config
-    types = getattr(hf, "layer_types", None)
-
-    def layer_spec(i: int):
-        window = hf.sliding_window if types and types[i] == "sliding_attention" else None
-        window = window if window is not None else cache.sliding_window  # every layer slides
-        if window is None:
-            return full
-        # vLLM's own method on a stand-in layer: it picks the sliding-window block size.
-        layer = SimpleNamespace(attn_type=AttentionType.DECODER, kv_cache_dtype=cache.cache_dtype,
-                                sliding_window=window, attn_backend=backend, num_kv_heads=full.num_kv_heads,
-                                head_size=full.head_size, head_size_v=full.head_size_v, kv_cache_torch_dtype=dtype)
-        return customize_attention_spec(backend, Attention.get_kv_cache_spec(layer, vllm_config))
-
-    start, _ = model.get_layers_start_end_indices(parallel)
-    n_layers = model.get_num_layers_by_block_type(parallel, "attention")
-    specs = {f"model.layers.{i}.self_attn.attn": layer_spec(i) for i in range(start, start + n_layers)}
-    supported = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
-    layout = resolve_kv_cache_layout(vllm_config, [supported], list(specs.values()))
-    groups = get_kv_cache_groups(vllm_config, specs)  # may promote specs in place: after the layout
-    return SimpleNamespace(kv_cache_groups=groups, kv_cache_layout=layout.name)

@@ -46,7 +46,6 @@ class Breaker:
         self._up = threading.Event()
         self._up.set()
         self._stop = threading.Event()
-        self.trips = 0
         self.last = target()
         self._thread = threading.Thread(target=self._run, name=f"mcstore-probe-{name}", daemon=True)
         self._thread.start()
@@ -61,7 +60,6 @@ class Breaker:
 
     def trip(self, why: str) -> None:
         if self._up.is_set():
-            self.trips += 1
             logger.warning("mcstore: master %s unavailable (%s); store skipped until it answers",
                            self._where(), why)
         self._up.clear()

@@ -84,9 +84,9 @@ class StoreConnector(KVConnectorBase_V1, Tier):
         self._sched: StoreScheduler | None = None
         self._worker: StoreWorker | None = None
         # A load keeps the engine stepping with nothing to compute; on TP/PP > 1 CPU engines
-        # every rank busy-waits after each such step (kvcore.shmspin). On two cores a TP 2
-        # engine waiting for a load so starved the Mooncake master's RPC that the load
-        # timed out after 30 s (tests/test_tp2_e2e.py, 3 runs of 4 on an AMD EPYC host).
+        # every rank busy-waits after each such step (kvcore.shmspin): on two cores a TP 2
+        # engine waiting for a load starved the master's RPC until the load timed out
+        # (docs/benchmarks/idle-steps.md).
         # A one-rank engine spins through such steps too, on the core its load runs on: a
         # short pause sped the load up (StoreConfig.idle_step_s).
         multi_rank = shmspin.cpu_ranks(vllm_config)

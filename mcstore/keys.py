@@ -8,8 +8,8 @@ Two ways to get the links, fixed per key space (the choice is in the fingerprint
   SHA-256, from a seed that is ``PYTHONHASHSEED`` or vLLM's fixed default, the cache salt,
   LoRA name and path, multimodal and prompt-embedding hashes folded in). Chunk ``i``'s link
   is ``H(fingerprint, block hash ending chunk i)``: 128 short hashes for a 32K-token prompt
-  instead of digesting 32K token ids in the scheduler's lookup (the links' median 0.10 to 0.12
-  against 0.50 to 0.59 ms, ``bench/store_bench.py``, 2026-12-05). Tools without an engine
+  instead of digesting 32K token ids in the scheduler's lookup, about 5 times faster
+  (docs/benchmarks/store-hit.md). Tools without an engine
   recompute vLLM's hashes with :func:`vllm_sha256_block_hashes`, the same bytes (a test holds
   it to vLLM's own hasher).
 - **Our own chain** otherwise (other hash algorithms: ``xxhash`` is not collision resistant and
@@ -18,8 +18,8 @@ Two ways to get the links, fixed per key space (the choice is in the fingerprint
 ``seed = H(fingerprint, isolation keys)``; ``link[i] = H(link[i-1], tokens of chunk i)``, the
 tokens digested as their MessagePack array (msgspec's encoding: each int in its shortest form,
 the same bytes on every host; a decoder recovers the list, so two different chunks never digest
-the same bytes). It replaced int64 little-endian in key version 2: the chain of a fresh
-32K-token prompt took 0.82 ms at the median against 1.34 (1,000 prompts, interleaved, 2026-12-02).
+the same bytes). It replaced int64 little-endian in key version 2: fewer bytes to digest, a
+faster chain (docs/benchmarks/store-hit.md).
 The fingerprint digests everything that makes stored bytes (in)compatible:
 model identity, dtype, KV layout, block size, layer count, KV heads, head size,
 sliding window (when vLLM keeps such layers as full attention), TP size, PP size and
@@ -179,9 +179,9 @@ class KeySpace:
         per = self.chunk_tokens // self.block_hashes.block_size
         n = min(num_tokens // self.chunk_tokens, len(block_hashes) // per)
         fp, sha, head = self._fp_bytes, hashlib.sha256, self.prefix + "/"
-        # A slice and string concatenation instead of an index and an f-string per chunk: on
-        # the scheduler's lookup path, 128 links (32K tokens) in 83-85 against 94-97 us p50
-        # (AVX2 host, interleaved rounds); the sha256 calls are most of it.
+        # A slice and string concatenation instead of an index and an f-string per chunk: about
+        # 10% less on the scheduler's lookup path, where the sha256 calls are most of the time
+        # (docs/benchmarks/store-hit.md).
         return [head + sha(fp + h).hexdigest() for h in block_hashes[per - 1 : n * per : per]]
 
     def key(self, link: str, rank: int, stage: int | None = None) -> str:
@@ -219,7 +219,7 @@ class EngineMeta(msgspec.Struct, kw_only=True):
     model: str | None = None  # model_id if configured, else the engine's --model
     fields: dict[str, Any] = msgspec.field(default_factory=dict)  # kvcore.vllm_glue.kv_fingerprint_fields
     # KEY_VERSION of the mctier that published it. None in what engines published before the
-    # field (2026-12-02), key versions 1 and 2: tools cannot tell those apart.
+    # field existed (key versions 1 and 2): tools cannot tell those apart.
     key_version: str | None = None
     block_hashes: VllmBlockHashes | None = None  # links from vLLM's block hashes (key version 3)
 

@@ -5,23 +5,14 @@ Whole chunks go straight from the store into the registered KV pages, in batch g
 at most ``MAX_RANGES_PER_CALL`` buffer ranges (:func:`ranged_batches`), one range per run
 of consecutive blocks per KV region. Once an engine's cache has cycled, the blocks vLLM
 gives a request no longer form ascending runs and a chunk becomes up to one range per block
-per region; Mooncake's TCP transport pays per range. So a chunk with more than ``stage_above_ranges_per_region``
-ranges per region (default 4) is fetched as one range into a host staging buffer and its
-pages copied into place (:mod:`kvcore.pages`), as many chunks per Mooncake get as the
-buffer holds (``load_staging_size``, 64 MB) and one indexed copy per KV region for them all:
-fetched one chunk per get, the staged chunks' gets had run at about 0.7 GB/s (3 MiB chunks,
-AMX host, earlier on 2026-12-04). A/B in one run (``bench/store_phases.py --prefixes 16384,32512
---reps 2 --reader-blocks 1100 --ab load_staging_size=1``, AMD EPYC, 2026-12-04): the
-batched side's loads took 0.54x and 0.46x the one-per-get side's at 16K and 32K tokens
-(staging 27 against 65 ms, 30 against 153). Measured with ``bench/store_phases.py
---reader-blocks 400 --ab`` (interleaved in one run): on 2026-12-02, readers with a cycled
-cache at 28 to 34 ranges per chunk (4.7 to 5.7 per region; staging above 1 per region),
-loads took 0.54x and 0.45x the direct ones at 4K and 8K-token prefixes, TTFT 0.70x and
-0.52x, the copy 10 to 16 ms; at 2K, blocks still in runs, nothing was staged and the time
-was the same. On 2026-11-30 (a KV layout of 12 regions), staging every chunk at 1 and 2.75
-ranges per region had lost: the transfer no faster, the loads 1.4 to 1.6 times slower
-with the copy. Hence the default between the two. A chunk needed from block ``first`` on
-only is fetched whole into staging too.
+per region; Mooncake's TCP transport pays per range. So a chunk with more than
+``stage_above_ranges_per_region`` ranges per region (default 4) is fetched as one range into a
+host staging buffer and its pages copied into place (:mod:`kvcore.pages`), as many chunks per
+Mooncake get as the buffer holds (``load_staging_size``, 64 MB) and one indexed copy per KV
+region for them all. Staging about halves a scattered chunk's load and batching the staged
+gets halves it again, while at 1 to 3 ranges per region staging lost to its copy: hence the
+default between the two (docs/benchmarks/store-phases.md). A chunk needed from block ``first``
+on only is fetched whole into staging too.
 
 A read that outlasts the master's read lease (``--default_kv_lease_ttl``) fails:
 Mooncake's batch get returns LEASE_EXPIRED for it (the object may have been evicted
@@ -40,8 +31,7 @@ import time
 from kvcore.errors import is_missing
 from kvcore.log import get_logger
 from kvcore.tier import LoadReport
-from mcstore.objects import TRAILER as _TRAILER
-from mcstore.objects import read_cause, trailer_ok
+from mcstore.objects import TRAILER as _TRAILER, read_cause, trailer_ok
 from mcstore.protocol import ChunkIO, LoadJob
 
 logger = get_logger("mcstore.loads")
@@ -56,10 +46,9 @@ def ranged_batches(ranges: list[int]) -> list[list[int]]:
     included. A chunk with more ranges than the cap goes alone.
 
     Why: Mooncake 0.3.13 fails the ranges of one batch call past about the 2,048th
-    (TRANSFER_FAIL; once a SIGSEGV of the calling process; ``tests/test_store_integration.py``).
-    A churned engine's blocks scatter to 33 to 96 ranges per chunk, and in
-    ``bench/store_phases.py`` every 7,936-token load after that failed from its 21st or 22nd
-    chunk on (8 loads)."""
+    (TRANSFER_FAIL; once a SIGSEGV of the calling process; ``tests/test_store_integration.py``),
+    and a churned engine's blocks scatter to tens of ranges per chunk
+    (docs/benchmarks/store-phases.md)."""
     out: list[list[int]] = []
     part: list[int] = []
     total = 0

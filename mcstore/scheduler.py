@@ -37,8 +37,8 @@ from kvcore.log import get_logger
 from kvcore.platform import current as current_platform
 from kvcore.tier import load_deadline_s
 from kvcore.vllm_glue import (
-    request_cache_salt,
     request_block_ids,
+    request_cache_salt,
     request_lora_name,
     request_mm_hashes,
 )

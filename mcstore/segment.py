@@ -88,7 +88,8 @@ def run(a: argparse.Namespace) -> int:
     from mcstore.server import client_env, offload_env
 
     # The environment Mooncake reads at set-up: quiet, fail fast, advertise --host.
-    os.environ.update({k: v for k, v in client_env(a.host).items() if k not in os.environ or k == "MC_TCP_BIND_ADDRESS"})
+    os.environ.update({k: v for k, v in client_env(a.host).items()
+                       if k not in os.environ or k == "MC_TCP_BIND_ADDRESS"})
     if a.ssd:
         Path(a.ssd).mkdir(parents=True, exist_ok=True)
         for k, v in offload_env(a.ssd).items():

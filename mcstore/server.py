@@ -65,7 +65,8 @@ class MasterAddrs(msgspec.Struct):
 
 
 def master_binary() -> str:
-    exe = shutil.which("mooncake_master", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    search = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    exe = shutil.which("mooncake_master", path=search)
     if exe is None:
         raise RuntimeError("mooncake_master not found: install the 'cpu' (or 'cuda') extra")
     return exe

@@ -34,16 +34,14 @@ from kvcore.errors import ConfigError, cause_of, is_no_space
 from kvcore.geometry import KVGeometry
 from kvcore.log import get_logger
 from kvcore.pages import PageViews
-from kvcore.platform import current as current_platform
-from kvcore.platform import wait_fence
+from kvcore.platform import current as current_platform, wait_fence
 from kvcore.tier import LoadReports
-from mcstore.objects import TRAILER as _TRAILER
-from mcstore.objects import pack_trailer, trailer  # noqa: F401  (tests import trailer here)
 from mcstore.client import StoreClient
 from mcstore.config import StoreConfig
 from mcstore.keys import KeySpace
 from mcstore.loads import _TRAILER_SLOTS, Loads, ranged_batches
 from mcstore.metrics import StoreStats
+from mcstore.objects import TRAILER as _TRAILER, pack_trailer, trailer  # noqa: F401  (tests import trailer here)
 from mcstore.protocol import SaveJob, StoreMetadata
 
 logger = get_logger("mcstore.worker")
@@ -133,8 +131,8 @@ class StoreWorker(Loads):
         # value on Linux) leaves the core to the transfer. The thread's own Python work (the
         # pick-up, the recheck, staged copies) runs at that priority too: a load starts about
         # 1 ms later. Not the save thread: a save runs after its request, while the engine's
-        # worker busy-waits for the next step (kvcore.shmspin), and at nice 19 saves took up
-        # to 5x longer (bench.store_phases --ab, 2026-12-02). Not the lowest priority either:
+        # worker busy-waits for the next step (kvcore.shmspin), and at nice 19 a save took up
+        # to 5 times longer (docs/benchmarks/store-phases.md). Not the lowest priority either:
         # while the engine decodes, its forward passes would leave a nice-19 thread almost no
         # core (mcstore.config.LOAD_THREAD_NICE_CPU).
         if nice:

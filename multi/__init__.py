@@ -1,4 +1,6 @@
-"""Composite tier (``TieredConnector``) and the ``mctier`` command line.
+"""Composite tier (``TieredConnector``) and its cost model (:mod:`multi.policy`,
+:mod:`multi.calibration`); the router behind ``mctier proxy`` (:mod:`multi.router`) and the
+``mctier`` command line (:mod:`multi.cli`) are packages of their own.
 
 ``TieredConnector`` is exported lazily so that the CLI imports without vLLM.
 """

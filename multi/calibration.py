@@ -17,42 +17,26 @@ class OnlineFit:
 
     - Relative errors: each sample is weighted by ``1 / predicted seconds`` (the fit's
       prediction for it before the update, kept within ``clip`` times the sample), so a
-      5 ms decode step and a 2 s prefill count alike. Plain least squares fits the long
-      passes and lets a wrong start linger in the short ones: from starting values 10x off
-      the machine's speed (mixed prefills and decode steps) its mean relative error was
-      still 0.67 after 50 samples, against 0.06 with relative weights
-      (``tests/test_policy.py`` checks starts 0.1x, 10x and 40x off).
-    - Why the prediction and not the sample's own seconds (the weight until 2026-12-05):
-      a weight that depends on the sample favours the fast samples. For one quantity
-      that minimises ``sum(((c - y) / y)^2)``, whose solution ``c = sum(1/y) / sum(1/y^2)``
-      is ``exp(mu - 1.5 sigma^2)`` for log-normal samples, below their median ``exp(mu)``
-      and their mean ``exp(mu + sigma^2 / 2)``, the more so the wider they spread. The
-      handoff, whose time includes the prefill instance's request, spreads more than a
-      store load: on the AVX2 host (decision matrix, 2K tokens fully stored, with a
-      prefill instance) handoffs of 4 MB took 15 to 54 ms (median 27) from being planned
-      to done, store loads 14 to 28 (median 18), and the fits said 20 and 17 to 18 ms,
-      so ``auto`` handed off at 1.30x the store's TTFT. A weight fixed before the sample
-      is seen leaves the least squares unbiased: the fit tends to the (recent) mean. It is
-      kept within ``clip`` of the sample so that a start far off (40x slow) does not shrink
-      every sample's weight against the prior's and slow the convergence (the test's
-      start 40x slow: mean relative error 0.12 over samples 41 to 60, 0.23 unclipped).
-    - ``relative_to="sample"`` keeps the previous weight. The router's fits use it
-      (:mod:`multi.route`): its queue wait (not clipped) swings by orders of magnitude
-      between an idle pool and an overloaded one, and weighted by its prediction a burst
-      of long waits raised the prediction and then discounted the short waits that
-      followed (every router fit weighted by its prediction: in the cluster simulator at
-      twice the trace's rate the kv router without the store met the SLO for 38.9% of
-      requests, against 79.3%; ``bench.sim``, 2026-12-05); its per-instance cost models
-      learn from whole requests (see :meth:`multi.route.Chooser.model`).
+      5 ms decode step and a 2 s prefill count alike; plain least squares lets a wrong start
+      linger in the short passes (``tests/test_policy.py`` checks starts 0.1x, 10x and 40x
+      off).
+    - Weighted by the prediction, not by the sample's own seconds: a weight that depends on
+      the sample favours the fast samples and prices a spread-out quantity below its median
+      (``exp(mu - 1.5 sigma^2)`` for log-normal samples); a weight fixed before the sample is
+      seen leaves the fit tending to the recent mean (docs/benchmarks/decisions.md, "The
+      calibration fits").
+    - ``relative_to="sample"`` keeps the sample's weight, for the router's fits
+      (:mod:`multi.router.choose`): its queue wait swings by orders of magnitude between an
+      idle and an overloaded pool, and weighted by its prediction a burst of long waits
+      discounted the short waits that followed (docs/benchmarks/sim-cluster.md).
     - The prior: the starting coefficients, worth ``prior_weight`` samples (a ridge term
       in the rescaled coordinates), fading with ``forget`` like every sample.
     - Outliers: after the first ``clip_after`` samples (3 by default), a sample more than
       ``clip`` times off the current prediction is clipped to that factor, so one wild sample
       moves the fit little. A fit whose first sample is often wild uses ``clip_after=0``:
       the cost model's load fits, whose first handoff can pay a connection's set-up and
-      the remote prefill's misestimate (a CI run's first P2P sample was 49x its estimate,
-      and with the prior worth 0.3 samples the fit then priced a 2,000-token handoff above
-      recomputing it). Then the prior is trusted within ``clip`` until samples move it.
+      the remote prefill's misestimate (docs/benchmarks/decisions.md). Then the prior is
+      trusted within ``clip`` until samples move it.
     - Bounds: every coefficient stays within ``[lower, upper]``.
     - ``floor`` (seconds): samples shorter than it are weighted as if they took ``floor``,
       for a quantity that is legitimately near 0 (a wait): relative errors would let one

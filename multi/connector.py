@@ -30,7 +30,7 @@ from kvcore.vllm_glue import (
     require_full_attention,
     warn_pipeline_parallel,
 )
-from multi.config import TierSpec, TieredConfig, load_config
+from multi.config import TieredConfig, TierSpec, load_config
 from multi.metrics import TieredPromMetrics, TieredStats
 from multi.protocol import TieredMetadata
 from multi.scheduler import TieredScheduler

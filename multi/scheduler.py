@@ -25,8 +25,7 @@ from kvcore.log import get_logger
 from kvcore.tier import Tier, blocks_of
 from kvcore.vllm_glue import first_group_block_ids
 from multi.metrics import TieredStats
-from multi.policy import (CostModel, Inputs, LoadSample, Plan, PolicyConfig, TierReach, decode_samples,
-                          requested_source)
+from multi.policy import CostModel, Inputs, LoadSample, Plan, PolicyConfig, TierReach, decode_samples, requested_source
 from multi.protocol import TieredMetadata
 
 logger = get_logger("multi.scheduler")
@@ -180,21 +179,15 @@ class TieredScheduler:
         for it (a handoff's), and at least the transfer the worker timed.
 
         Why whole: the worker times only the transfer (a store's batch get, the Transfer
-        Engine's read). For a handoff the rest (the prefill request's own overhead, the wait
-        for its READY after its compute, the acknowledgement, the step that reports the
-        pull) made ``auto`` pick a handoff of 256 tokens over a store load 3x faster
-        (bench/tiered_bench.py, 2026-12-01). A store load has a rest too (the step that
-        starts it, the queue of its thread, the step that reports it); it is smaller (in
-        one run of fully stored 2K prompts, 2026-12-02: 54 ms whole against 47 ms of
-        transfer, medians over different requests), but learned alike the fits compare
-        like with like.
+        Engine's read); the rest of a handoff (the prefill request's overhead, the wait for
+        READY, the acknowledgement, the step that reports the pull) is part of what the
+        request waits for, and a store load, smaller, is learned alike so that the fits
+        compare like with like (docs/benchmarks/decisions.md).
 
         The prefill instance's own time taken off (its loads and compute,
-        :meth:`multi.policy.CostModel.remote_own_s`) is the plan's estimate of it, or the wait for READY the
-        tier measured (``waited_s``) when that is shorter: an estimate above the real
-        compute would otherwise leave the fit the read alone, and a handoff of a fully stored
-        2K prompt was estimated at 21 ms against the store's 17 and measured 88 against 36
-        (tiered_bench, 2026-12-01)."""
+        :meth:`multi.policy.CostModel.remote_own_s`) is the plan's estimate of it, or the wait
+        for READY the tier measured (``waited_s``) when that is shorter: an estimate above the
+        real compute would otherwise leave the fit the read alone."""
         per = self._planned.get(sample.req_id, {})
         t0, remote = per.pop(sample.tier)
         if not per:

@@ -60,7 +60,8 @@ class BootstrapServer:
         entry = self.workers.setdefault(p.dp_rank, EngineEntry(p.engine_id, {}))
         if entry.engine_id != p.engine_id:
             return web.json_response(
-                {"detail": f"Engine ID mismatch for dp_rank={p.dp_rank}: expected {entry.engine_id}, got {p.engine_id}"},
+                {"detail": f"Engine ID mismatch for dp_rank={p.dp_rank}: expected {entry.engine_id}, "
+                           f"got {p.engine_id}"},
                 status=400,
             )
         slot = entry.worker_addr.setdefault(p.tp_rank, {})

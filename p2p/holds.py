@@ -226,8 +226,8 @@ class SideChannel:
             return
         if msg.tp_size != self.tp_size:
             self._inc("rejected:tp_mismatch")
-            self._send(ident, PullReply(Status.ERROR, msg.transfer_id,
-                                        error=f"TP mismatch: prefill tp_size={self.tp_size}, decode tp_size={msg.tp_size}"))
+            why = f"TP mismatch: prefill tp_size={self.tp_size}, decode tp_size={msg.tp_size}"
+            self._send(ident, PullReply(Status.ERROR, msg.transfer_id, error=why))
             return
         self._waiting.append(_Waiting(ident, msg, now + max(0.0, msg.wait_s)))
 

@@ -21,6 +21,7 @@ blocks are released). ``mctier proxy`` is :mod:`multi.router`, which picks the i
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 import uuid
@@ -29,8 +30,6 @@ from urllib.parse import urlparse
 
 import aiohttp
 from aiohttp import web
-
-import logging
 
 from p2p.release import release_hold
 
@@ -57,7 +56,8 @@ class ProxyError(Exception):
         self.status, self.message, self.prefill_failed = status, message, prefill_failed
 
 
-def _error(status: int, message: str) -> web.Response:
+def error_response(status: int, message: str) -> web.Response:
+    """An OpenAI-style JSON error answer with HTTP ``status`` (what a router returns)."""
     return web.json_response({"error": {"message": message, "type": "proxy_error", "code": status}}, status=status)
 
 
@@ -128,7 +128,7 @@ class Proxy:
 
     async def _handle(self, request: web.Request, path: str) -> web.StreamResponse:
         """Pick the instances and run :meth:`_run` or :meth:`_direct`: the router's part
-        (:class:`multi.router.Router`)."""
+        (:class:`multi.router.app.Router`)."""
         raise NotImplementedError
 
     # Hooks for a router that measures (no-ops here): the first output of request ``rid``

@@ -281,12 +281,10 @@ class Puller:
         """The Transfer Engine read, tried a second time when the first fails and the
         handoff's deadline leaves at least ``_RETRY_MIN_LEFT_S``. A read only fills this
         engine's own blocks and the prefill side still holds its blocks (no PullDone was
-        sent yet), so repeating it is safe. Why: a read can fail for a passing cause; in
-        2026-12 Mooncake's client dropped reads that had made no progress for 30 s while
-        the prefill's process got no CPU, and the second read completed once it ran again.
-        (That starvation came from this side's own wait, which no longer spins:
-        :mod:`p2p.transfer`.) A read failing for a lasting cause (a dead peer) fails again
-        at once."""
+        sent yet), so repeating it is safe. Why: a read can fail for a passing cause (Mooncake's
+        client drops a read that made no progress for 30 s, as while the prefill's process got
+        no CPU), and the second read then completes (docs/benchmarks/p2p.md). A read failing for
+        a lasting cause (a dead peer) fails again at once."""
         t0 = time.monotonic()
         try:
             self.engine.read(peer, local, remote, lens)

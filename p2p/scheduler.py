@@ -106,8 +106,9 @@ class P2PScheduler:
         blocks = blocks_of(start_token, end_token, self.block_size, block_ids)
         # Never past the prefill side's hold: after abort_timeout_s it frees the blocks.
         timeout = load_deadline_s(self.cfg.transfer_timeout_s, expected_s, cap_s=self.cfg.abort_timeout_s)
-        self._meta.recvs.append(RecvSpec(request.request_id, p["transfer_id"], normalize_url(p["remote_bootstrap_addr"]),
-                                         p["remote_engine_id"], first, blocks, timeout))
+        self._meta.recvs.append(RecvSpec(request.request_id, p["transfer_id"],
+                                         normalize_url(p["remote_bootstrap_addr"]), p["remote_engine_id"], first,
+                                         blocks, timeout))
         p["do_remote_prefill"] = False  # one transfer per request
 
     def release(self, request, reason: str = "") -> None:
@@ -119,8 +120,9 @@ class P2PScheduler:
             return  # the same handoff seen through another request object (vLLM aliases)
         logger.info("request %s: not pulling transfer %s (%s); telling the prefill instance to free its blocks",
                     request.request_id, p["transfer_id"], reason or "caller's decision")
-        self._meta.recvs.append(RecvSpec(request.request_id, p["transfer_id"], normalize_url(p["remote_bootstrap_addr"]),
-                                         p["remote_engine_id"], 0, [], self.cfg.transfer_timeout_s))
+        self._meta.recvs.append(RecvSpec(request.request_id, p["transfer_id"],
+                                         normalize_url(p["remote_bootstrap_addr"]), p["remote_engine_id"], 0, [],
+                                         self.cfg.transfer_timeout_s))
 
     def _handled(self, transfer_id: str) -> bool:
         """Record a transfer id as pulled or released; True if it already was."""

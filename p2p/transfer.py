@@ -5,11 +5,8 @@ waited for here with short pauses (:data:`POLL_MAX_S`), not with Mooncake's sync
 batch calls: those wait by checking the batch's status in a loop without any pause, which
 keeps one core fully busy for the whole transfer. On a CPU host where a prefill and a
 decode instance share cores, that loop starved the prefill process whose Transfer Engine
-had to send the bytes: measured on a 2-core host (Linux 6.18, autogroup scheduling), the
-pinned prefill rank's 20 runnable threads got no CPU at all for 60 s while the decode
-rank's pulling thread, pinned to the same core, took 97% of it, and Mooncake's client
-dropped the stalled reads after its 30 s progress timeout (``tests/test_tp2_p2p_e2e.py``,
-5 of 6 runs). ``transfer_check_status`` reports only a batch's first task, hence one
+had to send the bytes, until Mooncake's client dropped the stalled reads
+(docs/benchmarks/p2p.md). ``transfer_check_status`` reports only a batch's first task, hence one
 descriptor per batch; it frees the batch once it is terminal, so a finished batch is never
 asked again (asking again reads freed memory).
 Memory is registered with the platform's location string (``cpu:0`` on CPU,
@@ -205,7 +202,7 @@ class TransferEngineHandle:
         """Unregister the memory and destroy the engine now. Mooncake's engine takes about 1 s
         to stop its threads and holds the GIL meanwhile: left to the garbage collector, that
         second froze every thread of the process at a random later moment (a test process's
-        side-channel heartbeats and timed waits, 2026-12-03). Idempotent; the handle is
+        side-channel heartbeats and timed waits). Idempotent; the handle is
         unusable afterwards."""
         if self.te is None:
             return

@@ -51,9 +51,8 @@ class P2PWorker:
         if self.tp_size > 1 or self.pp_size > 1:
             # With TP > 1 each rank is its own process whose main thread runs Python between
             # and inside steps: a 0.2 ms switch interval (default 5 ms) gets our pull and
-            # side-channel threads the GIL sooner. It was added while the ranks still
-            # busy-waited (kvcore.shmspin, the actual cause of the failed TP 2 handoffs) and
-            # has not been measured on its own since.
+            # side-channel threads the GIL sooner (not measured apart from kvcore.shmspin's
+            # fix: docs/benchmarks/idle-steps.md).
             sys.setswitchinterval(0.0002)
         self.stats = P2PStats()
         self.stats_lock = threading.Lock()

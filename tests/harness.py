@@ -19,7 +19,7 @@ import requests
 from bench.client import reset_prefix_cache
 from kvcore.platform import engine_dtype, kv_bytes_per_token  # noqa: F401 - the tests' import point
 from kvcore.procs import Proc, free_port
-from multi.deploy import engine_argv, engine_env
+from multi.cli.deploy import engine_argv, engine_env
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("MCTIER_CACHE", ROOT / ".cache"))
@@ -33,7 +33,7 @@ REQUEST_TIMEOUT = 120.0
 
 def model_dir(preset: str = "tiny") -> Path:
     """The test model (built once; ``small`` is sized for this machine's CPU class)."""
-    from multi.models import build
+    from multi.cli.models import build
 
     return build(preset, CACHE / "models" / preset)
 

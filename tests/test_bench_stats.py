@@ -74,9 +74,13 @@ def test_a_staged_loads_rate_counts_its_staging_call():
     from bench.store_phases import summarise
 
     ph = "vllm:mctier_store_phase_seconds_sum"
-    d = {"vllm:mctier_store_loaded_bytes_total": 4.0e8, f"{ph}{{load_transfer}}": 0.028,
-         f"{ph}{{load_staging}}": 0.501, f"{ph}{{load_copy}}": 0.239,
-         "vllm:mctier_store_saved_bytes_total": 4.0e8, f"{ph}{{save_transfer}}": 2.0}
+
+    def key(name, **labels):  # a bench.engine_metrics.scrape sample
+        return name, frozenset(labels.items())
+
+    d = {key("vllm:mctier_store_loaded_bytes_total", kind=""): 4.0e8, key(ph, phase="load_transfer"): 0.028,
+         key(ph, phase="load_staging"): 0.501, key(ph, phase="load_copy"): 0.239,
+         key("vllm:mctier_store_saved_bytes_total", kind=""): 4.0e8, key(ph, phase="save_transfer"): 2.0}
     row = summarise(d, 1)
     assert row["load_transfer_gbps"] == pytest.approx(4.0e8 / 0.529 / 1e9)
     assert row["save_transfer_gbps"] == pytest.approx(0.2)

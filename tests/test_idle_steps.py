@@ -82,7 +82,8 @@ def test_p2p_scheduler_pauses_only_steps_that_compute_nothing_and_start_no_pull(
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_idle_steps_are_paced_on_tp2_cpu_engines_only(tp):
-    from kvcore.vllm_glue import KVConnectorRole, engine_vllm_config
+    from kvcore.vllm_glue import KVConnectorRole
+    from kvcore.vllm_layout import engine_vllm_config
     from p2p.connector import IDLE_STEP_S, P2PConnector
 
     kv = {"kv_connector": "P2PConnector", "kv_connector_module_path": "p2p", "kv_role": "kv_consumer"}
@@ -96,7 +97,8 @@ import json, os, sys, time
 from types import SimpleNamespace
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from kvcore.vllm_glue import KVConnectorRole, engine_vllm_config
+from kvcore.vllm_glue import KVConnectorRole
+from kvcore.vllm_layout import engine_vllm_config
 from mcstore.connector import StoreConnector
 
 kv, model, tp = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])

@@ -7,8 +7,7 @@ import ctypes
 import msgspec
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvcore.config import load, parse_size
 from kvcore.errors import (

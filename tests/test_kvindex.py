@@ -1,10 +1,11 @@
-"""The router's block index (``multi.kvindex``) and the KV event subscriber
-(``multi.kvevents``, ``multi.vllm_events``) against vLLM's real ``ZmqEventPublisher`` and real event structs.
+"""The router's block index (``multi.router.index``) and the KV event subscriber
+(``multi.router.events``, ``multi.router.eventwire``) against vLLM's real ``ZmqEventPublisher`` and real event structs.
 
 No engine is started: the publisher is vLLM's own class, constructed standalone on
 ``ipc://`` sockets in a temporary directory (a form vLLM binds, with no network listener;
 the subscriber connects). ``test_subscriber_binds_where_the_engine_connects`` covers the
-other form, ``tcp://HOST:P``, which the engine connects to and the subscriber binds. Engine block hashes are made up (sha256 of parent and tokens,
+other form, ``tcp://HOST:P``, which the engine connects to and the subscriber binds.
+Engine block hashes are made up (sha256 of parent and tokens,
 as bytes like vLLM's default, or ints like ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``).
 Gaps are real: the subscriber is stopped while the publisher sends, then started again.
 """
@@ -32,10 +33,10 @@ from vllm.distributed.kv_events import (
 )
 
 from kvcore.procs import free_port
-from multi import vllm_events
-from multi.kvevents import EventSubscriber
-from multi.vllm_events import decode_batch, subscriber_address
-from multi.kvindex import BlockIndex, chain
+from multi.router import eventwire
+from multi.router.events import EventSubscriber
+from multi.router.eventwire import decode_batch, subscriber_address
+from multi.router.index import BlockIndex, chain
 
 pytestmark = pytest.mark.unit
 
@@ -132,8 +133,8 @@ def test_chain_deterministic_prefix_and_salted():
     assert chain(toks[4:8], BS, parent=h[0]) == h[1:]
     assert all(0 <= x < 2**64 for x in h + salted)
     # another process, another str hash seed, and the module imports no vLLM
-    code = ("import json, sys; from multi.kvevents import EventSubscriber; "
-            "from multi.kvindex import chain; "
+    code = ("import json, sys; from multi.router.events import EventSubscriber; "
+            "from multi.router.index import chain; "
             f"print(json.dumps([chain({toks}, {BS}), chain({toks}, {BS}, 'tenant-a'), "
             "'vllm' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -186,8 +187,8 @@ def test_decoder_reads_vllm_encoding_and_other_layouts():
             s.extra_keys, s.group_idx, s.kv_cache_spec_kind, s.session_id) == (
         [b"\x01" * 32, 7], None, list(range(8)), BS, "GPU", [["salt"], None], 0,
         "full_attention", "sess-1")
-    assert isinstance(r, vllm_events.BlockRemoved) and r.block_hashes == [7] and r.group_idx == 0
-    assert isinstance(c, vllm_events.AllBlocksCleared)
+    assert isinstance(r, eventwire.BlockRemoved) and r.block_hashes == [7] and r.group_idx == 0
+    assert isinstance(c, eventwire.AllBlocksCleared)
     # legacy vLLM (array_like events, fewer fields), a future one (extra fields, new kind)
     legacy = msgspec.msgpack.encode([1.0, [
         ["BlockStored", [5], None, [1, 2, 3, 4], BS, None],
@@ -200,7 +201,7 @@ def test_decoder_reads_vllm_encoding_and_other_layouts():
     assert [type(e).__name__ for e in ev] == [
         "_BlockStoredArray", "_BlockStoredArray", "_BlockRemovedArray",
         "_AllBlocksClearedArray", "NoneType"]
-    assert isinstance(ev[0], vllm_events.BlockStored) and ev[0].medium is None
+    assert isinstance(ev[0], eventwire.BlockStored) and ev[0].medium is None
     assert ev[1].parent_block_hash == 5 and ev[1].group_idx == 0 and ev[2].block_hashes == [5]
     _, (r,) = decode_batch(future)
     assert r.block_hashes == [9] and r.medium == "GPU"

@@ -1,8 +1,8 @@
 """Hybrid KV caches, without a vLLM engine: the tiers' shared start-up check
 (``kvcore.vllm_glue.require_full_attention``) on vLLM's own spec classes, and on the layouts
-vLLM computes for the sliding-window test models (``multi.models``: ``tiny-swa`` interleaves
+vLLM computes for the sliding-window test models (``multi.cli.models``: ``tiny-swa`` interleaves
 sliding and full layers, ``tiny-swa-all`` slides on every layer) under each connector, as
-its engine core would (``kvcore.vllm_glue.engine_kv_cache_layout``). The same models in real
+its engine core would (``kvcore.vllm_layout.engine_kv_cache_layout``). The same models in real
 engines: ``tests/test_layouts_e2e.py``.
 """
 
@@ -104,7 +104,7 @@ WHO = {"store": "mcstore StoreConnector", "p2p": "p2p P2PConnector", "tiered": "
 def swa():
     """``(VllmConfig, the engine's KV cache groups)`` of each sliding-window model under each
     connector, computed by vLLM's code as its engine core would (no engine)."""
-    from kvcore.vllm_glue import engine_kv_cache_layout, engine_vllm_config
+    from kvcore.vllm_layout import engine_kv_cache_layout, engine_vllm_config
 
     out = {}
     for preset in ("tiny-swa", "tiny-swa-all"):
@@ -122,7 +122,8 @@ def test_interleaved_sliding_window_model_keeps_every_page(swa, connector):
     layers (the window only limits what attention reads). Accepted: the tiers move whole pages."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from kvcore.vllm_glue import engine_kv_cache_layout, engine_vllm_config, require_full_attention
+    from kvcore.vllm_glue import require_full_attention
+    from kvcore.vllm_layout import engine_kv_cache_layout, engine_vllm_config
 
     vc, layout = swa["tiny-swa", connector]
     assert vc.scheduler_config.disable_hybrid_kv_cache_manager is True
@@ -176,7 +177,7 @@ def test_every_layer_sliding_model_is_refused_at_construction(swa, connector):
 def test_sliding_window_test_models_say_so_in_their_config():
     import json
 
-    from multi.models import describe
+    from multi.cli.models import describe
 
     interleaved, every = model_dir("tiny-swa"), model_dir("tiny-swa-all")
     c = json.loads((interleaved / "config.json").read_text())

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from multi.models import TARGET_S, build, describe, pick_rung
+from multi.cli.models import TARGET_S, build, describe, pick_rung
 
 pytestmark = pytest.mark.unit
 

@@ -27,8 +27,7 @@ from kvcore.procs import free_port
 from mcstore.admin import MasterAdmin
 from mcstore.ha import leader
 from mcstore.server import Master, StoreServer
-from tests.harness import (LOGS, Engine, close_tokens, model_dir, prompt_ids, start_engines, start_proxy,
-                           top_logprobs)
+from tests.harness import LOGS, Engine, close_tokens, model_dir, prompt_ids, start_engines, start_proxy, top_logprobs
 from tests.hosts import Etcd, listeners_by_process
 from tests.support import counter, plan_sources, toks, usage, wait_for
 

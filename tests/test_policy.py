@@ -8,13 +8,13 @@ import statistics
 
 import pytest
 
+from kvcore.errors import ConfigError
 from kvcore.plan import Source
 from kvcore.tier import LoadPrior
+from mcstore.config import composite_role
 from multi.calibration import OnlineFit
 from multi.config import load_config
-from mcstore.config import composite_role
 from multi.policy import CostModel, Inputs, PolicyConfig, TierReach, requested_source
-from kvcore.errors import ConfigError
 
 pytestmark = pytest.mark.unit
 

@@ -1,6 +1,6 @@
-"""The router's choice, instances and command line, without engines (``multi.route``,
-``multi.instances``, ``multi.router_cli``). The routes on real engines are in
-``tests/test_router_e2e.py``."""
+"""The router's choice, instances and command line, without engines
+(``multi.router.choose``, ``multi.router.instances``, ``multi.router.cli``). The routes on
+real engines are in ``tests/test_router_e2e.py``."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from multi.instances import Pool, load_file, make
-from multi.kvindex import BlockIndex, chain
 from multi.policy import PolicyConfig
-from multi.route import Chooser
-from multi.router_cli import _instances, parse_args
+from multi.router.choose import Chooser
+from multi.router.cli import _instances, parse_args
+from multi.router.index import BlockIndex, chain
+from multi.router.instances import Pool, load_file, make
 
 pytestmark = pytest.mark.unit
 
@@ -113,7 +113,7 @@ def test_prefill_samples_leave_out_the_predicted_store_load():
     c = Recorder("kv", BPT, PolicyConfig(calibrate=False, idle_compute_s=0.0))
     route = c.choose(pool, 2000, lambda i: 512 if i.role == "prefill" else 0, 1536, None)
     p = route.prefill
-    load = c.model(p).load_s(c._store(1536)[0], 1024 * BPT)
+    load = c.model(p).load_s(c._store_tiers(1536)[0], 1024 * BPT)
     assert load > 0.02  # the store prior's latency at least
     c.learn_request(route, p, 2000, 1536, True, ttft_s=2.5, prefill_s=2.0)
     assert got == [(2000, 1536, pytest.approx(2.0 - load), True)]
@@ -267,7 +267,7 @@ def test_command_line_keeps_the_old_proxy_flags():
 
 
 def test_a_decision_log_that_cannot_be_opened_is_a_clear_error(tmp_path):
-    from multi.router_cli import build_app
+    from multi.router.cli import build_app
 
     a = parse_args(["--plain", "http://127.0.0.1:9", "--kv-bytes-per-token", "1",
                     "--decision-log", str(tmp_path / "missing" / "decisions.jsonl")])
@@ -336,7 +336,7 @@ def test_prompts_state_is_loading_until_the_tokenizer_is_settled_either_way(tiny
 
     import aiohttp
 
-    from multi.prompts import Prompts
+    from multi.router.prompts import Prompts
 
     async def run():
         async with aiohttp.ClientSession() as session:

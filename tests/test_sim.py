@@ -1,5 +1,5 @@
 """bench.sim: the cluster simulator on tiny traces whose answers are computed by hand in
-the comments, with the product's own router deciding (multi.route.Chooser)."""
+the comments, with the product's own router deciding (multi.router.choose.Chooser)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from bench.sim.report import summarize
 from bench.sim.router import simulate
 from bench.sim.speeds import Decode, Link, Prefill, Speeds, a800x8
 from bench.trace import Request
-from multi.policy import PolicyConfig
 from kvcore.tier import LoadPrior
+from multi.policy import PolicyConfig
 
 # 0.1 s a prompt token, nothing else; a decode step 0.01 s whatever the batch.
 PREFILL = Prefill(step_s=0.0, token_s=0.1, attn_s=0.0)
@@ -189,10 +189,10 @@ def test_unknown_policy_is_refused():
 
 def test_router_estimates_stay_honest_under_load_with_the_wait_floor(monkeypatch):
     """The first 1,500 requests of the conversation trace on 8P8D with a store: with the
-    wait fit weighting waits under a second by absolute error (multi.route.WAIT_FLOOR_S),
+    wait fit weighting waits under a second by absolute error (multi.router.choose.WAIT_FLOOR_S),
     few handoffs take more than twice the router's estimate; with purely relative errors
     (floor 0, the control) the queue's coefficient collapses and many do."""
-    import multi.route as route
+    import multi.router.choose as route
     from bench import trace as T
     from bench.sim.cli import policy_cfg
 
@@ -254,8 +254,8 @@ def test_handoff_overhead_from_the_routers_log_sets_the_simulated_p2p_latency(tm
     # handoff without a first token (not streamed) are not handoff samples.
     import json
 
-    from bench.sim.speeds import from_measured
     from bench.replay_speeds import handoff_overhead
+    from bench.sim.speeds import from_measured
 
     log = [{"kind": "pd", "n": 1001, "prefill_s": 0.5, "ttft_s": 1.65},
            {"kind": "pd", "n": 2001, "prefill_s": 1.0, "ttft_s": 3.25},

@@ -16,8 +16,7 @@ from mcstore.config import load_config
 from mcstore.keys import KeySpace, fingerprint
 from mcstore.protocol import ChunkIO, LoadJob, SaveJob, StoreMetadata
 from mcstore.server import CLIENT_ENV
-from mcstore.worker import StoreWorker
-from mcstore.worker import trailer as worker_trailer
+from mcstore.worker import StoreWorker, trailer as worker_trailer
 from tests.store_util import raw_client
 
 pytestmark = pytest.mark.integration

@@ -10,15 +10,23 @@ import pytest
 import requests
 
 from kvcore.procs import free_port
-from tests.harness import (Engine, cached_tokens, kv_bytes_per_token, model_dir, prompt_ids, reference_tokens,
-                           start_engines, start_proxy)
+from tests.harness import (
+    Engine,
+    cached_tokens,
+    kv_bytes_per_token,
+    model_dir,
+    prompt_ids,
+    reference_tokens,
+    start_engines,
+    start_proxy,
+)
 from tests.support import wait_for
 
 pytestmark = pytest.mark.e2e
 
 CHUNK = 256
 # Bounds that catch a hang, not a speed: the slowest case here is a few 2K-token prefills
-# of the small model (1 to 3 s each on any CPU class, kvcore/platform.py and multi/models.py).
+# of the small model (1 to 3 s each on any CPU class, kvcore/platform.py and multi/cli/models.py).
 HANG_S = 180.0
 
 

@@ -7,7 +7,7 @@
 * A TP 1 engine on the same store misses the TP 2 prefix (its fingerprint holds the TP
   size, so its keys differ) and computes it, with the TP 1 reference's ids.
 
-The P2P handoff between two TP 2 instances is not here: see the README ("Tensor parallel").
+The P2P handoff between two TP 2 instances is not here: tests/test_tp2_p2p_e2e.py and docs/layouts.md.
 """
 
 from __future__ import annotations

@@ -18,8 +18,16 @@ import pytest
 import requests
 
 from kvcore.procs import free_port
-from tests.harness import BLOCK, Engine, cached_tokens, kv_bytes_per_token, prompt_ids, reference_tokens, \
-    start_engines, start_proxy
+from tests.harness import (
+    BLOCK,
+    Engine,
+    cached_tokens,
+    kv_bytes_per_token,
+    prompt_ids,
+    reference_tokens,
+    start_engines,
+    start_proxy,
+)
 from tests.support import wait_metric
 
 pytestmark = pytest.mark.e2e

@@ -45,8 +45,8 @@ from bench.sim.report import summarize
 from bench.sim.router import simulate
 from bench.sim.speeds import Speeds, a800x8
 from bench.sim.validate import validate
-from multi.policy import PolicyConfig
 from kvcore.tier import LoadPrior
+from multi.policy import PolicyConfig
 
 COLUMNS = ("slo_attainment", "goodput_rps", "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "reuse",
            "reuse_of_ideal", "hit_local", "hit_store", "rejected")
@@ -150,7 +150,8 @@ def write(out: Path, rec: dict) -> None:
         first = rec["capacity"][0]["variant"]
         lines += ["", f"Capacity: the highest arrival rate (x the trace's) with at least "
                   f"{rec['capacity_target']:.0%} of requests within {rec['slo_s']:g} s (bench/sim/capacity.py)", "",
-                  f"| variant | capacity | search bound hit | runs | more requests than {first} |", "|---|---|---|---|---|"]
+                  f"| variant | capacity | search bound hit | runs | more requests than {first} |",
+                  "|---|---|---|---|---|"]
         lines += [f"| {c['variant']} | {_fmt(c['rate'])} | {c['bound'] or '-'} | {len(c['runs'])} | "
                   f"{'-' if c['gain_over_first'] is None else format(c['gain_over_first'], '+.0%')} |"
                   for c in rec["capacity"]]
@@ -161,11 +162,9 @@ def write(out: Path, rec: dict) -> None:
 
 
 def plot(path: Path, rec: dict) -> None:
-    import matplotlib
+    from bench.report import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
     names = list(dict.fromkeys(r["variant"] for r in rec["rows"]))
     for name in names:

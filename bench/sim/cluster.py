@@ -1,5 +1,5 @@
 """A discrete-event cluster: instances with prefix caches, a store, links, and the
-product's router deciding (:class:`multi.route.Chooser`, imported, not re-implemented).
+product's router deciding (:class:`multi.router.choose.Chooser`, imported, not re-implemented).
 
 Time is in seconds from the first arrival. One run (:func:`bench.sim.router.simulate`) replays a list of
 :class:`bench.trace.Request` (``hash_ids`` are blocks of ``block`` tokens) through:
@@ -14,7 +14,7 @@ Time is in seconds from the first arrival. One run (:func:`bench.sim.router.simu
 - **prefix caches**: per instance an LRU of full blocks, ``cache_blocks`` long. A
   prefill instance (or a plain one) inserts a prompt's full blocks when its prefill ends;
   a decode instance those it received. The router sees each cache exactly (what vLLM's
-  KV events give :mod:`multi.kvindex`), and reads it without touching it.
+  KV events give :mod:`multi.router.index`), and reads it without touching it.
 - **the store** (:class:`Store`): DRAM and SSD LRUs in blocks, objects of
   ``store_chunk_blocks`` blocks. A prefill (or plain)
   instance saves every prompt's full blocks when its prefill ends (the save's own time
@@ -28,12 +28,13 @@ Time is in seconds from the first arrival. One run (:func:`bench.sim.router.simu
   handoffs took 0.02 to 0.12 s from the prefill's answer to the first token while the
   prefill instance was idle, and 0.36 to 1.55 s while it computed the next prompt).
 
-Routing mirrors :mod:`multi.router` step by step, through the same methods: a request
+Routing mirrors :mod:`multi.router.forward` step by step, through the same methods: a request
 reaches the router ``overhead_s`` after it arrives; ``Chooser.choose`` with the cached
 prefixes and the store's reach, then ``Chooser.begin`` (``inflight`` work and
 ``outstanding`` counts), ``Chooser.prefill_done`` when a handoff's prefill ends,
 ``Chooser.end`` at the last token and ``Chooser.learn_request`` (the prefill's time, the
-time from its end to the first token, the time to first token). A rejected request (``slo``) is counted and never served. Policies:
+time from its end to the first token, the time to first token). A rejected request (``slo``)
+is counted and never served. Policies:
 ``kv``, ``least-outstanding``, ``round-robin`` (the product's) and ``prefix-affinity``
 (a baseline of this module: the prefill or plain instance with the longest cached
 prefix, ties in turn, load ignored).
@@ -56,8 +57,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from bench.sim.speeds import Speeds
-from multi.instances import Instance
 from multi.policy import PolicyConfig
+from multi.router.instances import Instance
 
 POLICIES = ("kv", "least-outstanding", "round-robin", "prefix-affinity")
 
@@ -154,7 +155,7 @@ class Result:
     p2p: int = 0  # tokens handed to the decode instance
     d_local: int = 0  # a handoff: the decode instance's own prefix-cache hit
     d_store: int = 0  # a handoff: what the decode instance loaded from the store
-    # What the router knew and weighed (multi.route.Route's fields of the same names).
+    # What the router knew and weighed (multi.router.choose.Route's fields of the same names).
     cached_prefill: int = 0
     cached_target: int = 0
     store_view: int = 0

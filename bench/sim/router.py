@@ -1,4 +1,4 @@
-"""The simulated router: the product's :class:`multi.route.Chooser` over simulated
+"""The simulated router: the product's :class:`multi.router.choose.Chooser` over simulated
 instances, and each request's path through them (see :mod:`bench.sim.cluster`)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import itertools
 from bench.sim.cluster import POLICIES, Cluster, Engine, Job, Result, Seq, Sim, Store
 from bench.sim.speeds import Speeds
 from bench.trace import Request
-from multi.instances import Pool, make
 from multi.policy import PolicyConfig
-from multi.route import Chooser, Route
+from multi.router.choose import Candidate, Chooser, Prompt, Route
+from multi.router.instances import Pool, make
 
 ROLES = ("prefill", "decode", "plain")
 
@@ -57,11 +57,11 @@ class Runner:
         order = [cands[(t + j) % len(cands)] for j in range(len(cands))]
         best = max(order, key=match)
         if not pd:
-            plan = self.chooser.direct_estimate(n, best, match(best), store, now)
+            plan = self.chooser.direct_estimate(Prompt(n, store), Candidate(best, match(best)), now)
             return Route("direct", None, best, plan.seconds, plan.name, "prefix-affinity",
                          cached_target=match(best), store=store, own_s=plan.parts["own_s"])
         d = min(self.pool.role("decode"), key=lambda i: i.outstanding)
-        plan = self.chooser.pd_estimate(n, best, match(best), d, match(d), store, now)
+        plan = self.chooser.pd_estimate(Prompt(n, store), Candidate(best, match(best)), Candidate(d, match(d)), now)
         if plan.tokens("p2p") == 0:  # the decode instance holds all but the last token
             return Route("direct", None, d, plan.seconds, plan.name, "prefix-affinity", cached_target=match(d),
                          store=store, own_s=plan.parts.get("own_s", 0.0))
@@ -89,7 +89,7 @@ class Runner:
         cached = max(route.cached_prefill if pd else route.cached_target, route.store)
         rid = str(next(self._rid))
         alone = self.chooser.begin(route, inst, n, cached, rid, self.sim.now)
-        # As multi.router does: a handoff's prefill instance is done with it when its prefill
+        # As multi.router.forward does: a handoff's prefill instance is done with it when its prefill
         # ends (prefill_done), the request when its last token is out (end, then learning).
         timing = {"t0": self.sim.now, "prefill_s": None, "rid": rid, "alone_after": None}
 

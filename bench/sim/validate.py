@@ -127,7 +127,8 @@ def validate(replay: Path, out: Path | None = None) -> int:
                    f"{v['points'] * 100:.1f} pt" if "points" in v else "")
             real_v = "-" if v["real"] is None else f"{v['real']:.3f}"
             sim_v = "-" if v["sim"] is None else f"{v['sim']:.3f}"
-            lines.append(f"| {name} | {fig} | {real_v} | {sim_v} | {err} | {'' if 'ok' not in v else 'yes' if v['ok'] else 'NO'} |")
+            ok = "" if "ok" not in v else "yes" if v["ok"] else "NO"
+            lines.append(f"| {name} | {fig} | {real_v} | {sim_v} | {err} | {ok} |")
     for name, d in rec["deployments"].items():
         if "sensitivity" in d:
             lines += ["", f"**{name}**, the prefill instance's speed scaled (its prefill takes x times as long):", "",

@@ -3,7 +3,7 @@
 
 torch answers vLLM's ISA probes from the CPU itself, whatever ``ATEN_CPU_CAPABILITY``
 says; vLLM picks its kernel library and attention path from them. Answering "no
-AVX-512, no AMX" makes vLLM load ``_C_AVX2`` and take the paths an AMD EPYC takes.
+AVX-512, no AMX" makes vLLM load ``_C_AVX2`` and take the paths an AVX2-only CPU takes.
 This is a simulation for measuring and testing, never used otherwise.
 """
 

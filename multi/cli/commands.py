@@ -1,6 +1,6 @@
 """The ``mctier`` subcommands that are thin wrappers: ``serve`` (vLLM's server), ``proxy``
-(:mod:`multi.router_cli`), ``master`` (:mod:`mcstore.server`), ``store-server``
-(:mod:`mcstore.segment`), ``model`` (:mod:`multi.models`) and ``cpu`` (:mod:`kvcore.platform`).
+(:mod:`multi.router.cli`), ``master`` (:mod:`mcstore.server`), ``store-server``
+(:mod:`mcstore.segment`), ``model`` (:mod:`multi.cli.models`) and ``cpu`` (:mod:`kvcore.platform`).
 
 Each is registered like every other subcommand, by an ``add_parser(sub)``-style function
 (listed in :data:`multi.cli.COMMANDS`). ``raw=True`` hands the whole tail of the command
@@ -28,7 +28,7 @@ def add_serve(sub) -> None:
 
 
 def _proxy(args: argparse.Namespace, rest: list[str]) -> int:
-    from multi.router_cli import main as router_main
+    from multi.router.cli import main as router_main
 
     return router_main(rest)
 
@@ -71,7 +71,8 @@ def _master(args: argparse.Namespace, rest: list[str]) -> int:
         if a.http_metadata:
             print(f"                 metadata {a.http_metadata}")
         if a.store_server:
-            print(f"store server     {a.store_server}, segment {args.segment_size}" + (f", SSD {args.ssd}" if args.ssd else ""))
+            print(f"store server     {a.store_server}, segment {args.segment_size}"
+                  + (f", SSD {args.ssd}" if args.ssd else ""))
         print(f"logs in {args.log_dir}; Ctrl-C stops everything", flush=True)
         while not stop.wait(1.0):
             if not cluster.master.alive():
@@ -117,7 +118,7 @@ def add_store_server(sub) -> None:
 
 
 def _model(args: argparse.Namespace, rest: list[str]) -> int:
-    from multi.models import build, describe
+    from multi.cli.models import build, describe
 
     out = build(
         args.preset, args.dir, dtype=args.dtype, layers=args.layers, hidden=args.hidden, heads=args.heads,
@@ -129,7 +130,7 @@ def _model(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def add_model(sub) -> None:
-    from multi.models import PRESETS
+    from multi.cli.models import PRESETS
 
     md = sub.add_parser("model", help="build a deterministic random-weight Llama (no hub)")
     md.add_argument("preset", choices=sorted(PRESETS))

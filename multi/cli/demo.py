@@ -25,7 +25,7 @@ import requests
 
 from kvcore.procs import free_port
 from mcstore.server import StoreCluster
-from multi.deploy import Deployment, metrics, tiered_config
+from multi.cli.deploy import Deployment, metrics, tiered_config
 
 PLANS = ("recompute", "store", "p2p", "store+p2p")
 
@@ -124,7 +124,7 @@ class Live:
 
 def run(args: argparse.Namespace) -> int:
     from kvcore.platform import cpu_summary
-    from multi.models import build, describe
+    from multi.cli.models import build, describe
 
     cache = Path(os.environ.get("MCTIER_CACHE", Path.cwd() / ".cache"))
     cpu = cpu_summary()

@@ -95,7 +95,7 @@ class Deployment:
     def proxy(self, prefill: str, bootstrap: str, decode: str, policy: str = "least-outstanding") -> str:
         """``mctier proxy`` in front of one P/D pair. ``least-outstanding`` always hands off
         (what the demo and the P/D benchmarks show); ``kv`` may serve a request on the decode
-        instance alone when the handoff does not pay (:mod:`multi.route`)."""
+        instance alone when the handoff does not pay (:mod:`multi.router.choose`)."""
         port = free_port()
         proc = Proc("proxy", [sys.executable, "-m", "multi.cli", "proxy", "--port", str(port), "--policy", policy,
                               "--prefill", f"{prefill}@{bootstrap}", "--decode", decode],

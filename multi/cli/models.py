@@ -64,9 +64,8 @@ LADDER: list[dict[str, int]] = [
 ]
 TARGET_S = (1.0, 3.0)  # a 2K-token prefill in one engine on one core
 PROBE_TOKENS = 2048
-# vLLM engine prefill / HF forward of the same 2K tokens on one core, by dtype: 1.05 on
-# AMX in bf16 (0.95 s / 0.91 s, 8 layers, hidden 1024), 1.8 with the AVX2 paths
-# simulated in float32 (1.93 s / 1.09 s, 4 layers, hidden 768).
+# vLLM engine prefill / HF forward of the same 2K tokens on one core, by dtype, as measured
+# on AMX (bf16) and the simulated AVX2 paths (float32) (docs/benchmarks/cpu-classes.md).
 ENGINE_OVER_HF = {"bfloat16": 1.05, "float32": 1.8, "float16": 1.8}
 CONTEXT = 8192
 INIT_STD = 0.08
@@ -177,7 +176,7 @@ def _config(spec: ModelSpec):
 _PROBE = r"""
 import json, sys, time, torch
 from transformers import LlamaForCausalLM
-from multi.models import ModelSpec, _config
+from multi.cli.models import ModelSpec, _config
 req = json.load(sys.stdin)
 torch.set_num_threads(1)
 dtype = getattr(torch, req["dtype"])

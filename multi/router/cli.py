@@ -1,4 +1,5 @@
-"""``mctier proxy``: the command line of the KV-aware router (:mod:`multi.router`).
+"""``mctier proxy``: the command line of the KV-aware router (:mod:`multi.router`);
+:func:`build_parser` is its argument parser, :func:`build_app` the aiohttp app it serves.
 
 Every flag of the earlier P/D proxy keeps its meaning (``--prefill URL[@BOOTSTRAP_URL]``,
 ``--decode``, ``--bootstrap``, ``--host``, ``--port``, ``--timeout``,
@@ -6,7 +7,7 @@ Every flag of the earlier P/D proxy keeps its meaning (``--prefill URL[@BOOTSTRA
 get the ``kv`` policy. New:
 
 - ``--plain URL ...``: engines that serve whole requests (data-parallel; no P/D);
-- ``--instances FILE``: more instances from a TOML file (:mod:`multi.instances`),
+- ``--instances FILE``: more instances from a TOML file (:mod:`multi.router.instances`),
   re-read on SIGHUP;
 - ``--kv-events URL=ENDPOINT[,REPLAY_ENDPOINT]``: an instance's vLLM KV event publisher,
   the strings of its ``--kv-events-config`` (``"publisher": "zmq"``), for an exact index;
@@ -31,47 +32,63 @@ import logging
 import msgspec
 from aiohttp import web
 
-from multi import instances as inst_mod
-from multi.kvindex import BlockIndex
 from multi.policy import PolicyConfig
-from multi.prompts import Prompts
-from multi.route import POLICIES, Chooser
-from multi.router import Router
+from multi.router.app import Router
+from multi.router.choose import POLICIES, Chooser
+from multi.router.index import BlockIndex
+from multi.router.instances import Instance, Pool, load_file, make
+from multi.router.prompts import Prompts
+from p2p.config import normalize_url
 
 logger = logging.getLogger("mctier.router")
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of ``mctier proxy`` (``docs/configuration.md`` is generated from it)."""
     ap = argparse.ArgumentParser(prog="mctier proxy", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prefill", nargs="+", default=[], metavar="URL[@BOOTSTRAP_URL]")
-    ap.add_argument("--decode", nargs="+", default=[], metavar="URL")
+    ap.add_argument("--prefill", nargs="+", default=[], metavar="URL[@BOOTSTRAP_URL]",
+                    help="prefill instances (P2P or tiered, kv_producer), each with its bootstrap URL "
+                         "(default: the instance's host, port 8998)")
+    ap.add_argument("--decode", nargs="+", default=[], metavar="URL",
+                    help="decode instances (kv_consumer): they pull a prefill's KV, or serve a request alone")
     ap.add_argument("--plain", nargs="+", default=[], metavar="URL", help="engines serving whole requests")
     ap.add_argument("--bootstrap", nargs="+", metavar="URL", help="bootstrap URLs, one per --prefill")
     ap.add_argument("--instances", metavar="FILE", help="TOML file of instances, re-read on SIGHUP")
-    ap.add_argument("--kv-events", nargs="+", default=[], metavar="URL=ENDPOINT[,REPLAY]")
-    ap.add_argument("--policy", default="kv", choices=POLICIES)
+    ap.add_argument("--kv-events", nargs="+", default=[], metavar="URL=ENDPOINT[,REPLAY]",
+                    help="an instance's vLLM KV event publisher (its --kv-events-config endpoints); "
+                         "default: read from the instance's /kv_event_sources")
+    ap.add_argument("--policy", default="kv", choices=POLICIES,
+                    help="kv: the route with the lowest predicted time to first token; the others ignore KV")
     ap.add_argument("--ttft-slo", type=float, help="TTFT target in seconds: 429 when the estimate misses it")
     ap.add_argument("--store", metavar="MASTER|approx", help="the store view: a master HOST:PORT or 'approx'")
-    ap.add_argument("--kv-bytes-per-token", type=float)
-    ap.add_argument("--block-size", type=int, default=32)
-    ap.add_argument("--tokenizer")
+    ap.add_argument("--kv-bytes-per-token", type=float,
+                    help="KV bytes of one token (default: from the served model's config.json when its path "
+                         "exists here, in this machine's engine dtype; else 0: transfers cost their latency only)")
+    ap.add_argument("--block-size", type=int, default=32, help="the engines' --block-size (tokens)")
+    ap.add_argument("--tokenizer", help="tokenizer path (default: the served model's path when it exists here, "
+                                        "else the instances' /tokenize)")
     ap.add_argument("--policy-config", help="JSON of multi.policy.PolicyConfig fields")
     ap.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
     ap.add_argument("--index-blocks", type=int, default=4096,
                     help="index capacity per instance until its cache size is known (blocks)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--host", default="127.0.0.1", help="address the router listens on")
+    ap.add_argument("--port", type=int, default=8000, help="port the router listens on")
     ap.add_argument("--timeout", type=float, default=600.0, help="deadline of one client request (504 after)")
     ap.add_argument("--connect-timeout", type=float, default=5.0, help="connect / bootstrap query timeout (502 after)")
     ap.add_argument("--decision-log", metavar="FILE",
                     help="append one JSON line per routed request: what the router knew, the route, every "
                          "estimate it weighed, the status and the time to first token")
-    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return ap.parse_args(argv)
+    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                    help="log level of the router's own logger")
+    return ap
 
 
-def _instances(a: argparse.Namespace) -> list[inst_mod.Instance]:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def _instances(a: argparse.Namespace) -> list[Instance]:
     if a.bootstrap and len(a.bootstrap) != len(a.prefill):
         raise SystemExit("--bootstrap needs exactly one URL per --prefill")
     events = {}
@@ -80,16 +97,16 @@ def _instances(a: argparse.Namespace) -> list[inst_mod.Instance]:
         if not sep or not eps:
             raise SystemExit(f"--kv-events takes URL=ENDPOINT[,REPLAY_ENDPOINT], got {spec!r}")
         ep, _, replay = eps.partition(",")
-        events[inst_mod.normalize_url(url)] = (ep, replay or None)
+        events[normalize_url(url)] = (ep, replay or None)
     out = []
     for i, spec in enumerate(a.prefill):
         url, _, boot = spec.partition("@")
-        out.append(inst_mod.make("prefill", url, a.bootstrap[i] if a.bootstrap else (boot or None)))
-    out += [inst_mod.make("decode", u) for u in a.decode]
-    out += [inst_mod.make("plain", u) for u in a.plain]
+        out.append(make("prefill", url, a.bootstrap[i] if a.bootstrap else (boot or None)))
+    out += [make("decode", u) for u in a.decode]
+    out += [make("plain", u) for u in a.plain]
     if a.instances:
         try:
-            out += inst_mod.load_file(a.instances)
+            out += load_file(a.instances)
         except ValueError as e:
             raise SystemExit(str(e)) from None
     for inst in out:
@@ -115,7 +132,7 @@ def bytes_per_token(a: argparse.Namespace, root: str | None) -> float:
     return 0.0
 
 
-def _served_root(pool: inst_mod.Pool, timeout: float) -> str | None:
+def _served_root(pool: Pool, timeout: float) -> str | None:
     import requests
 
     for inst in pool.all:
@@ -128,7 +145,7 @@ def _served_root(pool: inst_mod.Pool, timeout: float) -> str | None:
 
 
 def build_app(a: argparse.Namespace) -> web.Application:
-    pool = inst_mod.Pool(_instances(a))
+    pool = Pool(_instances(a))
     try:
         pool.validate()
         cfg = msgspec.json.decode(a.policy_config, type=PolicyConfig) if a.policy_config else PolicyConfig()
@@ -137,7 +154,7 @@ def build_app(a: argparse.Namespace) -> web.Application:
     root = None if a.kv_bytes_per_token is not None else _served_root(pool, a.connect_timeout)
     store_view = None
     if a.store and a.store != "approx":
-        from multi.storeview import StoreView
+        from multi.router.storeview import StoreView
 
         url = (pool.role("decode", False) or pool.role("plain", False) or pool.all)[0].url
         store_view = StoreView(a.store, url)

@@ -2,7 +2,7 @@
 
 vLLM publishes with ``--kv-events-config '{"enable_kv_cache_events": true, "publisher":
 "zmq", "endpoint": ..., "replay_endpoint": ...}'``; the wire format, decoded without
-importing vLLM, and where to subscribe are in :mod:`multi.vllm_events`.
+importing vLLM, and where to subscribe are in :mod:`multi.router.eventwire`.
 
 API: ``EventSubscriber(instance, endpoint, index, replay_endpoint=None, topic="", bind=False)``,
 ``.start()``, ``.stop(timeout)``, ``.stats()``, ``.stale``. A daemon thread polls the SUB
@@ -54,11 +54,10 @@ from typing import Any
 import msgspec
 import zmq
 
-from multi.kvindex import BlockIndex, block_hash, seed
-from multi.vllm_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, decode_batch
+from multi.router.eventwire import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, decode_batch
+from multi.router.index import BlockIndex, block_hash, seed
 
 log = logging.getLogger("mctier.router.kvevents")
-
 
 
 FULL_ATTENTION_KINDS = ("full_attention", "mla_attention", "sink_full_attention")

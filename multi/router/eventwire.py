@@ -19,7 +19,7 @@ importing vLLM (msgspec structs mirroring vLLM's, same tags and field order):
   engine endpoint ``tcp://HOST:P`` this subscriber binds ``tcp://HOST:P`` (the operator
   gave the engine the router's address; nothing listens on the wildcard); for a
   binding form it connects (``tcp://*:P`` becomes ``tcp://ENGINE_HOST:P``).
-  The subscriber is :class:`multi.kvevents.EventSubscriber`.
+  The subscriber is :class:`multi.router.events.EventSubscriber`.
 """
 
 from __future__ import annotations

@@ -15,14 +15,15 @@ event subscriber threads may write while the router reads on its asyncio loop):
   own cache size.
 - ``record(instance, hashes)``: approximate mode, the router sent these blocks there.
 - ``stored`` / ``removed`` / ``cleared``: exact mode, fed from the engine's KV events
-  (``multi.kvevents.EventSubscriber``).
+  (``multi.router.events.EventSubscriber``).
 - ``match(instance, hashes) -> int``: how many LEADING hashes the instance holds (the
   prefix it can serve); the matched entries become most recently used.
 - ``has``, ``drop``, ``instances``, ``blocks``, ``total_blocks``, ``capacity``.
 
 Instances are plain names (the router uses the instance URL). The router keeps the
 approximate and the exact view in two ``BlockIndex`` objects, and names the shared
-Mooncake store view ``"store"``: it is just another instance, nothing is special-cased.
+Mooncake store view ``"store"`` (:data:`STORE`): it is just another instance, nothing is
+special-cased.
 
 Memory: at most the sum of the capacities in entries. One entry (a Python int of 64 bits
 in an ``OrderedDict``) costs about 140 bytes on CPython 3.11 (measured), so 1M blocks ~ 0.14 GiB.
@@ -39,7 +40,9 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+# Part of every hash: changing it changes every chain (the name predates the module's move).
 _SEED_DOMAIN = b"mctier.kvindex.chain.v1\0"
+STORE = "store"  # the name of the shared store's view (an instance like any other here)
 
 
 def _h(data: bytes) -> int:

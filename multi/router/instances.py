@@ -23,7 +23,7 @@ The file (``--instances FILE``, TOML; reloaded on SIGHUP) lists them as tables::
 ``/kv_event_sources`` (vLLM's route) when not given. They are the strings of the engine's
 ``--kv-events-config``: an engine ``endpoint`` ``tcp://HOST:P`` connects to a subscriber
 there, so ``HOST`` is the router's address and the router binds it; ``tcp://*:P`` or
-``ipc://PATH`` is bound by the engine and the router connects (:mod:`multi.kvevents`).
+``ipc://PATH`` is bound by the engine and the router connects (:mod:`multi.router.events`).
 
 An unknown key is an error that names it and lists the known ones. Instances given on
 the command line are always kept; a reload replaces only the file's.
@@ -31,8 +31,8 @@ the command line are always kept; a reload replaces only the file's.
 Health: every ``interval`` seconds each instance's ``/health`` (deadline
 ``timeout``) and ``/metrics`` (running and waiting requests, KV usage, and the cache
 size in blocks from ``vllm:cache_config_info``) are read. An instance that fails a
-health check, or a prefill instance whose request failed (502, :mod:`multi.router`), is
-out of rotation until a check succeeds again.
+health check (:func:`check_health`), or a prefill instance whose request failed (502,
+:mod:`multi.router.forward`), is out of rotation until a check succeeds again.
 """
 
 from __future__ import annotations
@@ -76,9 +76,8 @@ class Instance(Backend):
         done, whichever is later, and the queue is what remains past ``now``.
 
         An engine runs its prefills in turn (chunked prefill shares a step's token budget,
-        not its throughput). Counting every request down from its own start instead, as
-        if all ran at once, showed 0 to 3 s of queue where 24 to 38 s were waiting, in
-        the cluster simulator on Mooncake's conversation trace (``bench/sim``)."""
+        not its throughput): counted down each from its own start, as if all ran at once,
+        the queue came out a fraction of the real wait (docs/benchmarks/sim-cluster.md)."""
         now = time.monotonic() if now is None else now
         t = float("-inf")
         for s, t0 in self.inflight.values():
@@ -187,7 +186,7 @@ def _parse_metrics(text: str) -> dict[str, float | int]:
     return out
 
 
-async def check(session: aiohttp.ClientSession, inst: Instance, timeout: float) -> bool:
+async def check_health(session: aiohttp.ClientSession, inst: Instance, timeout: float) -> bool:
     """One health check plus a metrics read; updates ``inst`` and returns its health."""
     t = aiohttp.ClientTimeout(total=timeout)
     try:

@@ -1,7 +1,7 @@
 """The router's exact view of the shared store: the store tier's own lookup.
 
 ``StoreView(master, engine_url)`` finds the key space the engines of ``engine_url``'s
-model published in the store when they started (:func:`mcstore.tools.engine.meta_for_server`),
+model published in the store when they started (:func:`mcstore.tools.published.meta_for_server`),
 then answers :meth:`StoreView.reach`: how many leading prompt tokens the store holds,
 in whole chunks, from one ``batch_is_exist`` over the chunk keys of every TP rank and
 pipeline stage (a chunk counts only when all its parts are present, as for the tier).
@@ -40,7 +40,7 @@ class StoreView:
         if self._ks is not None or time.monotonic() < self._next_try:
             return self._ks
         from mcstore.client import StoreClient
-        from mcstore.tools.engine import ServerModel, meta_for_server
+        from mcstore.tools.published import ServerModel, meta_for_server
 
         self._next_try = time.monotonic() + self.retry_s
         try:
