@@ -166,7 +166,9 @@ def test_p2p_read_waits_without_spinning_where_mooncakes_sync_read_spins():
     core (under 20% of the read's wall time on that thread's CPU clock): on a CPU host the
     prefill process that sends the bytes may share that core (p2p.transfer). Control: the
     same reads through Mooncake's ``batch_transfer_sync_read`` keep the calling thread
-    busy (over 40%), so the measurement can tell the two apart."""
+    busy (over three times our share; on an idle host over 40%: the ratio, not the absolute
+    share, because a host busy with other work gives a spinning thread less of a core), so the
+    measurement can tell the two apart."""
     size = 64 << 20
     with _pattern_peer(size) as (h, dst, peer, remote_base):
         quarter = size // 4
@@ -187,7 +189,7 @@ def test_p2p_read_waits_without_spinning_where_mooncakes_sync_read_spins():
         sync = busy_share(lambda: check(h.te.batch_transfer_sync_read(peer, local, remote, [quarter] * 4),
                                         "batch_transfer_sync_read"))
         print(f"calling thread's CPU over the read's wall time: ours {ours:.1%}, Mooncake's sync read {sync:.1%}")
-        assert ours < 0.2 and sync > 0.4, (ours, sync)
+        assert ours < 0.2 and sync > 3 * ours, (ours, sync)
 
 
 def test_mctier_master_cli_serves_and_stops(tmp_path):
