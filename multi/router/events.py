@@ -62,6 +62,9 @@ log = logging.getLogger("mctier.router.kvevents")
 
 FULL_ATTENTION_KINDS = ("full_attention", "mla_attention", "sink_full_attention")
 _POLL_MS = 100
+# Largest event batch taken (ZMQ MAXMSGSIZE): a batch lists each stored block's token ids, a few
+# MiB for a step that stores a long prompt's blocks.
+MAX_MSG_BYTES = 64 << 20
 
 
 class EventSubscriber:
@@ -126,6 +129,7 @@ class EventSubscriber:
     def _run(self) -> None:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES)  # longer: the publisher's connection is dropped
         sock.setsockopt(zmq.SUBSCRIBE, self.topic)
         try:
             sock.bind(self.endpoint) if self.bind else sock.connect(self.endpoint)
@@ -201,6 +205,7 @@ class EventSubscriber:
         A fresh DEALER per request, so late answers to an abandoned one never mix in."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES)
         sock.setsockopt(zmq.SNDTIMEO, int(self.replay_timeout * 1000))
         deadline = time.monotonic() + self.replay_timeout
         got: list[tuple[int, bytes]] = []
