@@ -218,12 +218,13 @@ def check_url(url: str) -> str | None:
     return None
 
 
-def _cut(conn: http.client.HTTPConnection) -> None:
-    """The deadline passed: wake whatever read or write the exchange is blocked in."""
-    sock = conn.sock
-    if sock is not None:
+def _cut(sock: list, fired: threading.Event) -> None:
+    """The deadline passed: wake whatever read or write the exchange is blocked in (the
+    response keeps reading the socket after the connection object let go of it)."""
+    fired.set()
+    for s in sock:
         try:
-            sock.shutdown(socket.SHUT_RDWR)
+            s.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
 
@@ -237,23 +238,29 @@ def _http(url: str, timeout: float, body: dict | None = None, max_reply: int = M
     cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
     deadline = time.monotonic() + timeout
     conn = cls(u.hostname, u.port, timeout=timeout)
-    timer = threading.Timer(timeout, _cut, (conn,))
+    sock: list = []
+    fired = threading.Event()
+    timer = threading.Timer(timeout, _cut, (sock, fired))
     timer.daemon = True
     data = None if body is None else json.dumps(body).encode()
     path = (u.path or "/") + (f"?{u.query}" if u.query else "")
     try:
         timer.start()
+        conn.connect()
+        sock.append(conn.sock)
         conn.request("GET" if data is None else "POST", path, body=data,
                      headers={"Content-Type": "application/json"} if data is not None else {})
         r = conn.getresponse()
         raw = r.read(max_reply + 1)
+        if fired.is_set():  # what was read before the cut is not the whole answer
+            raise TimeoutError
         if len(raw) > max_reply:
             raise BootstrapError(f"{url}: answer longer than {max_reply} bytes")
         if r.status != 200:
             raise BootstrapError(f"{url}: HTTP {r.status}: {raw[:500].decode(errors='replace')}")
         return json.loads(raw or b"{}")
     except (OSError, http.client.HTTPException) as e:
-        if time.monotonic() >= deadline - 0.01 or isinstance(e, TimeoutError):
+        if fired.is_set() or time.monotonic() >= deadline - 0.01 or isinstance(e, TimeoutError):
             raise BootstrapTimeout(f"{url}: timed out: no complete answer within {timeout:.1f}s") from None
         raise BootstrapError(f"{url}: unreachable: {e!r}") from None
     except ValueError as e:

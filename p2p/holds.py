@@ -295,12 +295,19 @@ class SideChannel:
                                               "dtype or layout"))
             self._let_go(msg.transfer_id, now)
             return
+        if msg.num_blocks == 0:  # a release never waits
+            self._let_go(msg.transfer_id, now)
+            self._send(ident, PullReply(Status.RELEASED, msg.transfer_id))
+            return
+        wait_s = msg.wait_s if math.isfinite(msg.wait_s) else MAX_WAIT_S
+        w = _Waiting(ident, msg, now + min(max(0.0, wait_s), MAX_WAIT_S))
+        if self._serve(w, now):  # its hold is there (or aborted): answered without queueing
+            return
         if len(self._waiting) >= MAX_WAITING:
             self._inc("rejected:overload")
             self._send(ident, PullReply(Status.ERROR, msg.transfer_id, error="too many pulls waiting"))
             return
-        wait_s = msg.wait_s if math.isfinite(msg.wait_s) else MAX_WAIT_S
-        self._waiting.append(_Waiting(ident, msg, now + min(max(0.0, wait_s), MAX_WAIT_S)))
+        self._waiting.append(w)
 
     def _let_go(self, tid: str, now: float) -> None:
         hold = self._holds.get(tid)
@@ -325,10 +332,6 @@ class SideChannel:
         """Answer a pending pull if possible; True when it is done with."""
         req, tid = w.req, w.req.transfer_id
         hold = self._holds.get(tid)
-        if req.num_blocks == 0:  # release only
-            self._let_go(tid, now)
-            self._send(w.ident, PullReply(Status.RELEASED, tid))
-            return True
         if hold is None:
             if tid in self._aborted:
                 self._send(w.ident, PullReply(Status.ERROR, tid, error="prefill request was aborted"))
