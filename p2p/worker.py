@@ -48,7 +48,7 @@ class P2PWorker:
         self.secret = cfg.secret()
         # What a peer's KV must match (weights, config, dtype, layout): kvcore.identity.
         self.fingerprint = p2p_fingerprint(vllm_config, kv_cache_config) if kv_cache_config is not None else ""
-        self.dp_size = vllm_config.parallel_config.data_parallel_size
+        self.dp_size = getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_size", 1)
         self.is_producer = role_name in ("kv_producer", "kv_both")
         self.is_consumer = role_name in ("kv_consumer", "kv_both")
         self.dp_rank, self.tp_rank, self.tp_size, self.pp_rank = parallel_ranks(vllm_config)
