@@ -19,8 +19,8 @@ decode rank; it is not supported.
 
 Nothing a peer sends is trusted. With the deployment's secret every message must be signed
 (``p2p.protocol.refusal``; otherwise dropped and counted ``rejected:<why>``, a pull answered
-ERROR); a pull must carry this engine's KV fingerprint (else ERROR, ``rejected:fingerprint``,
-and the hold is let go: that consumer cannot use it); ``wait_s`` is capped at
+ERROR); a pull served from a hold must carry this engine's KV fingerprint (else ERROR,
+``rejected:fingerprint``, and the hold is let go: that consumer cannot use it); ``wait_s`` is capped at
 :data:`MAX_WAIT_S`. Every table a peer's ids reach is bounded: pulls waiting for their hold
 (:data:`MAX_WAITING`, beyond it ERROR and ``rejected:overload``), remembered aborted and
 early-released transfer ids (:data:`MAX_REMEMBERED`, oldest forgotten first). A second hold
@@ -75,6 +75,7 @@ class Hold:
     opened: float
     expires: float
     fence: object = None
+    prompt: str = ""  # p2p.protocol.prompt_digest of its prompt
 
 
 @dataclass
@@ -123,8 +124,8 @@ class SideChannel:
         self._thread.start()
 
     # -- called from the worker thread --
-    def add_hold(self, req_id: str, transfer_id: str, block_ids: list[int], fence=None) -> None:
-        self._inbox.put(("hold", req_id, transfer_id, list(block_ids), fence))
+    def add_hold(self, req_id: str, transfer_id: str, block_ids: list[int], fence=None, prompt: str = "") -> None:
+        self._inbox.put(("hold", req_id, transfer_id, list(block_ids), fence, prompt))
         self._wake()
 
     def abort(self, transfer_id: str) -> None:
@@ -232,8 +233,8 @@ class SideChannel:
             except queue.Empty:
                 return
             if item[0] == "hold":
-                _, req_id, tid, blocks, fence = item
-                hold = Hold(req_id, tid, blocks, now, now + self.abort_timeout_s, fence)
+                _, req_id, tid, blocks, fence, prompt = item
+                hold = Hold(req_id, tid, blocks, now, now + self.abort_timeout_s, fence, prompt)
                 self._inc("holds:opened")
                 if tid in self._holds:
                     # Another request already holds this transfer id: it keeps its consumer, and
@@ -282,19 +283,6 @@ class SideChannel:
             why = f"TP mismatch: prefill tp_size={self.tp_size}, decode tp_size={msg.tp_size}"
             self._send(ident, PullReply(Status.ERROR, msg.transfer_id, error=why))
             return
-        if msg.num_blocks and msg.fingerprint != self.fingerprint:
-            # Another model, config, dtype or layout: its KV is not this engine's. The consumer
-            # cannot use the hold, so it is let go (now, or as soon as it opens).
-            self._inc("rejected:fingerprint")
-            if self._throttle.ready("fingerprint") is not None:
-                logger.warning("side channel: pull of %s refused: the decode engine's KV fingerprint %s is not this "
-                               "engine's %s (other weights, config, dtype or layout)", msg.transfer_id,
-                               msg.fingerprint[:16] or "(none)", self.fingerprint[:16])
-            self._send(ident, PullReply(Status.ERROR, msg.transfer_id, fingerprint=self.fingerprint,
-                                        error="KV fingerprint mismatch: the engines differ in weights, config, "
-                                              "dtype or layout"))
-            self._let_go(msg.transfer_id, now)
-            return
         if msg.num_blocks == 0:  # a release never waits
             self._let_go(msg.transfer_id, now)
             self._send(ident, PullReply(Status.RELEASED, msg.transfer_id))
@@ -304,9 +292,10 @@ class SideChannel:
         if self._serve(w, now):  # its hold is there (or aborted): answered without queueing
             return
         if len(self._waiting) >= MAX_WAITING:
+            # The oldest waiter goes: a flood of waits that never end cannot keep new pulls out.
+            old = self._waiting.pop(0)
             self._inc("rejected:overload")
-            self._send(ident, PullReply(Status.ERROR, msg.transfer_id, error="too many pulls waiting"))
-            return
+            self._send(old.ident, PullReply(Status.ERROR, old.req.transfer_id, error="too many pulls waiting"))
         self._waiting.append(w)
 
     def _let_go(self, tid: str, now: float) -> None:
@@ -345,6 +334,26 @@ class SideChannel:
                 self._send(w.ident, PullReply(Status.WAIT, tid))
                 w.next_beat = now + HEARTBEAT_S
             return False
+        if req.fingerprint != self.fingerprint:
+            # Another model, config, dtype or layout: its KV is not this engine's. The consumer
+            # cannot use the hold, so it is let go.
+            self._inc("rejected:fingerprint")
+            if self._throttle.ready("fingerprint") is not None:
+                logger.warning("side channel: pull of %s refused: the decode engine's KV fingerprint %s is not this "
+                               "engine's %s (other weights, config, dtype or layout)", tid,
+                               req.fingerprint[:16] or "(none)", self.fingerprint[:16])
+            self._send(w.ident, PullReply(Status.ERROR, tid, fingerprint=self.fingerprint,
+                                          error="KV fingerprint mismatch: the engines differ in weights, config, "
+                                                "dtype or layout"))
+            self._release(hold, "released")
+            return True
+        if req.prompt and hold.prompt and req.prompt != hold.prompt:
+            # The transfer id of one request, named by a request for another prompt (parameters
+            # replayed onto another body): its KV would be wrong there. The hold waits for its own.
+            self._inc("rejected:prompt_mismatch")
+            self._send(w.ident, PullReply(Status.ERROR, tid, error="prompt mismatch: the held request has another "
+                                                                   "prompt"))
+            return True
         end = req.start_block + req.num_blocks
         if req.start_block < 0 or end > len(hold.block_ids):
             self._send(w.ident, PullReply(Status.ERROR, tid, error=(

@@ -3,8 +3,8 @@
 Counters (label ``kind``): bytes{pulled}, descriptors{pulled}, pulls{ok,failed,release},
 failures{bootstrap,peer,timeout,transfer,remote,protocol,invalid_params}, retries{transfer},
 holds{opened,released,expired,aborted,early_release,duplicate}, rejected{undecodable,
-unknown_transfer,tp_mismatch,bad_range,fingerprint,overload,unsigned,bad_signature,expired,
-register} (prefill side channel and bootstrap server), refused{unsigned,bad_signature,expired,
+unknown_transfer,tp_mismatch,bad_range,fingerprint,prompt_mismatch,overload,unsigned,
+bad_signature,expired,register} (prefill side channel and bootstrap server), refused{unsigned,bad_signature,expired,
 body_mismatch,malformed,replayed} (requests whose transfer parameters the scheduler refused:
 the request is computed locally, or not held). Histograms: query, metadata, transfer, ack,
 handoff (decode side) and hold (prefill side: time blocks were held).
@@ -24,7 +24,8 @@ SPEC = MetricSpec(
         "retries": "Transfer Engine reads repeated after a failed first try (transfer)",
         "holds": "Prefill-side block holds by outcome (opened, released, expired, aborted, early_release, duplicate)",
         "rejected": "Prefill side channel and bootstrap server: messages rejected (undecodable, unknown_transfer, "
-                    "tp_mismatch, bad_range, fingerprint, overload, unsigned, bad_signature, expired, register)",
+                    "tp_mismatch, bad_range, fingerprint, prompt_mismatch, overload, unsigned, bad_signature, expired, "
+                    "register)",
         "refused": "Requests whose transfer parameters were refused (unsigned, bad_signature, expired, "
                    "malformed, replayed): computed locally, or not held",
     },

@@ -29,13 +29,16 @@ nothing wrong (signed with the secret, no older than ``kvcore.trust.MAX_AGE_S``)
 secret both are left empty and not checked. :class:`RegisterPayload` is signed the same way
 (:func:`sign_registration`). ``PullRequest`` and ``PullReply`` carry each side's KV
 fingerprint (``kvcore.identity``): a pull between engines of different weights, config,
-dtype or layout is refused before any byte moves. Each socket refuses messages longer than
+dtype or layout is refused before any byte moves; ``PullRequest.prompt`` must match the
+held request's prompt (:func:`prompt_digest`): transfer parameters replayed onto another prompt
+never load that prompt's KV. Each socket refuses messages longer than
 :data:`MAX_TO_PREFILL` / :data:`MAX_TO_DECODE` bytes (ZMQ ``MAXMSGSIZE``).
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import hmac
 import time
 from typing import Annotated
@@ -89,6 +92,7 @@ class PullRequest(msgspec.Struct, tag="pull", omit_defaults=True):
     num_blocks: Count = 0  # 0: release only
     wait_s: float = 30.0  # how long P may wait for the prefill to finish (capped: p2p.holds.MAX_WAIT_S)
     fingerprint: Id = ""  # the decode engine's KV fingerprint (kvcore.identity)
+    prompt: Id = ""  # prompt_digest of the decode request's prompt ("": a release)
     ts: float = 0.0
     mac: bytes = b""
 
@@ -127,6 +131,20 @@ ToDecode = PullReply | DoneAck
 _enc = msgspec.msgpack.Encoder()
 _dec_p = msgspec.msgpack.Decoder(ToPrefill)
 _dec_d = msgspec.msgpack.Decoder(ToDecode)
+
+
+# An ERROR reply whose error starts with one of these is a refusal of the message itself, not
+# of the transfer: the decode side fails it as "protocol" and sends no release for it.
+REFUSALS = ("message refused", "KV fingerprint mismatch", "prompt mismatch")
+
+
+def prompt_digest(token_ids) -> str:
+    """What a pull and its hold must agree on: a digest of the request's prompt token ids."""
+    try:
+        data = _enc.encode(token_ids)
+    except TypeError:  # int-likes (numpy integers)
+        data = _enc.encode([int(t) for t in token_ids])
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def encode(msg: msgspec.Struct) -> bytes:

@@ -48,7 +48,7 @@ from kvcore.log import DegradeWatch, get_logger
 from kvcore.metrics import TierStats
 from kvcore.mooncake_json import P2PHANDSHAKE, metadata_kind
 from p2p import bootstrap
-from p2p.protocol import MAX_TO_DECODE, EngineEntry, PullRequest, Status, encode, sign
+from p2p.protocol import MAX_TO_DECODE, REFUSALS, EngineEntry, PullRequest, Status, encode, sign
 from p2p.release import release_hold
 from p2p.sidecall import PullFailed, await_reply, send_done
 from p2p.transfer import TransferEngineHandle
@@ -69,6 +69,7 @@ class PullJob:
     start_block: int  # index (within the request) of the first block to pull
     block_ids: list[int]  # local destination blocks; empty = release only
     deadline: float  # time.monotonic()
+    prompt: str = ""  # p2p.protocol.prompt_digest of the request's prompt
 
 
 @dataclass
@@ -251,7 +252,7 @@ class Puller:
             wait_s = max(0.0, job.deadline - time.monotonic())
             sock.send(encode(sign(PullRequest(job.transfer_id, job.req_id, self.tp_rank, self.tp_size,
                                               job.start_block, len(job.block_ids), wait_s,
-                                              fingerprint=self.fingerprint), self.secret)))
+                                              fingerprint=self.fingerprint, prompt=job.prompt), self.secret)))
             reply = await_reply(sock, job.transfer_id, addr, job.deadline, self.silence_s, self.secret)
             t2 = time.monotonic()
             timings["metadata"] = t2 - t1
@@ -259,7 +260,7 @@ class Puller:
                 self._inc("pulls:release")
                 return PullResult(job.req_id, True, [], timings=timings)
             if reply.status != Status.READY:
-                cause = "protocol" if reply.fingerprint and reply.fingerprint != self.fingerprint else "remote"
+                cause = "protocol" if reply.error.startswith(REFUSALS) else "remote"
                 raise PullFailed(cause, reply.error[:300] or f"status {reply.status!r}")
             ready = True
             if reply.fingerprint != self.fingerprint:

@@ -44,6 +44,7 @@ from kvcore.vllm_glue import KVConnectorMetadata, first_group_block_ids, request
 from p2p.bootstrap import check_url
 from p2p.config import P2PConfig, normalize_url
 from p2p.metrics import P2PStats
+from p2p.protocol import prompt_digest
 
 logger = get_logger("p2p.scheduler")
 
@@ -60,12 +61,13 @@ class RecvSpec(msgspec.Struct):
     start_block: int
     block_ids: list[int]
     timeout_s: float  # the pull's deadline, prefill wait included (kvcore.tier.load_deadline_s)
+    prompt: str = ""  # p2p.protocol.prompt_digest of the request's prompt ("": a release)
 
 
 class P2PMetadata(KVConnectorMetadata):
     def __init__(self):
         self.recvs: list[RecvSpec] = []
-        self.holds: list[tuple[str, str, list[int]]] = []  # (req_id, transfer_id, block_ids)
+        self.holds: list[tuple[str, str, list[int], str]] = []  # (req_id, transfer_id, block_ids, prompt digest)
         self.aborted: list[str] = []  # transfer ids of prefills that will not be held
 
 
@@ -155,7 +157,7 @@ class P2PScheduler:
         timeout = load_deadline_s(self.cfg.transfer_timeout_s, expected_s, cap_s=self.cfg.abort_timeout_s)
         self._meta.recvs.append(RecvSpec(request.request_id, p["transfer_id"],
                                          normalize_url(p["remote_bootstrap_addr"]), p["remote_engine_id"], first,
-                                         blocks, timeout))
+                                         blocks, timeout, prompt_digest(request.prompt_token_ids or ())))
         p["do_remote_prefill"] = False  # one transfer per request
 
     def release(self, request, reason: str = "") -> None:
@@ -225,7 +227,8 @@ class P2PScheduler:
             self.stats.inc("holds:aborted")
             return False, None
         n_blocks = -(-len(request.prompt_token_ids or ()) // self.block_size)
-        self._meta.holds.append((request.request_id, tid, list(block_ids[:n_blocks])))
+        self._meta.holds.append((request.request_id, tid, list(block_ids[:n_blocks]),
+                                 prompt_digest(request.prompt_token_ids or ())))
         self._held[request.request_id] = time.monotonic()
         return True, None
 

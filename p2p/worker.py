@@ -124,8 +124,8 @@ class P2PWorker:
             return
         if self.side is not None:
             fence = platform.current().kv_ready_fence() if meta.holds else None
-            for req_id, tid, blocks in meta.holds:
-                self.side.add_hold(req_id, tid, blocks, fence)
+            for req_id, tid, blocks, prompt in meta.holds:
+                self.side.add_hold(req_id, tid, blocks, fence, prompt)
             for tid in meta.aborted:
                 self.side.abort(tid)
         if self.puller is not None:
@@ -134,7 +134,7 @@ class P2PWorker:
             now = time.monotonic()
             for r in meta.recvs:
                 self.puller.submit(PullJob(r.req_id, r.transfer_id, r.bootstrap_url, r.engine_id, r.start_block,
-                                           list(r.block_ids), now + r.timeout_s))
+                                           list(r.block_ids), now + r.timeout_s, r.prompt))
         elif meta.recvs:
             logger.error("P2P: %d pulls scheduled on a producer-only worker; ignored", len(meta.recvs))
 

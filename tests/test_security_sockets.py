@@ -7,7 +7,6 @@ and ``mctier store-server`` SIGKILLed."""
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import random
@@ -38,6 +37,7 @@ from p2p.protocol import (
     sign,
 )
 from tests.harness import LOGS, ROOT
+from tests.hostile import Hostile
 
 pytestmark = pytest.mark.integration
 
@@ -178,6 +178,23 @@ def test_with_the_secret_unsigned_or_forged_messages_are_refused_and_counted():
         s.close()
 
 
+def test_a_pull_for_another_prompt_is_refused_and_the_hold_waits_for_its_own(side):
+    """Transfer parameters replayed onto another prompt: the pull names the hold's transfer id
+    but its prompt digest is another; it gets nothing, and the hold still serves its own pull."""
+    from p2p.protocol import prompt_digest
+
+    mine, other = prompt_digest([1, 2, 3]), prompt_digest([1, 2, 4])
+    side.add_hold("p", "xfer-prompt", [1, 2], prompt=mine)
+    peer = Peer(side.addr)
+    peer.send(PullRequest("xfer-prompt", "d", 0, 1, 0, 2, 5.0, FP, other))
+    r = peer.reply()
+    assert r.status == Status.ERROR and r.error.startswith("prompt mismatch") and side.held() == 1
+    peer.send(PullRequest("xfer-prompt", "d", 0, 1, 0, 2, 5.0, FP, mine))
+    assert peer.reply().status == Status.READY
+    assert _counters(side)["rejected:prompt_mismatch"] == 1
+    peer.close()
+
+
 @FUZZ
 @given(st.lists(st.binary(max_size=300), min_size=1, max_size=5))
 def test_fuzz_undecodable_messages_to_the_side_channel_are_dropped(side, frames):
@@ -260,48 +277,9 @@ def test_fuzz_registrations_never_break_the_bootstrap_server(boot, body):
     assert len(bootstrap.query(boot.url, 2)[0].worker_addr) == 2
 
 
-class _Drip:
-    """A hostile bootstrap: answers ``/query`` one byte every ``every`` seconds, or a huge body."""
-
-    def __init__(self, every: float = 0.2, size: int = 0):
-        outer = self
-
-        class H(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                body = b" " * size if size else json.dumps({"0": {"engine_id": "e", "worker_addr": {}}}).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                try:
-                    if size:
-                        self.wfile.write(body)
-                        return
-                    for b in body:
-                        if outer.closed:
-                            return
-                        self.wfile.write(bytes([b]))
-                        self.wfile.flush()
-                        time.sleep(every)
-                except OSError:
-                    pass
-
-            def log_message(self, *a):
-                pass
-
-        self.closed = False
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.closed = True
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 def test_a_slow_drip_a_file_url_and_a_huge_answer_fail_the_bootstrap_query_within_its_deadline():
-    drip = _Drip(every=0.2)  # ~60 bytes: 12 s at that pace
-    big = _Drip(size=bootstrap.MAX_REPLY + 10)
+    drip = Hostile("drip", every=0.2)  # ~80 bytes: 16 s at that pace
+    big = Hostile("huge", size=bootstrap.MAX_REPLY + 10)
     try:
         t0 = time.monotonic()
         with pytest.raises(bootstrap.BootstrapTimeout, match="timed out"):
