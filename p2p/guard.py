@@ -94,7 +94,7 @@ class TransferGuard:
             return None
         xargs = obj.get("vllm_xargs")
         if isinstance(xargs, dict) and "kv_transfer_params" in xargs:
-            return 400, "xargs", "kv_transfer_params inside vllm_xargs is not accepted by this deployment"
+            return 400, "xargs", "transfer parameters refused: kv_transfer_params inside vllm_xargs is not accepted"
         params = obj.get("kv_transfer_params")
         if not isinstance(params, dict) or not trust.transfer_fields(params):
             return None
