@@ -122,8 +122,12 @@ def _nothing_held(e: Engine) -> bool:
 
 
 def _evil(tid: str, boot: str, engine: str = "evil") -> dict:
+    # kv_source: the composite would rather recompute a short prompt of the tiny model than pull it.
     return {"do_remote_decode": True, "do_remote_prefill": True, "remote_bootstrap_addr": boot,
-            "remote_engine_id": engine, "transfer_id": tid}
+            "remote_engine_id": engine, "transfer_id": tid, "kv_source": "p2p"}
+
+
+P2P = {"kv_source": "p2p"}  # what a client may set: through the router, the handoff is used
 
 
 def _victim(sec, baseline, attack: list[int], seed: int) -> None:
@@ -214,9 +218,12 @@ def test_two_engines_of_other_weights_neither_share_the_pool_nor_pair(sec, basel
 
     a = derive_meta(str(model_dir("tiny")), sec.p_kv, block_size=32, dtype=sec.P.dtype)
     b = derive_meta(str(sec.model_b), sec.p_kv, block_size=32, dtype=sec.B.dtype)
-    # Only the weights tell them apart (and the path, which model_id hides from the store's keys).
-    assert {k: v for k, v in a.fields.items() if k not in ("weights", "model")} == \
-        {k: v for k, v in b.fields.items() if k not in ("weights", "model")}
+    # The control: every field the fingerprint had before it digested the weights is the same
+    # (the path aside, which model_id replaces in the keys), so these two engines' keys used to
+    # be one; the weights' digest now tells them apart.
+    before_weights = ("revision", "dtype", "cache_dtype", "platform", "kv_cache_layout", "tp_size", "pp_size",
+                      "groups")
+    assert {k: a.fields[k] for k in before_weights} == {k: b.fields[k] for k in before_weights}
     assert a.fields["weights"] != b.fields["weights"] and a.fingerprint != b.fingerprint
     stored_b = prompt_ids(CHUNK + 40, 4960)
     before = all_keys(sec.cluster)
@@ -228,9 +235,10 @@ def test_two_engines_of_other_weights_neither_share_the_pool_nor_pair(sec, basel
     before = all_keys(sec.cluster)
     _ok(_post(sec.P.url, stored_p, max_tokens=1))
     wait_saved(sec.cluster, before, 1)
-    body = _ok(_post(sec.direct, stored_p, {"kv_source": "store"}))
+    q = stored_p[:CHUNK] + prompt_ids(40, 4963)  # shares exactly the stored chunk
+    body = _ok(_post(sec.direct, q, {"kv_source": "store"}))
     assert plan_sources(body)[0] == "store"
-    assert toks(body) == baseline.tokens(stored_p, MAX_TOKENS, cached_prefix=CHUNK, writers=[stored_p])
+    assert toks(body) == baseline.tokens(q, MAX_TOKENS, cached_prefix=CHUNK, writers=[stored_p])
     # P2P pairing B -> D through a router.
     prompt = prompt_ids(100, 4962)
     refused, protocol = _p2p(sec.B, "rejected", "fingerprint"), _p2p(sec.D, "failures", "protocol")
@@ -261,6 +269,7 @@ def test_bogus_registrations_leave_the_prefill_as_it_registered(sec, baseline):
 
     before = requests.get(sec.boot + "/query", timeout=5).json()
     engine = before["0"]["engine_id"]
+    refused = _p2p(sec.P, "rejected", "register")
     for p in (RegisterPayload(engine, -1, 0, 0, "tcp://127.0.0.1:1"), RegisterPayload(engine, 0, 1, 0, "tcp://127.0.0.1:1"),
               RegisterPayload("evil", 0, 0, 0, "tcp://127.0.0.1:1")):
         with pytest.raises(bootstrap.BootstrapError, match="HTTP 400"):
@@ -268,9 +277,10 @@ def test_bogus_registrations_leave_the_prefill_as_it_registered(sec, baseline):
     r = requests.post(sec.boot + "/register", data="{}", headers={"Content-Type": "text/plain"}, timeout=5)
     assert r.status_code == 415
     assert requests.get(sec.boot + "/query", timeout=5).json() == before
-    assert _p2p(sec.P, "rejected", "register") >= 4
     prompt = prompt_ids(100, 4980)
-    assert toks(_ok(_post(sec.pd, prompt))) == baseline.tokens(prompt, MAX_TOKENS)
+    assert toks(_ok(_post(sec.pd, prompt, P2P))) == baseline.tokens(prompt, MAX_TOKENS)
+    # Counted by the worker that runs the bootstrap server: on /metrics after P's next steps.
+    assert wait_metric(lambda: _p2p(sec.P, "rejected", "register"), lambda v: v >= refused + 4, 10) >= refused + 4
 
 
 def test_a_side_channel_flood_leaves_handoffs_working(sec, baseline):
@@ -290,7 +300,7 @@ def test_a_side_channel_flood_leaves_handoffs_working(sec, baseline):
         sock.close(0)
     prompt = prompt_ids(100, 4990)
     pulls = _p2p(sec.D, "pulls", "ok")
-    assert toks(_ok(_post(sec.pd, prompt))) == baseline.tokens(prompt, MAX_TOKENS)
+    assert toks(_ok(_post(sec.pd, prompt, P2P))) == baseline.tokens(prompt, MAX_TOKENS)
     assert wait_metric(lambda: _p2p(sec.D, "pulls", "ok"), lambda v: v > pulls, 10) == pulls + 1
     # Every pull past the bound pushed out the oldest waiting one. Counters reach /metrics with
     # P's steps: a one-token request now and then makes some.
@@ -309,7 +319,7 @@ def test_a_prefill_restarted_between_two_requests_hands_off_again(sec, baseline)
     handed the stale id anyway (sent to D directly) fails at the bootstrap, recomputes, and
     releases the hold the new P opened for that transfer."""
     first = prompt_ids(100, 5000)
-    assert toks(_ok(_post(sec.pd, first))) == baseline.tokens(first, MAX_TOKENS)
+    assert toks(_ok(_post(sec.pd, first, P2P))) == baseline.tokens(first, MAX_TOKENS)
     old_id = sec.query()["engine_id"]
     sec.P.stop()
     with mock.patch("tests.harness.free_port", lambda host="127.0.0.1": sec.P.port):
@@ -320,7 +330,7 @@ def test_a_prefill_restarted_between_two_requests_hands_off_again(sec, baseline)
                     30)
     second = prompt_ids(100, 5001)
     pulls = _p2p(sec.D, "pulls", "ok")
-    assert toks(_ok(_post(sec.pd, second))) == baseline.tokens(second, MAX_TOKENS)
+    assert toks(_ok(_post(sec.pd, second, P2P))) == baseline.tokens(second, MAX_TOKENS)
     assert wait_metric(lambda: _p2p(sec.D, "pulls", "ok"), lambda v: v > pulls, 10) == pulls + 1
     # The stale engine id, straight at D, for a transfer the new P holds.
     third = prompt_ids(100, 5002)
