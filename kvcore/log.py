@@ -67,3 +67,26 @@ class DegradeWatch:
                           "Logged at most every %.0f s.", self.what, len(failed), len(self._recent), causes,
                           self.every_s)
         return True
+
+
+class Throttle:
+    """At most one log line per key every ``every_s`` seconds, with the number of lines held back
+    since: what a peer can trigger at will (undecodable or refused messages) must not flood the
+    log. ``ready(key)`` -> ``None`` (hold this one back) or the count held back before it."""
+
+    def __init__(self, every_s: float = 10.0, clock=None):
+        self.every_s = every_s
+        self._clock = clock or time.monotonic
+        self._last: dict[str, float] = {}
+        self._held: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def ready(self, key: str) -> int | None:
+        with self._lock:
+            now = self._clock()
+            last = self._last.get(key)
+            if last is not None and now - last < self.every_s:
+                self._held[key] += 1
+                return None
+            self._last[key] = now
+            return self._held.pop(key, 0)

@@ -1,7 +1,15 @@
-"""Child processes with deadlines: start, wait until a port answers, stop by PID."""
+"""Child processes with deadlines: start, wait until a port answers, stop by PID.
+
+A child started with ``die_with_parent`` gets SIGTERM when the process that started it dies,
+however it dies (``PR_SET_PDEATHSIG``; a SIGKILLed parent runs no handler, so nothing else
+could stop it): a killed ``mctier master`` leaves no ``mooncake_master`` behind to be found
+leading by the next one. :func:`refuse_taken` turns a port an earlier process still holds
+into a clear error naming it and its holder.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import random
@@ -12,7 +20,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvcore.errors import TransferTimeout
+from kvcore.errors import ConfigError, TransferTimeout
 
 # Ports picked for listeners come from below the kernel's ephemeral range: a port the kernel
 # handed out (bind to port 0) is free only until the next outgoing connection or ephemeral
@@ -54,6 +62,49 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def holder(port: int) -> str | None:
+    """``pid N (name)`` of the process listening on TCP ``port``, when it can be found."""
+    try:
+        import psutil
+
+        for c in psutil.net_connections(kind="tcp"):
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
+                try:
+                    return f"pid {c.pid} ({psutil.Process(c.pid).name()})"
+                except psutil.Error:
+                    return f"pid {c.pid}"
+    except Exception:  # noqa: BLE001 - no permission, no psutil: the port alone is named
+        return None
+    return None
+
+
+def refuse_taken(port: int, host: str, what: str) -> None:
+    """``ConfigError`` when something already listens on ``host:port`` (a port this start
+    needs), naming the process when it can be found."""
+    if not port_open(port, host):
+        return
+    who = holder(port)
+    raise ConfigError(f"{what}: port {port} on {host} is already in use" + (f" by {who}" if who else "") +
+                      "; an orphan of an earlier start? Stop it first" + (f" (kill {who.split()[1]})" if who else ""))
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with(parent: int, cpus: set[int] | None):
+    """preexec_fn: SIGTERM when ``parent`` dies (and now, if it already has); pin to ``cpus``."""
+    def setup():
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):  # not Linux: the caller's own stop() still applies
+            return
+        if os.getppid() != parent:  # it died before the prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+    return setup
+
+
 def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.2) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout):
@@ -63,7 +114,9 @@ def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.2) -> bool:
 
 
 class Proc:
-    """A started child process with its own process group and log file."""
+    """A started child process with its own process group and log file. ``die_with_parent``:
+    it gets SIGTERM when the thread that started it ends (``PR_SET_PDEATHSIG``: start such
+    children from the main thread, or from one that lives as long as they should)."""
 
     def __init__(
         self,
@@ -73,6 +126,7 @@ class Proc:
         env: dict[str, str] | None = None,
         cwd: str | None = None,
         cpus: set[int] | None = None,
+        die_with_parent: bool = False,
     ):
         self.name = name
         self.argv = list(argv)
@@ -89,7 +143,8 @@ class Proc:
             start_new_session=True,  # own group: stop() reaches its children too
             # Children inherit the affinity: an engine's API server and scheduler
             # process stay on its core instead of taking cycles from its neighbour's.
-            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+            preexec_fn=_die_with(os.getpid(), cpus) if die_with_parent else
+            (lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
         self.pid = self.popen.pid
 

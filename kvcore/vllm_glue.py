@@ -11,6 +11,7 @@ spawned engine processes detect the CPU platform too.
 from __future__ import annotations
 
 import importlib.metadata as md
+import json
 import os
 import sys
 
@@ -179,6 +180,7 @@ def kv_fingerprint_fields(vllm_config, kv_cache_config) -> dict:
     fields = {
         "model": model.model,
         "revision": getattr(model, "revision", None),
+        **model_identity(vllm_config),
         "dtype": str(model.dtype),
         "cache_dtype": str(vllm_config.cache_config.cache_dtype),
         "platform": current_platform.device_type,
@@ -190,6 +192,46 @@ def kv_fingerprint_fields(vllm_config, kv_cache_config) -> dict:
     if pp_size > 1:
         fields["pp_layers"] = pp_layer_ranges(vllm_config)
     return fields
+
+
+def model_identity(vllm_config) -> dict:
+    """What the KV depends on besides the layout (:mod:`kvcore.identity`): the weights' digest
+    (None when the model is not a local directory: its name and revision identify it), the
+    effective config's digest (``hf_overrides`` applied), quantization and load format."""
+    from kvcore.identity import config_digest, weights_digest
+
+    model_config = vllm_config.model_config
+    load = getattr(vllm_config, "load_config", None)
+    overrides = getattr(model_config, "hf_overrides", None)
+    if callable(overrides):
+        overrides = f"{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', overrides)}"
+    # The checkpoint's config.json when it is a local directory, else the loaded config: the
+    # same in every process of the engine and in the tools (a worker's model may add to the
+    # loaded one as it initialises).
+    try:
+        with open(os.path.join(model_config.model, "config.json"), "rb") as f:
+            config = config_digest(json.loads(f.read()))
+    except (OSError, ValueError, TypeError):
+        try:
+            config = config_digest(model_config.hf_config.to_dict())
+        except Exception:  # noqa: BLE001 - a config transformers cannot serialise: its class names it
+            config = type(getattr(model_config, "hf_config", None)).__name__
+    return {"weights": weights_digest(model_config.model), "model_config": config, "hf_overrides": overrides or None,
+            "quantization": getattr(model_config, "quantization", None),
+            "load_format": str(getattr(load, "load_format", None) or "auto")}
+
+
+def p2p_fingerprint(vllm_config, kv_cache_config) -> str:
+    """The KV fingerprint a P2P handshake compares: :func:`kv_fingerprint_fields` without the
+    model's path when its weights' digest is known (the same checkpoint on another path or host
+    is the same KV)."""
+    from kvcore.identity import fingerprint
+
+    fields = kv_fingerprint_fields(vllm_config, kv_cache_config)
+    if fields.get("weights"):
+        fields.pop("model", None)
+        fields.pop("revision", None)
+    return fingerprint(fields)
 
 
 def pp_layer_ranges(vllm_config) -> list[list[int]]:

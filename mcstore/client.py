@@ -21,6 +21,7 @@ import msgspec
 from kvcore.errors import ConfigError, check, is_rpc_down
 from kvcore.log import get_logger
 from kvcore.procs import port_open
+from kvcore.trust import warn_exposed_transfer_engine
 from mcstore.admin import DEFAULT_ADMIN_PORT, MasterAdmin, Unavailable
 from mcstore.config import StoreConfig
 from mcstore.ha import leader, parse_entry, split_addr
@@ -171,6 +172,7 @@ class StoreClient:
                 f"{time.monotonic() - t0:.1f}s); check the master, protocol={cfg.protocol!r} and "
                 f"metadata_server={cfg.metadata_server!r}"
             )
+        warn_exposed_transfer_engine(cfg.hostname(), cfg.protocol, "mcstore", logger)
         self.replicate = replicate_config(cfg)
         self.breaker = Breaker(target, cfg.probe_interval_s, name,
                                rpc_ok=lambda: self.store.is_exist(f"{cfg.key_prefix}/probe") >= 0)

@@ -122,8 +122,11 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Namespace of this project's objects in the store (the first part of every key); non-empty, "
         "without '/'.")] = "mct"
     verify_checksums: Annotated[bool, doc(
-        "Store an xxh3 checksum trailer with each chunk and check it on load (a mismatch is a load error); "
-        "host-resident KV only: the CPU reads the pages.")] = False
+        "Store an xxh3 checksum trailer of each chunk's key and pages, and check it on every load (a mismatch "
+        "is a load error: corrupted bytes, or a valid object stored under another key); host-resident KV only: "
+        "the CPU reads the pages. Off by default: it costs a digest of every byte saved and loaded "
+        "(docs/benchmarks/checksums.md) and, not being a MAC, does not stop a writer that reaches the "
+        "master.")] = False
     stage_above_ranges_per_region: Annotated[float, doc(
         "A whole chunk whose blocks make more buffer ranges than this many per KV region (one range per "
         "run of consecutive blocks per region) is loaded into a host staging buffer in one range, then "

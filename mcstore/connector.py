@@ -54,7 +54,7 @@ def key_space(cfg: StoreConfig, vllm_config, kv_cache_config) -> KeySpace:
         fields["model"] = cfg.model_id
         fields["revision"] = None
     fields["chunk_tokens"] = cfg.chunk_tokens
-    fields["object_format"] = "pages+xxh3" if cfg.verify_checksums else "pages"
+    fields["object_format"] = "pages+xxh3(key,pages)" if cfg.verify_checksums else "pages"
     scheme = block_hash_scheme(vllm_config, kv_cache_config, cfg.chunk_tokens)
     if scheme is not None:  # links from vLLM's block hashes (mcstore.keys): another key space
         fields["block_hashes"] = scheme

@@ -166,7 +166,8 @@ class Loads:
                     if cause is None:
                         cause, gone = read_cause(rc, want), is_missing(rc)
                 elif self.verify and not trailer_ok(
-                        self._load_trailers.data_ptr() + slot * _TRAILER.size, ptrs[slot][:-1], sizes[slot][:-1]):
+                        self._load_trailers.data_ptr() + slot * _TRAILER.size, ptrs[slot][:-1], sizes[slot][:-1],
+                        keys[slot]):
                     ok[i] = False
                     cause = cause or "checksum"
         return cause, gone
@@ -186,16 +187,16 @@ class Loads:
             ptrs = [[base + s * stride] for s in range(len(part))]
             if count_io:
                 self._count_io("load", ptrs)  # one range per chunk: the whole object, its trailer included
+            keys = [self.keys.key(chunks[j].link, self.rank) for j in part]
             with self._phase("load_staging"):
-                rcs = self.client.get_into([self.keys.key(chunks[j].link, self.rank) for j in part],
-                                           ptrs, [[want]] * len(part))
+                rcs = self.client.get_into(keys, ptrs, [[want]] * len(part))
             good, cause, gone = 0, None, False
             for s, rc in enumerate(rcs):
                 if rc != want:
                     cause, gone = read_cause(rc, want), is_missing(rc)
                     break
                 if self.verify and not trailer_ok(base + s * stride + self.chunk_bytes, [base + s * stride],
-                                                  [self.chunk_bytes]):
+                                                  [self.chunk_bytes], keys[s]):
                     cause = "checksum"
                     break
                 good += 1

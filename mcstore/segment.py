@@ -30,6 +30,7 @@ import msgspec
 from kvcore.config import parse_size
 from kvcore.errors import check
 from kvcore.log import get_logger
+from kvcore.trust import warn_exposed_transfer_engine
 from mcstore.client import replicate_config
 from mcstore.keys import MASTER_INFO_KEY, MasterInfo
 
@@ -48,6 +49,7 @@ def serve_segment(master: str, segment_size: int, ssd: str | None, ready_file: s
     rc = store.setup(host, metadata_server, segment_size, local_buffer_size, protocol, device_name, master,
                      None, bool(ssd), ssd or "")
     check(rc, f"store server setup against master {master}")
+    warn_exposed_transfer_engine(host, protocol, "store server", logger)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

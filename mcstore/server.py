@@ -26,7 +26,7 @@ import msgspec
 
 from kvcore.errors import ConfigError
 from kvcore.log import get_logger
-from kvcore.procs import Proc, free_port, port_open
+from kvcore.procs import Proc, free_port, port_open, refuse_taken
 from mcstore.ha import leader
 
 logger = get_logger("mcstore.server")
@@ -133,8 +133,14 @@ class Master:
 
     def start(self, timeout: float = 30.0, wait_leader: bool = True) -> Master:
         """Start it and wait until it serves: its RPC port answers (in HA mode, with
-        ``wait_leader``, until some master leads; a standby never opens its RPC port)."""
-        self.proc = Proc("mooncake_master", self.argv(), self.log_dir / f"master-{self.host}-{self.port}.log")
+        ``wait_leader``, until some master leads; a standby never opens its RPC port). A port
+        already taken (an orphaned master still listening, say) is a ``ConfigError`` naming its
+        holder. The master gets SIGTERM when the process that started it dies."""
+        for port, what in ((self.port, "RPC"), (self.metrics_port, "metrics"), (self.http_port, "HTTP metadata")):
+            if port:
+                refuse_taken(port, self.reach_host, f"mooncake_master {what}")
+        self.proc = Proc("mooncake_master", self.argv(), self.log_dir / f"master-{self.host}-{self.port}.log",
+                         die_with_parent=True)
         if not self.ha_etcd:
             self.proc.wait_port(self.port, timeout, host=self.reach_host)
             return self
@@ -206,7 +212,8 @@ class StoreServer:
             env.update(offload_env(self.ssd_dir))
         tag = f"{self.host}-{os.getpid()}-{time.monotonic_ns()}"
         ready = self.log_dir / f"store-server-{tag}.ready"
-        self.proc = Proc("store-server", self.argv(ready), self.log_dir / f"store-server-{tag}.log", env=env)
+        self.proc = Proc("store-server", self.argv(ready), self.log_dir / f"store-server-{tag}.log", env=env,
+                         die_with_parent=True)
         deadline = time.monotonic() + timeout
         while not ready.exists():
             if not self.proc.alive():

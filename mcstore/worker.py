@@ -328,7 +328,7 @@ class StoreWorker(Loads):
                 p, sz = list(rng[k][0]), list(rng[k][1])  # copies: a retried chunk is sent again
                 if self.verify:
                     addr = self._save_trailers.data_ptr() + slot * _TRAILER.size
-                    ctypes.memmove(addr, pack_trailer(p, sz), _TRAILER.size)
+                    ctypes.memmove(addr, pack_trailer(p, sz, k), _TRAILER.size)
                     p.append(addr)
                     sz.append(_TRAILER.size)
                 ptrs.append(p)

@@ -97,6 +97,12 @@ class P2PConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Decode side: seconds a prefill worker may send nothing (no WAIT heartbeat, no reply) before it "
         "is considered dead; positive.")] = 10.0
     num_workers: Annotated[int, doc("Decode side: concurrent pulls; at least 1.")] = 4
+    secret_file: Annotated[str | None, doc(
+        "File holding the deployment's shared secret (at least 16 bytes; docs/deploy.md, \"Trust model\"). "
+        "With a secret, this engine acts on transfer parameters (kv_transfer_params) only when the router "
+        "signed them, on bootstrap registrations and side-channel messages only when an engine signed them, "
+        "and signs its own. null: the file MCTIER_SECRET_FILE names, else MCTIER_SECRET itself, else no "
+        "secret: nothing is signed or checked.")] = None
     debug_corrupt_received_kv: Annotated[bool | str, doc(
         "TEST ONLY: true flips the sign of every received KV value; a path does so while that file "
         "exists. Host-resident KV only (the CPU platform).")] = False
@@ -121,6 +127,16 @@ class P2PConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 raise ConfigError(f"p2p: {name} must be > 0")
         if self.num_workers < 1:
             raise ConfigError("p2p: num_workers must be >= 1")
+        self.secret()  # an unreadable or short secret fails at start, not at the first request
+
+    def secret(self) -> bytes | None:
+        """The deployment's secret (:func:`kvcore.trust.load_secret`), None without one."""
+        from kvcore.trust import SecretError, load_secret
+
+        try:
+            return load_secret(self.secret_file)
+        except SecretError as e:
+            raise ConfigError(f"p2p: secret_file: {e}") from None
 
     @property
     def bootstrap_url(self) -> str:

@@ -16,24 +16,37 @@ with another ``tp_size`` is refused), so decode rank r reads only from prefill r
 side channel, and the first PullDone ends the hold. Heterogeneous TP (several decode
 ranks reading parts of one prefill rank's pages) would need an acknowledgement per
 decode rank; it is not supported.
+
+Nothing a peer sends is trusted. With the deployment's secret every message must be signed
+(``p2p.protocol.refusal``; otherwise dropped and counted ``rejected:<why>``, a pull answered
+ERROR); a pull served from a hold must carry this engine's KV fingerprint (else ERROR,
+``rejected:fingerprint``, and the hold is let go: that consumer cannot use it); ``wait_s`` is capped at
+:data:`MAX_WAIT_S`. Every table a peer's ids reach is bounded: pulls waiting for their hold
+(:data:`MAX_WAITING`, beyond it ERROR and ``rejected:overload``), remembered aborted and
+early-released transfer ids (:data:`MAX_REMEMBERED`, oldest forgotten first). A second hold
+under a transfer id already held is released at once (``holds:duplicate``): the first keeps
+its consumer, and no hold is ever orphaned by another.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import msgspec
 import zmq
 
 from kvcore.geometry import Region
-from kvcore.log import get_logger
+from kvcore.log import Throttle, get_logger
 from kvcore.metrics import TierStats
 from kvcore.mooncake_json import P2PHANDSHAKE
 from p2p.protocol import (
+    MAX_TO_PREFILL,
     DoneAck,
     PullDone,
     PullReply,
@@ -41,12 +54,17 @@ from p2p.protocol import (
     Status,
     decode_to_prefill,
     encode,
+    refusal,
+    sign,
 )
 
 logger = get_logger("p2p.holds")
 
 HEARTBEAT_S = 1.0
 FORGET_S = 600.0  # how long aborted / early-released transfer ids are remembered
+MAX_WAITING = 1024  # pulls waiting for their hold at once (a decode instance has a few in flight)
+MAX_WAIT_S = FORGET_S  # the longest a pull waits for its hold, whatever wait_s its peer asked for
+MAX_REMEMBERED = 65536  # aborted / early-released transfer ids kept (each at most 256 characters)
 
 
 @dataclass
@@ -57,6 +75,7 @@ class Hold:
     opened: float
     expires: float
     fence: object = None
+    prompt: str = ""  # p2p.protocol.prompt_digest of its prompt
 
 
 @dataclass
@@ -72,16 +91,18 @@ class SideChannel:
 
     def __init__(self, regions: list[Region], te_addr: str, stats: TierStats, stats_lock: threading.Lock,
                  host: str = "127.0.0.1", abort_timeout_s: float = 480.0, tp_size: int = 1,
-                 te_metadata: str = P2PHANDSHAKE):
+                 te_metadata: str = P2PHANDSHAKE, secret: bytes | None = None, fingerprint: str = ""):
         self.regions = regions
         self.te_addr = te_addr
         self.te_metadata = "" if te_metadata == P2PHANDSHAKE else te_metadata
         self.abort_timeout_s = abort_timeout_s
         self.tp_size = tp_size
+        self.secret, self.fingerprint = secret, fingerprint
         self._stats, self._stats_lock = stats, stats_lock
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_TO_PREFILL)  # a longer message drops its peer's connection
         port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.addr = f"tcp://{host}:{port}"
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -95,15 +116,16 @@ class SideChannel:
         self._fin_lock = threading.Lock()
         self._holds: dict[str, Hold] = {}
         self._waiting: list[_Waiting] = []
-        self._aborted: dict[str, float] = {}
-        self._early_release: dict[str, float] = {}
+        self._aborted: OrderedDict[str, float] = OrderedDict()
+        self._early_release: OrderedDict[str, float] = OrderedDict()
+        self._throttle = Throttle()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="p2p-sidechannel", daemon=True)
         self._thread.start()
 
     # -- called from the worker thread --
-    def add_hold(self, req_id: str, transfer_id: str, block_ids: list[int], fence=None) -> None:
-        self._inbox.put(("hold", req_id, transfer_id, list(block_ids), fence))
+    def add_hold(self, req_id: str, transfer_id: str, block_ids: list[int], fence=None, prompt: str = "") -> None:
+        self._inbox.put(("hold", req_id, transfer_id, list(block_ids), fence, prompt))
         self._wake()
 
     def abort(self, transfer_id: str) -> None:
@@ -124,6 +146,11 @@ class SideChannel:
 
     def held(self) -> int:
         return len(self._holds)
+
+    def table_sizes(self) -> dict[str, int]:
+        """Entries of every table a peer's messages reach (for tests and debugging)."""
+        return {"holds": len(self._holds), "waiting": len(self._waiting), "aborted": len(self._aborted),
+                "early_release": len(self._early_release)}
 
     def close(self) -> None:
         self._stop.set()
@@ -146,12 +173,20 @@ class SideChannel:
 
     def _send(self, ident: bytes, msg: msgspec.Struct) -> None:
         try:
-            self._sock.send_multipart([ident, encode(msg)], flags=zmq.NOBLOCK)
+            self._sock.send_multipart([ident, encode(sign(msg, self.secret))], flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:
             logger.warning("side channel: reply to a decode worker dropped: %s", e)
 
+    @staticmethod
+    def _remember(table: OrderedDict, tid: str, now: float) -> None:
+        table[tid] = now
+        table.move_to_end(tid)
+        while len(table) > MAX_REMEMBERED:
+            table.popitem(last=False)
+
     def _release(self, hold: Hold, outcome: str) -> None:
-        self._holds.pop(hold.transfer_id, None)
+        if self._holds.get(hold.transfer_id) is hold:
+            del self._holds[hold.transfer_id]
         # Stats first: the step that reports the request finished must carry them
         # (the engine may go idle right after it).
         self._inc(f"holds:{outcome}")
@@ -198,21 +233,40 @@ class SideChannel:
             except queue.Empty:
                 return
             if item[0] == "hold":
-                _, req_id, tid, blocks, fence = item
-                hold = Hold(req_id, tid, blocks, now, now + self.abort_timeout_s, fence)
-                self._holds[tid] = hold
+                _, req_id, tid, blocks, fence, prompt = item
+                hold = Hold(req_id, tid, blocks, now, now + self.abort_timeout_s, fence, prompt)
                 self._inc("holds:opened")
+                if tid in self._holds:
+                    # Another request already holds this transfer id: it keeps its consumer, and
+                    # this one, which no consumer can name apart, is not held at all.
+                    logger.warning("request %s: transfer id %s is already held for %s; not holding it twice",
+                                   req_id, tid, self._holds[tid].req_id)
+                    self._release(hold, "duplicate")
+                    continue
+                self._holds[tid] = hold
                 if self._early_release.pop(tid, None) is not None:
                     self._release(hold, "early_release")
             else:
-                self._aborted[item[1]] = now
+                self._remember(self._aborted, item[1], now)
 
     def _handle(self, ident: bytes, data: bytes, now: float) -> None:
         try:
             msg = decode_to_prefill(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            logger.warning("side channel: undecodable message dropped: %s", e)
             self._inc("rejected:undecodable")
+            if (held := self._throttle.ready("undecodable")) is not None:
+                logger.warning("side channel: undecodable message dropped: %s (%d more since the last such line)",
+                               str(e)[:200], held)
+            return
+        why = refusal(msg, self.secret)
+        if why is not None:
+            self._inc(f"rejected:{why}")
+            if (held := self._throttle.ready(why)) is not None:
+                logger.warning("side channel: %s %s for %s dropped (%s; %d more since the last such line)", why,
+                               type(msg).__name__, msg.transfer_id,
+                               "not signed with the deployment's secret" if why == "unsigned" else why, held)
+            if isinstance(msg, PullRequest):
+                self._send(ident, PullReply(Status.ERROR, msg.transfer_id, error=f"message refused: {why}"))
             return
         if isinstance(msg, PullDone):
             hold = self._holds.get(msg.transfer_id)
@@ -229,7 +283,27 @@ class SideChannel:
             why = f"TP mismatch: prefill tp_size={self.tp_size}, decode tp_size={msg.tp_size}"
             self._send(ident, PullReply(Status.ERROR, msg.transfer_id, error=why))
             return
-        self._waiting.append(_Waiting(ident, msg, now + max(0.0, msg.wait_s)))
+        if msg.num_blocks == 0:  # a release never waits
+            self._let_go(msg.transfer_id, now)
+            self._send(ident, PullReply(Status.RELEASED, msg.transfer_id))
+            return
+        wait_s = msg.wait_s if math.isfinite(msg.wait_s) else MAX_WAIT_S
+        w = _Waiting(ident, msg, now + min(max(0.0, wait_s), MAX_WAIT_S))
+        if self._serve(w, now):  # its hold is there (or aborted): answered without queueing
+            return
+        if len(self._waiting) >= MAX_WAITING:
+            # The oldest waiter goes: a flood of waits that never end cannot keep new pulls out.
+            old = self._waiting.pop(0)
+            self._inc("rejected:overload")
+            self._send(old.ident, PullReply(Status.ERROR, old.req.transfer_id, error="too many pulls waiting"))
+        self._waiting.append(w)
+
+    def _let_go(self, tid: str, now: float) -> None:
+        hold = self._holds.get(tid)
+        if hold is not None:
+            self._release(hold, "released")
+        elif tid not in self._aborted:
+            self._remember(self._early_release, tid, now)
 
     def _tick(self, now: float) -> None:
         still: list[_Waiting] = []
@@ -239,21 +313,14 @@ class SideChannel:
         self._waiting = still
         for hold in [h for h in self._holds.values() if h.expires <= now]:
             self._release(hold, "expired")
-        for d in (self._aborted, self._early_release):
-            for tid in [t for t, at in d.items() if now - at > FORGET_S]:
-                del d[tid]
+        for d in (self._aborted, self._early_release):  # oldest first: _remember keeps the order
+            while d and now - next(iter(d.values())) > FORGET_S:
+                d.popitem(last=False)
 
     def _serve(self, w: _Waiting, now: float) -> bool:
         """Answer a pending pull if possible; True when it is done with."""
         req, tid = w.req, w.req.transfer_id
         hold = self._holds.get(tid)
-        if req.num_blocks == 0:  # release only
-            if hold is not None:
-                self._release(hold, "released")
-            elif tid not in self._aborted:
-                self._early_release[tid] = now
-            self._send(w.ident, PullReply(Status.RELEASED, tid))
-            return True
         if hold is None:
             if tid in self._aborted:
                 self._send(w.ident, PullReply(Status.ERROR, tid, error="prefill request was aborted"))
@@ -267,6 +334,26 @@ class SideChannel:
                 self._send(w.ident, PullReply(Status.WAIT, tid))
                 w.next_beat = now + HEARTBEAT_S
             return False
+        if req.fingerprint != self.fingerprint:
+            # Another model, config, dtype or layout: its KV is not this engine's. The consumer
+            # cannot use the hold, so it is let go.
+            self._inc("rejected:fingerprint")
+            if self._throttle.ready("fingerprint") is not None:
+                logger.warning("side channel: pull of %s refused: the decode engine's KV fingerprint %s is not this "
+                               "engine's %s (other weights, config, dtype or layout)", tid,
+                               req.fingerprint[:16] or "(none)", self.fingerprint[:16])
+            self._send(w.ident, PullReply(Status.ERROR, tid, fingerprint=self.fingerprint,
+                                          error="KV fingerprint mismatch: the engines differ in weights, config, "
+                                                "dtype or layout"))
+            self._release(hold, "released")
+            return True
+        if req.prompt and hold.prompt and req.prompt != hold.prompt:
+            # The transfer id of one request, named by a request for another prompt (parameters
+            # replayed onto another body): its KV would be wrong there. The hold waits for its own.
+            self._inc("rejected:prompt_mismatch")
+            self._send(w.ident, PullReply(Status.ERROR, tid, error="prompt mismatch: the held request has another "
+                                                                   "prompt"))
+            return True
         end = req.start_block + req.num_blocks
         if req.start_block < 0 or end > len(hold.block_ids):
             self._send(w.ident, PullReply(Status.ERROR, tid, error=(
@@ -278,5 +365,6 @@ class SideChannel:
             hold.fence.synchronize()  # CUDA: the prefill's KV writes are complete
             hold.fence = None
         self._send(w.ident, PullReply(Status.READY, tid, te_addr=self.te_addr, te_metadata=self.te_metadata,
-                                      regions=self.regions, block_ids=hold.block_ids[req.start_block:end]))
+                                      regions=self.regions, block_ids=hold.block_ids[req.start_block:end],
+                                      fingerprint=self.fingerprint))
         return True

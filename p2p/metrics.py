@@ -2,8 +2,11 @@
 
 Counters (label ``kind``): bytes{pulled}, descriptors{pulled}, pulls{ok,failed,release},
 failures{bootstrap,peer,timeout,transfer,remote,protocol,invalid_params}, retries{transfer},
-holds{opened,released,expired,aborted,early_release}, rejected{undecodable,unknown_transfer,
-tp_mismatch,bad_range} (prefill side channel). Histograms: query, metadata, transfer, ack,
+holds{opened,released,expired,aborted,early_release,duplicate}, rejected{undecodable,
+unknown_transfer,tp_mismatch,bad_range,fingerprint,prompt_mismatch,overload,unsigned,
+bad_signature,expired,register} (prefill side channel and bootstrap server), refused{unsigned,bad_signature,expired,
+body_mismatch,malformed,replayed} (requests whose transfer parameters the scheduler refused:
+the request is computed locally, or not held). Histograms: query, metadata, transfer, ack,
 handoff (decode side) and hold (prefill side: time blocks were held).
 """
 
@@ -19,8 +22,12 @@ SPEC = MetricSpec(
         "pulls": "Handoffs by outcome (ok, failed, release)",
         "failures": "Failed handoffs by cause",
         "retries": "Transfer Engine reads repeated after a failed first try (transfer)",
-        "holds": "Prefill-side block holds by outcome (opened, released, expired, aborted)",
-        "rejected": "Prefill side channel: messages rejected (undecodable, unknown_transfer, tp_mismatch, bad_range)",
+        "holds": "Prefill-side block holds by outcome (opened, released, expired, aborted, early_release, duplicate)",
+        "rejected": "Prefill side channel and bootstrap server: messages rejected (undecodable, unknown_transfer, "
+                    "tp_mismatch, bad_range, fingerprint, prompt_mismatch, overload, unsigned, bad_signature, expired, "
+                    "register)",
+        "refused": "Requests whose transfer parameters were refused (unsigned, bad_signature, expired, "
+                   "malformed, replayed): computed locally, or not held",
     },
     ops={
         "query": "Bootstrap /query lookup",

@@ -22,23 +22,52 @@ Two channels. Only the first is vLLM's MooncakeConnector's own:
   D -> P :class:`PullDone`     the read finished (``ok``) or failed; P drops the hold (one
          consumer per hold: same TP size on both sides, see p2p.holds)
   P -> D :class:`DoneAck`
+
+Every message carries ``ts`` and ``mac``: with the deployment's secret (:mod:`kvcore.trust`)
+the sender signs it (:func:`sign`) and the receiver drops it unless :func:`refusal` finds
+nothing wrong (signed with the secret, no older than ``kvcore.trust.MAX_AGE_S``); without a
+secret both are left empty and not checked. :class:`RegisterPayload` is signed the same way
+(:func:`sign_registration`). ``PullRequest`` and ``PullReply`` carry each side's KV
+fingerprint (``kvcore.identity``): a pull between engines of different weights, config,
+dtype or layout is refused before any byte moves; ``PullRequest.prompt`` must match the
+held request's prompt (:func:`prompt_digest`): transfer parameters replayed onto another prompt
+never load that prompt's KV. Each socket refuses messages longer than
+:data:`MAX_TO_PREFILL` / :data:`MAX_TO_DECODE` bytes (ZMQ ``MAXMSGSIZE``).
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
+import time
+from typing import Annotated
 
 import msgspec
 
+from kvcore import trust
 from kvcore.geometry import Region
 
+# ZMQ MAXMSGSIZE of each side's socket: a request or completion is a few hundred bytes; a
+# READY reply lists the prefill's regions (a few per layer) and the block ids asked for.
+MAX_TO_PREFILL = 64 << 10
+MAX_TO_DECODE = 16 << 20
 
-class RegisterPayload(msgspec.Struct):
+# Bounds on what a peer may send: ids are the keys of the prefill side's tables.
+Id = Annotated[str, msgspec.Meta(max_length=256)]
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
+Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+
+
+class RegisterPayload(msgspec.Struct, omit_defaults=True):
     engine_id: str
     dp_rank: int
     tp_rank: int
     pp_rank: int
     addr: str  # "tcp://host:port" of the worker's side channel
+    ts: float = 0.0  # wall-clock seconds when signed (0: unsigned)
+    mac: str = ""  # hex HMAC with the deployment's secret ("": unsigned)
 
 
 class EngineEntry(msgspec.Struct):
@@ -55,13 +84,17 @@ class Status(enum.IntEnum):
 
 
 class PullRequest(msgspec.Struct, tag="pull", omit_defaults=True):
-    transfer_id: str
-    req_id: str  # the decode side's request id (for logs)
-    tp_rank: int
-    tp_size: int
-    start_block: int = 0
-    num_blocks: int = 0  # 0: release only
-    wait_s: float = 30.0  # how long P may wait for the prefill to finish
+    transfer_id: Id
+    req_id: Id  # the decode side's request id (for logs)
+    tp_rank: Rank
+    tp_size: Rank
+    start_block: Count = 0
+    num_blocks: Count = 0  # 0: release only
+    wait_s: float = 30.0  # how long P may wait for the prefill to finish (capped: p2p.holds.MAX_WAIT_S)
+    fingerprint: Id = ""  # the decode engine's KV fingerprint (kvcore.identity)
+    prompt: Id = ""  # prompt_digest of the decode request's prompt ("": a release)
+    ts: float = 0.0
+    mac: bytes = b""
 
 
 class PullReply(msgspec.Struct, tag="reply", omit_defaults=True):
@@ -72,17 +105,24 @@ class PullReply(msgspec.Struct, tag="reply", omit_defaults=True):
     block_ids: list[int] = []
     error: str = ""
     te_metadata: str = ""  # the metadata server te_addr is registered in; "" = P2PHANDSHAKE
+    fingerprint: str = ""  # the prefill engine's KV fingerprint (READY)
+    ts: float = 0.0
+    mac: bytes = b""
 
 
 class PullDone(msgspec.Struct, tag="done", omit_defaults=True):
-    transfer_id: str
-    req_id: str
+    transfer_id: Id
+    req_id: Id
     ok: bool
-    cause: str = ""
+    cause: Text = ""
+    ts: float = 0.0
+    mac: bytes = b""
 
 
-class DoneAck(msgspec.Struct, tag="ack"):
+class DoneAck(msgspec.Struct, tag="ack", omit_defaults=True):
     transfer_id: str
+    ts: float = 0.0
+    mac: bytes = b""
 
 
 ToPrefill = PullRequest | PullDone
@@ -91,6 +131,20 @@ ToDecode = PullReply | DoneAck
 _enc = msgspec.msgpack.Encoder()
 _dec_p = msgspec.msgpack.Decoder(ToPrefill)
 _dec_d = msgspec.msgpack.Decoder(ToDecode)
+
+
+# An ERROR reply whose error starts with one of these is a refusal of the message itself, not
+# of the transfer: the decode side fails it as "protocol" and sends no release for it.
+REFUSALS = ("message refused", "KV fingerprint mismatch", "prompt mismatch")
+
+
+def prompt_digest(token_ids) -> str:
+    """What a pull and its hold must agree on: a digest of the request's prompt token ids."""
+    try:
+        data = _enc.encode(token_ids)
+    except TypeError:  # int-likes (numpy integers)
+        data = _enc.encode([int(t) for t in token_ids])
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def encode(msg: msgspec.Struct) -> bytes:
@@ -103,6 +157,54 @@ def decode_to_prefill(data: bytes) -> PullRequest | PullDone:
 
 def decode_to_decode(data: bytes) -> PullReply | DoneAck:
     return _dec_d.decode(data)
+
+
+_SIDE_CHANNEL = b"mctier/side-channel/v1"
+_REGISTER = b"mctier/register/v1"
+
+
+def sign(msg, secret: bytes | None):
+    """``msg`` signed with ``secret`` (unchanged without one)."""
+    if secret is None:
+        return msg
+    msg = msgspec.structs.replace(msg, ts=round(time.time(), 3), mac=b"")
+    return msgspec.structs.replace(msg, mac=trust.mac(secret, _SIDE_CHANNEL, _enc.encode(msg)))
+
+
+def refusal(msg, secret: bytes | None, max_age_s: float = trust.MAX_AGE_S) -> str | None:
+    """Why ``msg`` must be dropped (``unsigned``, ``bad_signature``, ``expired``), None when
+    it may be acted on (always without a secret)."""
+    if secret is None:
+        return None
+    if not msg.mac:
+        return "unsigned"
+    want = trust.mac(secret, _SIDE_CHANNEL, _enc.encode(msgspec.structs.replace(msg, mac=b"")))
+    if not hmac.compare_digest(want, msg.mac):
+        return "bad_signature"
+    return None if trust.fresh(msg.ts, max_age_s) else "expired"
+
+
+def _registration_mac(p: RegisterPayload, secret: bytes) -> str:
+    body = msgspec.to_builtins(msgspec.structs.replace(p, mac=""))
+    return trust.mac(secret, _REGISTER, trust.canonical(body)).hex()
+
+
+def sign_registration(p: RegisterPayload, secret: bytes | None) -> RegisterPayload:
+    if secret is None:
+        return p
+    p = msgspec.structs.replace(p, ts=round(time.time(), 3), mac="")
+    return msgspec.structs.replace(p, mac=_registration_mac(p, secret))
+
+
+def registration_refusal(p: RegisterPayload, secret: bytes | None, max_age_s: float = trust.MAX_AGE_S) -> str | None:
+    """As :func:`refusal`, for a bootstrap registration."""
+    if secret is None:
+        return None
+    if not p.mac:
+        return "unsigned"
+    if not hmac.compare_digest(_registration_mac(p, secret), p.mac):
+        return "bad_signature"
+    return None if trust.fresh(p.ts, max_age_s) else "expired"
 
 
 def query_json(workers: dict[int, EngineEntry]) -> dict:

@@ -3,12 +3,17 @@
 :func:`prefill_body` and :func:`decode_body` build the two requests of one client
 request, tied by one ``transfer_id``: the prefill request (``max_tokens=1``, not
 streamed, ``do_remote_decode``) and the decode request (``do_remote_prefill``,
-``remote_bootstrap_addr``, ``remote_engine_id``, ``transfer_id``, plus any
-``kv_transfer_params`` keys the client sent). :class:`Proxy` runs them: the prefill
-instance's engine id comes from its bootstrap server's ``/query`` (vLLM's route), both
-requests go out concurrently, and the decode response (its ``kv_transfer_params``
+``remote_bootstrap_addr``, ``remote_engine_id``, ``transfer_id``). :class:`Proxy` runs them:
+the prefill instance's engine id comes from its bootstrap server's ``/query`` (vLLM's route),
+both requests go out concurrently, and the decode response (its ``kv_transfer_params``
 included) is passed through, streamed or whole. :meth:`Proxy._direct` sends a whole
 request to one instance instead.
+
+Of a client's ``kv_transfer_params`` only the keys a client may set pass
+(``kv_source``; ``kv_transfer_params.ttft_slo_s`` is the router's own, ``kvcore.trust.CLIENT_KEYS``),
+on both routes: every transfer field is the proxy's own. With the deployment's secret the
+proxy signs the transfer fields it sets, bound to the body it forwards
+(``kvcore.trust.sign_params``), and its hold releases (:mod:`p2p.release`).
 
 Failures: a prefill that fails before the decode produced output, or an unreachable
 instance, is a :class:`ProxyError` with status 502 (``prefill_failed`` tells a router it
@@ -31,6 +36,7 @@ from urllib.parse import urlparse
 import aiohttp
 from aiohttp import web
 
+from kvcore import trust
 from p2p.release import release_hold
 
 # A standalone process: a plain logger (kvcore.log would import all of vLLM just for this).
@@ -70,7 +76,8 @@ def default_bootstrap(url: str) -> str:
 
 def prefill_body(body: dict, transfer_id: str) -> dict:
     """The prefill request of vLLM's Mooncake proxy contract: one token, not streamed,
-    ``do_remote_decode`` with the request's ``transfer_id``."""
+    ``do_remote_decode`` with the request's ``transfer_id`` (nothing of the client's
+    ``kv_transfer_params``)."""
     pbody = {k: v for k, v in body.items() if k not in ("stream_options",)}
     pbody.update(max_tokens=1, stream=False,
                  kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id})
@@ -80,20 +87,61 @@ def prefill_body(body: dict, transfer_id: str) -> dict:
 
 
 def decode_body(body: dict, client_params: dict, bootstrap: str, engine_id: str, transfer_id: str) -> dict:
-    """The decode request: the client's, with ``do_remote_prefill`` and where to pull from
-    (any ``kv_transfer_params`` keys the client sent are kept)."""
+    """The decode request: the client's, with ``do_remote_prefill`` and where to pull from; of
+    the client's ``kv_transfer_params`` only the keys a client may set are kept."""
     dbody = dict(body)
-    dbody["kv_transfer_params"] = {**client_params, "do_remote_decode": False, "do_remote_prefill": True,
-                                   "remote_bootstrap_addr": bootstrap, "remote_engine_id": engine_id,
-                                   "transfer_id": transfer_id}
+    dbody["kv_transfer_params"] = {**trust.client_fields(client_params), "do_remote_decode": False,
+                                   "do_remote_prefill": True, "remote_bootstrap_addr": bootstrap,
+                                   "remote_engine_id": engine_id, "transfer_id": transfer_id}
     return dbody
 
 
+def direct_body(body: dict) -> dict:
+    """A whole request for one instance: the client's, without any transfer field."""
+    params = trust.client_fields(body.get("kv_transfer_params"))
+    dbody = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    if params:
+        dbody["kv_transfer_params"] = params
+    return dbody
+
+
+_SIGN_INLINE = 64 << 10  # request bytes whose body is digested on the event loop; larger in a thread
+
+
 class Proxy:
-    def __init__(self, timeout: float, connect_timeout: float):
+    def __init__(self, timeout: float, connect_timeout: float, secret: bytes | None = None):
         self.timeout, self.connect_timeout = timeout, connect_timeout
+        self.secret = secret  # the deployment's (kvcore.trust): transfer parameters are signed with it
         self.session: aiohttp.ClientSession | None = None
         self.releases = 0  # prefill holds released after their decode failed
+
+    async def _signed(self, body: dict, size: int | None) -> dict:
+        """``body`` with its transfer parameters signed (unchanged without a secret)."""
+        if self.secret is None:
+            return body
+        if size is None or size > _SIGN_INLINE:
+            digest = await asyncio.to_thread(trust.body_digest, body)
+        else:
+            digest = trust.body_digest(body)
+        body["kv_transfer_params"] = trust.sign_params(self.secret, body["kv_transfer_params"], digest)
+        return body
+
+    async def check_engine_id(self, p: Backend) -> None:
+        """Health round: forget ``p``'s cached engine id when its bootstrap server no longer
+        lists it first (the prefill restarted) or does not answer; the next request asks again."""
+        if p.engine_id is None or p.bootstrap is None:
+            return
+        url = p.bootstrap.rstrip("/") + "/query"
+        try:
+            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=self.connect_timeout)) as r:
+                body = await r.json() if r.status == 200 else None
+            now = body[min(body, key=int)]["engine_id"] if body else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
+            now = None
+        if now != p.engine_id:
+            logger.warning("prefill %s: engine id %s is gone from %s (now %s); asking again at its next request",
+                           p.url, p.engine_id, url, now)
+            p.engine_id = None
 
     async def start(self, app):
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=self.connect_timeout))
@@ -156,8 +204,9 @@ class Proxy:
         if auth := request.headers.get("Authorization"):
             headers["Authorization"] = auth
 
-        pbody = prefill_body(body, tid)
-        dbody = decode_body(body, client_params, p.bootstrap, engine_id, tid)
+        pbody = await self._signed(prefill_body(body, tid), request.content_length)
+        dbody = await self._signed(decode_body(body, client_params, p.bootstrap, engine_id, tid),
+                                   request.content_length)
         prefill = asyncio.create_task(self._prefill(p, path, pbody, headers, rid))
         stream = bool(body.get("stream"))
         first = asyncio.create_task(self._decode_first(d, path, dbody, headers, stream))
@@ -189,7 +238,8 @@ class Proxy:
 
     def _release_later(self, p: Backend, engine_id: str, tid: str) -> None:
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(None, release_hold, p.bootstrap, engine_id, tid, self.connect_timeout)
+        fut = loop.run_in_executor(None, lambda: release_hold(p.bootstrap, engine_id, tid, self.connect_timeout,
+                                                              secret=self.secret))
         self.releases += 1
         fut.add_done_callback(lambda f: f.exception() or logger.info(
             "released the prefill hold of %s on %s (%d workers confirmed)", tid, p.url, f.result()))
@@ -219,7 +269,7 @@ class Proxy:
         stream = bool(body.get("stream"))
         resp = None
         try:
-            resp, data = await self._decode_first(d, path, body, headers, stream)
+            resp, data = await self._decode_first(d, path, direct_body(body), headers, stream)
             self._first_output(rid)
             return await self._relay(request, resp, data, stream)
         except (aiohttp.ClientError, ConnectionError) as e:

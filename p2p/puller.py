@@ -19,6 +19,14 @@ The whole job also has the request's deadline (``transfer_timeout_s``). A releas
 (no blocks) only does 1, 2 with ``num_blocks=0``. Results are kept per request
 (:meth:`Puller.take_results`). A prefill of another layout (TP size or stage count) fails
 the pull at 1 and is released through all of its workers (:func:`p2p.release.release_hold`).
+
+Trust: every message is signed with the deployment's secret when there is one, and a reply
+that is not is refused (``protocol``); the READY reply must carry this engine's KV
+fingerprint (else ``protocol``, nothing read). A prefill's addresses are cached per bootstrap
+URL and engine id (at most :data:`MAX_ENTRIES`), and dropped after a ``peer``, ``protocol``
+or ``timeout`` failure: a restarted prefill is asked again. When the engine id is no longer
+registered at its bootstrap server (the prefill restarted), the transfer is released on the
+engines registered there instead, so that a hold the new engine opened for it ends now.
 """
 
 from __future__ import annotations
@@ -27,10 +35,10 @@ import ctypes
 import os
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import msgspec
 import numpy as np
 import zmq
 
@@ -40,11 +48,16 @@ from kvcore.log import DegradeWatch, get_logger
 from kvcore.metrics import TierStats
 from kvcore.mooncake_json import P2PHANDSHAKE, metadata_kind
 from p2p import bootstrap
-from p2p.protocol import DoneAck, EngineEntry, PullDone, PullReply, PullRequest, Status, decode_to_decode, encode
+from p2p.protocol import MAX_TO_DECODE, REFUSALS, EngineEntry, PullRequest, Status, encode, sign
 from p2p.release import release_hold
+from p2p.sidecall import PullFailed, await_reply, send_done
 from p2p.transfer import TransferEngineHandle
 
 logger = get_logger("p2p.puller")
+
+MAX_ENTRIES = 64  # prefill engines whose addresses are cached (bootstrap URLs come with requests)
+# Failures after which a prefill's cached addresses are asked again: it may have restarted.
+_FORGET_AFTER = frozenset({"peer", "protocol", "timeout"})
 
 
 @dataclass
@@ -56,6 +69,7 @@ class PullJob:
     start_block: int  # index (within the request) of the first block to pull
     block_ids: list[int]  # local destination blocks; empty = release only
     deadline: float  # time.monotonic()
+    prompt: str = ""  # p2p.protocol.prompt_digest of the request's prompt
 
 
 @dataclass
@@ -68,12 +82,7 @@ class PullResult:
     timings: dict | None = None  # seconds per phase (query, metadata, transfer, ack, handoff)
     nbytes: int = 0  # bytes written into block_ids (a successful pull)
     other_layout: bool = False  # the prefill has another TP size or stage count
-
-
-class PullFailed(Exception):
-    def __init__(self, cause: str, detail: str, other_layout: bool = False):
-        super().__init__(f"{cause}: {detail}")
-        self.cause, self.detail, self.other_layout = cause, detail, other_layout
+    registered: tuple[str, ...] = ()  # see PullFailed
 
 
 class Puller:
@@ -81,19 +90,20 @@ class Puller:
                  stats_lock: threading.Lock, *,
                  tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1, num_workers: int = 4,
                  bootstrap_timeout_s: float = 5.0, peer_silence_timeout_s: float = 10.0,
-                 corrupt: bool = False):
+                 corrupt: bool = False, secret: bytes | None = None, fingerprint: str = ""):
         self.geometry, self.engine = geometry, engine
         self._stats, self._stats_lock = stats, stats_lock
         self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = tp_rank, tp_size, pp_rank, pp_size
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self.silence_s = peer_silence_timeout_s
         self.corrupt = corrupt
+        self.secret, self.fingerprint = secret, fingerprint
         self._pool = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="p2p-pull")
         # Every handoff failing (a bootstrap server nobody reaches, say) is otherwise only a
         # warning per request: tokens stay right, the tier silently does nothing.
         self._watch = DegradeWatch(logger, f"P2P handoffs (decode rank {tp_rank})")
         self._ctx = zmq.Context.instance()
-        self._entries: dict[tuple[str, str], EngineEntry] = {}
+        self._entries: OrderedDict[tuple[str, str], EngineEntry] = OrderedDict()  # LRU, MAX_ENTRIES
         self._lock = threading.Lock()
         self._results: list[PullResult] = []
         self._inflight: set[str] = set()
@@ -140,14 +150,25 @@ class Puller:
             self._inc(f"failures:{res.cause}")
             logger.warning("P2P handoff %s (transfer %s) failed [%s]: %s; %s", job.req_id, job.transfer_id,
                            res.cause, res.detail, "recomputing locally" if job.block_ids else "release not delivered")
+        if not res.ok and res.cause in _FORGET_AFTER:
+            with self._lock:
+                self._entries.pop((job.bootstrap_url, job.engine_id), None)
         self._finish(res)
         if not res.ok and job.block_ids and res.cause in _RELEASE_AFTER:
             self._release_after_failure(job)
+        elif res.registered and self.tp_rank == 0 and self.pp_rank == 0:
+            # Our engine id is gone from its bootstrap server (the prefill restarted): a hold for
+            # this transfer, if any, is on an engine registered there now.
+            n = sum(release_hold(job.bootstrap_url, e, job.transfer_id, timeout=_RELEASE_AFTER_S,
+                                 secret=self.secret) for e in res.registered[:4])
+            logger.info("released %s on %d worker(s) of the engines now registered at %s", job.transfer_id, n,
+                        job.bootstrap_url)
         elif res.other_layout and self.tp_rank == 0 and self.pp_rank == 0:
             # Its side channels refuse our pulls (another tp_size), releases included, and
             # no decode rank of ours maps to each of its ranks: release through all of its
             # workers as a router does, once per request.
-            n = release_hold(job.bootstrap_url, job.engine_id, job.transfer_id, timeout=_RELEASE_AFTER_S)
+            n = release_hold(job.bootstrap_url, job.engine_id, job.transfer_id, timeout=_RELEASE_AFTER_S,
+                             secret=self.secret)
             logger.info("released %s on %d prefill worker(s) of another layout", job.transfer_id, n)
 
     def _release_after_failure(self, job: PullJob) -> None:
@@ -167,15 +188,21 @@ class Puller:
 
     def _entry(self, job: PullJob) -> EngineEntry:
         key = (job.bootstrap_url, job.engine_id)
-        entry = self._entries.get(key)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+                return entry
+        workers = self._query(job)
+        entry = bootstrap.find_engine(workers, job.engine_id)
         if entry is None:
-            workers = self._query(job)
-            entry = bootstrap.find_engine(workers, job.engine_id)
-            if entry is None:
-                known = sorted(e.engine_id for e in workers.values())
-                raise PullFailed("bootstrap", f"engine {job.engine_id!r} not registered at {job.bootstrap_url} "
-                                              f"(known: {known})")
+            known = tuple(sorted({e.engine_id for e in workers.values()}))
+            raise PullFailed("bootstrap", f"engine {job.engine_id!r} not registered at {job.bootstrap_url} "
+                                          f"(known: {list(known)[:8]})", registered=known)
+        with self._lock:
             self._entries[key] = entry
+            while len(self._entries) > MAX_ENTRIES:
+                self._entries.popitem(last=False)
         return entry
 
     def _query(self, job: PullJob) -> dict:
@@ -220,19 +247,26 @@ class Puller:
             # A release must reach a peer that is only slow (or stalled, mid-handshake) even
             # after we stop waiting for its answer: ZMQ keeps delivering it after close.
             sock.setsockopt(zmq.LINGER, 0 if job.block_ids else _RELEASE_LINGER_MS)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_TO_DECODE)
             sock.connect(addr)
             wait_s = max(0.0, job.deadline - time.monotonic())
-            sock.send(encode(PullRequest(job.transfer_id, job.req_id, self.tp_rank, self.tp_size,
-                                         job.start_block, len(job.block_ids), wait_s)))
-            reply = self._await_reply(sock, job, addr)
+            sock.send(encode(sign(PullRequest(job.transfer_id, job.req_id, self.tp_rank, self.tp_size,
+                                              job.start_block, len(job.block_ids), wait_s,
+                                              fingerprint=self.fingerprint, prompt=job.prompt), self.secret)))
+            reply = await_reply(sock, job.transfer_id, addr, job.deadline, self.silence_s, self.secret)
             t2 = time.monotonic()
             timings["metadata"] = t2 - t1
             if release:
                 self._inc("pulls:release")
                 return PullResult(job.req_id, True, [], timings=timings)
             if reply.status != Status.READY:
-                raise PullFailed("remote", reply.error or f"status {reply.status!r}")
+                cause = "protocol" if reply.error.startswith(REFUSALS) else "remote"
+                raise PullFailed(cause, reply.error[:300] or f"status {reply.status!r}")
             ready = True
+            if reply.fingerprint != self.fingerprint:
+                raise PullFailed("protocol", f"the prefill's KV fingerprint {reply.fingerprint[:16] or '(none)'} is "
+                                             f"not this engine's {self.fingerprint[:16]}: other weights, config, "
+                                             f"dtype or layout")
             theirs, ours = reply.te_metadata or P2PHANDSHAKE, self.engine.metadata_server
             if metadata_kind(theirs) != metadata_kind(ours):
                 raise PullFailed("protocol", f"the prefill's Transfer Engine {reply.te_addr} is named through "
@@ -257,7 +291,7 @@ class Puller:
             # Report the blocks as loaded first; the acknowledgement only frees P.
             res = PullResult(job.req_id, True, job.block_ids, timings=timings, nbytes=nbytes)
             self._finish_ok_early(res)
-            self._done(sock, job, True, "")
+            send_done(sock, job.transfer_id, job.req_id, True, "", self.secret)
             ready = False
             timings["ack"] = time.monotonic() - t3
             timings["handoff"] = time.monotonic() - t0
@@ -269,11 +303,11 @@ class Puller:
             return _ALREADY
         except PullFailed as e:
             return PullResult(job.req_id, False, job.block_ids, e.cause, e.detail, timings,
-                              other_layout=e.other_layout)
+                              other_layout=e.other_layout, registered=e.registered)
         finally:
             if sock is not None:
                 if ready:  # P answered READY but we failed: let it free its blocks now
-                    self._done(sock, job, False, "decode-side failure")
+                    send_done(sock, job.transfer_id, job.req_id, False, "decode-side failure", self.secret)
                 sock.close(0)
 
     def _read(self, job: PullJob, peer: str, local: list[int], remote: list[int], lens: list[int],
@@ -304,37 +338,6 @@ class Puller:
 
     def _finish_ok_early(self, res: PullResult) -> None:
         self._finish(res)
-
-    def _await_reply(self, sock, job: PullJob, addr: str) -> PullReply:
-        while True:
-            now = time.monotonic()
-            left = job.deadline - now
-            if left <= 0:
-                raise PullFailed("timeout", f"no READY from {addr} before the deadline")
-            if not sock.poll(int(min(left, self.silence_s) * 1000) + 1):
-                if time.monotonic() >= job.deadline:
-                    raise PullFailed("timeout", f"no READY from {addr} before the deadline")
-                raise PullFailed("peer", f"prefill worker {addr} silent for {self.silence_s:.0f}s (dead?)")
-            try:
-                msg = decode_to_decode(sock.recv())
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                raise PullFailed("protocol", f"bad reply from {addr}: {e}") from None
-            if isinstance(msg, PullReply) and msg.status != Status.WAIT:
-                return msg
-
-    def _done(self, sock, job: PullJob, ok: bool, cause: str) -> None:
-        try:
-            sock.send(encode(PullDone(job.transfer_id, job.req_id, ok, cause)), flags=zmq.NOBLOCK)
-            deadline = time.monotonic() + 2.0
-            while time.monotonic() < deadline:
-                if not sock.poll(int((deadline - time.monotonic()) * 1000) + 1):
-                    break
-                if isinstance(decode_to_decode(sock.recv()), DoneAck):
-                    return
-            logger.info("prefill side did not acknowledge %s; it frees the blocks at its abort timeout",
-                        job.transfer_id)
-        except (zmq.ZMQError, msgspec.DecodeError, msgspec.ValidationError) as e:
-            logger.info("completion for %s not delivered: %s", job.transfer_id, e)
 
 
 # Sentinel: the successful result was already reported by _finish_ok_early.

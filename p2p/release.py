@@ -23,18 +23,20 @@ import msgspec
 import zmq
 
 from p2p import bootstrap
-from p2p.protocol import PullReply, PullRequest, Status, decode_to_decode, encode
+from p2p.protocol import MAX_TO_DECODE, PullReply, PullRequest, Status, decode_to_decode, encode, refusal, sign
 
 # A plain logger: proxies are standalone processes (kvcore.log would import vLLM).
 logger = logging.getLogger("mctier.p2p.release")
 
 _LINGER_MS = 2000  # a release still reaches a slow peer after we stop waiting
+_MAX_WORKERS = 1024  # TP x PP of the largest engine a release is sent to
 
 
 def release_hold(bootstrap_url: str, engine_id: str, transfer_id: str, timeout: float = 2.0,
-                 ctx: zmq.Context | None = None) -> int:
+                 ctx: zmq.Context | None = None, secret: bytes | None = None) -> int:
     """Release the hold of ``transfer_id`` on every worker of ``engine_id``; the number of
-    workers that confirmed (0 when none could be reached within ``timeout`` seconds)."""
+    workers that confirmed (0 when none could be reached within ``timeout`` seconds). With the
+    deployment's ``secret`` the release is signed and only signed confirmations count."""
     deadline = time.monotonic() + timeout
     try:
         workers = bootstrap.query(bootstrap_url, timeout)
@@ -48,14 +50,18 @@ def release_hold(bootstrap_url: str, engine_id: str, transfer_id: str, timeout: 
         return 0
     ctx = ctx or zmq.Context.instance()
     tp_size = len(entry.worker_addr)
+    if sum(len(stages) for stages in entry.worker_addr.values()) > _MAX_WORKERS:
+        logger.info("release of %s not sent: %s lists more than %d workers", transfer_id, bootstrap_url, _MAX_WORKERS)
+        return 0
     socks = []
     try:
         for tp_rank, stages in entry.worker_addr.items():
             for addr in stages.values():
                 s = ctx.socket(zmq.DEALER)
                 s.setsockopt(zmq.LINGER, _LINGER_MS)
+                s.setsockopt(zmq.MAXMSGSIZE, MAX_TO_DECODE)
                 s.connect(addr)
-                s.send(encode(PullRequest(transfer_id, "router-release", tp_rank, tp_size, 0, 0, 0.0)))
+                s.send(encode(sign(PullRequest(transfer_id, "router-release", tp_rank, tp_size, 0, 0, 0.0), secret)))
                 socks.append((addr, s))
         confirmed = 0
         for addr, s in socks:
@@ -66,7 +72,7 @@ def release_hold(bootstrap_url: str, engine_id: str, transfer_id: str, timeout: 
                 except (msgspec.DecodeError, msgspec.ValidationError) as e:
                     logger.info("release of %s: bad reply from %s: %s", transfer_id, addr, e)
                     continue
-                if isinstance(reply, PullReply) and reply.status == Status.RELEASED:
+                if isinstance(reply, PullReply) and reply.status == Status.RELEASED and refusal(reply, secret) is None:
                     confirmed += 1
                     continue
             logger.info("release of %s: no confirmation from %s within %.1fs", transfer_id, addr, timeout)

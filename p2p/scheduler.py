@@ -19,6 +19,14 @@ Prefill side: :meth:`request_finished` holds the blocks of a finished
 ``do_remote_decode`` request (returns ``True``) until the worker reports the request in
 ``finished_sending``; an aborted prefill is not held and its transfer id is marked so a
 waiting decode side gets an error at once.
+
+Transfer parameters are checked before any is used (:meth:`P2PScheduler.params`): the required
+fields as strings of at most 256 characters, an http(s) bootstrap URL, a transfer id not
+pulled or released before on this engine, and, with the deployment's secret, the router's
+signature (``kvcore.trust.verify_params``; the API server's middleware, ``p2p.guard``, has
+already refused such a request with a 403 when it is installed). Refused parameters are
+counted (``refused:<why>``) and logged once per request; the request is computed locally
+(decode side) or its blocks are not held (prefill side).
 """
 
 from __future__ import annotations
@@ -29,15 +37,20 @@ from typing import Any
 
 import msgspec
 
+from kvcore import trust
 from kvcore.log import get_logger
 from kvcore.tier import blocks_of, load_deadline_s
 from kvcore.vllm_glue import KVConnectorMetadata, first_group_block_ids, request_finished_normally
+from p2p.bootstrap import check_url
 from p2p.config import P2PConfig, normalize_url
 from p2p.metrics import P2PStats
+from p2p.protocol import prompt_digest
 
 logger = get_logger("p2p.scheduler")
 
 REQUIRED = ("remote_engine_id", "remote_bootstrap_addr", "transfer_id")
+MAX_ID = 256  # characters of a transfer or engine id (p2p.protocol.Id)
+_LOGGED = 4096  # request ids whose refused parameters were logged, remembered
 
 
 class RecvSpec(msgspec.Struct):
@@ -48,22 +61,26 @@ class RecvSpec(msgspec.Struct):
     start_block: int
     block_ids: list[int]
     timeout_s: float  # the pull's deadline, prefill wait included (kvcore.tier.load_deadline_s)
+    prompt: str = ""  # p2p.protocol.prompt_digest of the request's prompt ("": a release)
 
 
 class P2PMetadata(KVConnectorMetadata):
     def __init__(self):
         self.recvs: list[RecvSpec] = []
-        self.holds: list[tuple[str, str, list[int]]] = []  # (req_id, transfer_id, block_ids)
+        self.holds: list[tuple[str, str, list[int], str]] = []  # (req_id, transfer_id, block_ids, prompt digest)
         self.aborted: list[str] = []  # transfer ids of prefills that will not be held
 
 
 def remote_prefill_params(params: dict | None) -> tuple[dict | None, str]:
-    """``(params, "")`` when ``params`` ask for a valid remote prefill, else ``(None, why)``."""
+    """``(params, "")`` when ``params`` ask for a well-formed remote prefill, else ``(None, why)``."""
     if not params or not params.get("do_remote_prefill"):
         return None, ""
-    bad = [k for k in REQUIRED if not isinstance(params.get(k), str) or not params.get(k)]
+    bad = [k for k in REQUIRED if not isinstance(params.get(k), str) or not params.get(k)
+           or len(params[k]) > (2048 if k == "remote_bootstrap_addr" else MAX_ID)]
     if bad:
-        return None, f"missing or non-string {', '.join(bad)}"
+        return None, f"missing, non-string or too long {', '.join(bad)}"
+    if (why := check_url(normalize_url(params["remote_bootstrap_addr"]))) is not None:
+        return None, f"remote_bootstrap_addr: {why}"
     return params, ""
 
 
@@ -78,19 +95,51 @@ class P2PScheduler:
         self.is_consumer = role_name in ("kv_consumer", "kv_both")
         self._meta = P2PMetadata()
         self._held: dict[str, float] = {}  # req_id -> hold start
-        self._invalid_logged: set[str] = set()
+        self._invalid_logged: OrderedDict[str, None] = OrderedDict()  # bounded: _LOGGED
         self.stats = P2PStats()
         self._done_tids: OrderedDict[str, None] = OrderedDict()
+        self.secret = cfg.secret()
+        # Signed parameters stay good while a request may wait in the engine's queue and its
+        # prefill's hold lasts; the API server's middleware checks freshness at arrival.
+        self.max_age_s = trust.MAX_AGE_S + (cfg.abort_timeout_s or 0.0)
+
+    def _refuse_once(self, request, counter: str, message: str) -> None:
+        """Count and log refused parameters once per request (vLLM asks again after a preemption)."""
+        if request.request_id in self._invalid_logged:
+            return
+        self._invalid_logged[request.request_id] = None
+        while len(self._invalid_logged) > _LOGGED:
+            self._invalid_logged.popitem(last=False)
+        self.stats.inc(counter)
+        logger.warning("request %s: %s", request.request_id, message)
+
+    def params(self, request) -> dict | None:
+        """The request's remote-prefill parameters when they may be acted on, else None (refusals
+        counted and logged once per request: see the module docstring)."""
+        p = request.kv_transfer_params
+        params, why = remote_prefill_params(p)
+        if params is None:
+            if why:
+                self._refuse_once(request, "failures:invalid_params",
+                                  f"invalid kv_transfer_params for a remote prefill ({why}); computing it locally")
+            return None
+        if self.secret is not None:
+            try:
+                trust.verify_params(self.secret, params, None, self.max_age_s)
+            except trust.Refused as e:
+                self._refuse_once(request, f"refused:{e.kind}", f"transfer parameters refused ({e}); computing it "
+                                                                f"locally")
+                return None
+        if params["transfer_id"] in self._done_tids:
+            self._refuse_once(request, "refused:replayed", f"transfer {params['transfer_id'][:MAX_ID]} was already "
+                                                           f"pulled or released here; computing it locally")
+            return None
+        return params
 
     # -- decode side --
     def lookup(self, request) -> int:
-        params, why = remote_prefill_params(request.kv_transfer_params)
+        params = self.params(request)
         if params is None:
-            if why and request.request_id not in self._invalid_logged:
-                self._invalid_logged.add(request.request_id)
-                logger.warning("request %s: invalid kv_transfer_params for a remote prefill (%s): %s; "
-                               "computing it locally", request.request_id, why, request.kv_transfer_params)
-                self.stats.inc("failures:invalid_params")
             return 0
         if not self.is_consumer:
             logger.warning("request %s asks for a remote prefill but this engine is a kv_producer; computing locally",
@@ -108,12 +157,12 @@ class P2PScheduler:
         timeout = load_deadline_s(self.cfg.transfer_timeout_s, expected_s, cap_s=self.cfg.abort_timeout_s)
         self._meta.recvs.append(RecvSpec(request.request_id, p["transfer_id"],
                                          normalize_url(p["remote_bootstrap_addr"]), p["remote_engine_id"], first,
-                                         blocks, timeout))
+                                         blocks, timeout, prompt_digest(request.prompt_token_ids or ())))
         p["do_remote_prefill"] = False  # one transfer per request
 
     def release(self, request, reason: str = "") -> None:
-        p = request.kv_transfer_params
-        if remote_prefill_params(p)[0] is None:
+        p = self.params(request)
+        if p is None:
             return
         p["do_remote_prefill"] = False
         if self._handled(p["transfer_id"]):
@@ -129,7 +178,7 @@ class P2PScheduler:
         if transfer_id in self._done_tids:
             return True
         self._done_tids[transfer_id] = None
-        if len(self._done_tids) > 10000:
+        if len(self._done_tids) > 100_000:
             self._done_tids.popitem(last=False)
         return False
 
@@ -139,7 +188,7 @@ class P2PScheduler:
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        if remote_prefill_params(request.kv_transfer_params)[0] is None or not self.is_consumer:
+        if not self.is_consumer or self.params(request) is None:
             return
         if num_external_tokens <= 0:
             self.release(request, "no external tokens allocated")
@@ -163,15 +212,23 @@ class P2PScheduler:
         if not p.get("do_remote_decode") or not self.is_producer:
             return False, None
         tid = p.get("transfer_id")
-        if not isinstance(tid, str) or not tid:
-            logger.warning("request %s: do_remote_decode without a transfer_id; blocks not held", request.request_id)
+        if not isinstance(tid, str) or not tid or len(tid) > MAX_ID:
+            self._refuse_once(request, "failures:invalid_params", f"do_remote_decode without a transfer_id of at "
+                                                                  f"most {MAX_ID} characters; blocks not held")
             return False, None
+        if self.secret is not None:
+            try:
+                trust.verify_params(self.secret, p, None, self.max_age_s)
+            except trust.Refused as e:
+                self._refuse_once(request, f"refused:{e.kind}", f"transfer parameters refused ({e}); blocks not held")
+                return False, None
         if not request_finished_normally(request) or not block_ids:
             self._meta.aborted.append(tid)
             self.stats.inc("holds:aborted")
             return False, None
         n_blocks = -(-len(request.prompt_token_ids or ()) // self.block_size)
-        self._meta.holds.append((request.request_id, tid, list(block_ids[:n_blocks])))
+        self._meta.holds.append((request.request_id, tid, list(block_ids[:n_blocks]),
+                                 prompt_digest(request.prompt_token_ids or ())))
         self._held[request.request_id] = time.monotonic()
         return True, None
 

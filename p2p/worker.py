@@ -29,7 +29,8 @@ from kvcore.geometry import KVGeometry
 from kvcore.log import get_logger
 from kvcore.pages import kv_device
 from kvcore.tier import LoadReport, LoadReports
-from kvcore.vllm_glue import KVConnectorTransferResults, parallel_ranks, pp_stages
+from kvcore.trust import warn_exposed_transfer_engine
+from kvcore.vllm_glue import KVConnectorTransferResults, p2p_fingerprint, parallel_ranks, pp_stages
 from p2p import bootstrap
 from p2p.config import P2PConfig
 from p2p.metrics import P2PStats
@@ -44,6 +45,10 @@ class P2PWorker:
         self.cfg = cfg
         self.engine_id = engine_id
         self.kv_cache_config = kv_cache_config
+        self.secret = cfg.secret()
+        # What a peer's KV must match (weights, config, dtype, layout): kvcore.identity.
+        self.fingerprint = p2p_fingerprint(vllm_config, kv_cache_config) if kv_cache_config is not None else ""
+        self.dp_size = getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_size", 1)
         self.is_producer = role_name in ("kv_producer", "kv_both")
         self.is_consumer = role_name in ("kv_consumer", "kv_both")
         self.dp_rank, self.tp_rank, self.tp_size, self.pp_rank = parallel_ranks(vllm_config)
@@ -70,6 +75,7 @@ class P2PWorker:
         self.geometry = KVGeometry.from_kv_caches(kv_caches, num_blocks)
         self.engine = TransferEngineHandle(self.cfg.te_hostname, self.cfg.protocol, self.cfg.device_name,
                                            self.cfg.metadata_server)
+        warn_exposed_transfer_engine(self.cfg.te_hostname, self.cfg.protocol, "p2p", logger)
         # On the GPU of this worker's KV (its local rank), not a fixed cuda:0.
         self.engine.register(self.geometry.buffers, kv_device(kv_caches))
         logger.info("P2P worker %s tp=%d: TE %s (%s, %s), %d regions, %d blocks x %d bytes", self.engine_id,
@@ -90,7 +96,7 @@ class P2PWorker:
                 tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size, num_workers=self.cfg.num_workers,
                 bootstrap_timeout_s=self.cfg.bootstrap_timeout_s,
                 peer_silence_timeout_s=self.cfg.peer_silence_timeout_s,
-                corrupt=self.cfg.debug_corrupt_received_kv,
+                corrupt=self.cfg.debug_corrupt_received_kv, secret=self.secret, fingerprint=self.fingerprint,
             )
             if self.cfg.debug_corrupt_received_kv:
                 logger.warning("debug_corrupt_received_kv is ON: received KV is deliberately corrupted (tests only)")
@@ -99,12 +105,17 @@ class P2PWorker:
         from p2p.holds import SideChannel
 
         if self.cfg.bootstrap_server_address is None and self.tp_rank == 0 and self.pp_rank == 0:
-            self.server = bootstrap.BootstrapServer(self.cfg.bootstrap_host, self.cfg.bootstrap_port).start()
+            # It believes only this engine's own workers (engine id, ranks within its sizes).
+            self.server = bootstrap.BootstrapServer(
+                self.cfg.bootstrap_host, self.cfg.bootstrap_port, engine_id=self.engine_id, dp_size=self.dp_size,
+                tp_size=self.tp_size, pp_size=self.pp_size, secret=self.secret,
+                on_refused=lambda: self._inc("rejected:register")).start()
         self.side = SideChannel(self.geometry.regions, self.engine.addr, self.stats, self.stats_lock,
                                 host=self.cfg.side_channel_host, abort_timeout_s=self.cfg.abort_timeout_s,
-                                tp_size=self.tp_size, te_metadata=self.cfg.metadata_server)
+                                tp_size=self.tp_size, te_metadata=self.cfg.metadata_server, secret=self.secret,
+                                fingerprint=self.fingerprint)
         payload = RegisterPayload(self.engine_id, self.dp_rank, self.tp_rank, self.pp_rank, self.side.addr)
-        bootstrap.register(self.cfg.bootstrap_url, payload, timeout=self.cfg.bootstrap_timeout_s)
+        bootstrap.register(self.cfg.bootstrap_url, payload, timeout=self.cfg.bootstrap_timeout_s, secret=self.secret)
         logger.info("P2P producer %s registered side channel %s at %s", self.engine_id, self.side.addr,
                     self.cfg.bootstrap_url)
 
@@ -113,8 +124,8 @@ class P2PWorker:
             return
         if self.side is not None:
             fence = platform.current().kv_ready_fence() if meta.holds else None
-            for req_id, tid, blocks in meta.holds:
-                self.side.add_hold(req_id, tid, blocks, fence)
+            for req_id, tid, blocks, prompt in meta.holds:
+                self.side.add_hold(req_id, tid, blocks, fence, prompt)
             for tid in meta.aborted:
                 self.side.abort(tid)
         if self.puller is not None:
@@ -123,7 +134,7 @@ class P2PWorker:
             now = time.monotonic()
             for r in meta.recvs:
                 self.puller.submit(PullJob(r.req_id, r.transfer_id, r.bootstrap_url, r.engine_id, r.start_block,
-                                           list(r.block_ids), now + r.timeout_s))
+                                           list(r.block_ids), now + r.timeout_s, r.prompt))
         elif meta.recvs:
             logger.error("P2P: %d pulls scheduled on a producer-only worker; ignored", len(meta.recvs))
 
@@ -142,6 +153,10 @@ class P2PWorker:
                 if not r.ok:
                     res.failed_recving.add(r.req_id)
         return res
+
+    def _inc(self, key: str) -> None:
+        with self.stats_lock:
+            self.stats.inc(key)
 
     def take_stats(self) -> P2PStats | None:
         with self.stats_lock:

@@ -42,7 +42,7 @@ class Etcd:
             "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"{name}={peer}", "--log-level", "warn",
-        ], LOGS / f"etcd-{host}-{self.port}.log")
+        ], LOGS / f"etcd-{host}-{self.port}.log", die_with_parent=True)
         try:
             self.proc.wait_port(self.port, start_timeout, host=host)
         except BaseException:

@@ -128,12 +128,12 @@ def test_negative_control_corrupted_bytes_change_tokens(engines, baseline, store
     new = _serve_and_wait_saved(a, p, store_cluster, all_keys(store_cluster))
     rng = np.random.default_rng(0)
     want = baseline.tokens(q, 8, cached_prefix=PREFIX)
-    tlen = len(worker_trailer(b""))
+    tlen = len(worker_trailer(b"", ""))
     for k in new:
         size = raw.get_size(k)
         assert size > tlen
         noise = (rng.standard_normal((size - tlen) // 2) * 3).astype(np.float16).tobytes()
-        trailer = worker_trailer(noise)
+        trailer = worker_trailer(noise, k)
         assert raw.upsert(k, noise + trailer) == 0
     r = b.complete(q, 8)
     assert cached_tokens(r) == PREFIX
@@ -160,10 +160,10 @@ def test_negative_control_staged_load_uses_corrupted_bytes(engines, baseline, st
     p, q = _shared(15, 16)
     new = _serve_and_wait_saved(b, p, store_cluster, all_keys(store_cluster))
     rng = np.random.default_rng(1)
-    tlen = len(worker_trailer(b""))
+    tlen = len(worker_trailer(b"", ""))
     for k in new:
         noise = (rng.standard_normal((raw.get_size(k) - tlen) // 2) * 3).astype(np.float16).tobytes()
-        assert raw.upsert(k, noise + worker_trailer(noise)) == 0
+        assert raw.upsert(k, noise + worker_trailer(noise, k)) == 0
     staged0 = a.metric("vllm:mctier_store_phase_seconds_count", phase="load_staging")
     r = a.complete(q, 8)
     assert cached_tokens(r) == PREFIX

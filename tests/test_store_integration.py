@@ -182,7 +182,7 @@ def test_checksum_catches_corrupted_object(store_cluster):
         _until(lambda: w.get_finished({"s"})[0])
         key = w.keys.key(link, 0)
         data = bytearray(raw.get(key))
-        assert len(data) == w.chunk_bytes + len(worker_trailer(b""))
+        assert len(data) == w.chunk_bytes + len(worker_trailer(b"", ""))
         data[5000] ^= 0xFF  # one flipped byte
         assert raw.upsert(key, bytes(data)) == 0
         w.start_load_kv(StoreMetadata(loads=[LoadJob("l", [ChunkIO(link, 0, [8, 9])], timeout_s=10)]))
@@ -329,7 +329,7 @@ assert s.setup("127.0.0.1", "P2PHANDSHAKE", 64 << 20, 16 << 20, "tcp", "", maste
 rc = ReplicateConfig(); rc.preferred_segment = s.get_hostname()
 pages = bytes(65536)  # a well-formed chunk object: pages + checksum trailer
 for k in keys:
-    assert s.put(k, pages + trailer(pages), rc) == 0
+    assert s.put(k, pages + trailer(pages, k), rc) == 0
 print("READY", flush=True)
 import time; time.sleep(120)
 """

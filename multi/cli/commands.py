@@ -17,13 +17,18 @@ import threading
 
 
 def _serve(args: argparse.Namespace, rest: list[str]) -> int:
-    from kvcore.vllm_glue import vllm_main
+    import os
 
-    return vllm_main(["serve", *rest])
+    from kvcore.vllm_glue import vllm_main
+    from p2p.guard import serve_args
+
+    # With the deployment's secret, the API server refuses unsigned transfer parameters (403).
+    return vllm_main(["serve", *serve_args(rest, os.environ)])
 
 
 def add_serve(sub) -> None:
-    s = sub.add_parser("serve", help="vLLM's OpenAI server: `mctier serve ARGS` == `vllm serve ARGS`", add_help=False)
+    s = sub.add_parser("serve", help="vLLM's OpenAI server: `mctier serve ARGS` == `vllm serve ARGS` (plus, with "
+                                     "a secret, the middleware p2p.guard.TransferGuard)", add_help=False)
     s.set_defaults(func=_serve, raw=True)
 
 
@@ -61,7 +66,13 @@ def _master(args: argparse.Namespace, rest: list[str]) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    cluster.start()
+    from kvcore.errors import ConfigError
+
+    try:
+        cluster.start()  # its processes get SIGTERM if this one dies, even by SIGKILL (kvcore.procs)
+    except ConfigError as e:  # a port still held (an orphan of an earlier master, say)
+        print(f"mctier master: {e}", file=sys.stderr)
+        return 2
     try:
         a = cluster.addrs()
         print(f"mooncake master  rpc      {a.rpc}   (kv_connector_extra_config: {{\"master\": \"{a.rpc}\"}})")

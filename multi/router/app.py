@@ -33,7 +33,6 @@ tokenizer, SIGHUP reloads), the index and store views, and the HTTP handlers.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 import time
@@ -48,8 +47,9 @@ from multi.router.choose import Chooser
 from multi.router.events import EventSubscriber
 from multi.router.eventwire import replay_address, subscriber_address
 from multi.router.forward import Forwarder
-from multi.router.index import STORE, BlockIndex, chain
+from multi.router.index import STORE, BlockIndex
 from multi.router.instances import Instance, Pool, check_health, load_file
+from multi.router.intake import block_hashes, check_prompt, max_model_len, read_json
 from multi.router.prompts import Prompts
 from p2p.proxy import ProxyError, error_response
 
@@ -62,10 +62,11 @@ class Router(Forwarder):
     def __init__(self, pool: Pool, chooser: Chooser, index: BlockIndex, prompts: Prompts, *, timeout: float,
                  connect_timeout: float, slo: float | None = None, store_view=None, store_approx: bool = False,
                  health_interval: float = 2.0, instances_file: str | None = None, store_timeout: float = 0.5,
-                 decision_log: str | None = None):
+                 decision_log: str | None = None, secret: bytes | None = None):
         super().__init__(pool, chooser, index, timeout=timeout, connect_timeout=connect_timeout,
-                         store_approx=store_approx, decision_log=decision_log)
+                         store_approx=store_approx, decision_log=decision_log, secret=secret)
         self.prompts = prompts
+        self.max_model_len: int | None = None  # the served model's (intake.max_model_len), once known
         # The exact view (KV events) lives apart from the router's own record: a stale
         # subscriber clears its view, and removals must not delete what the router recorded.
         self.exact = BlockIndex(index.block_size, index.default_capacity)
@@ -85,6 +86,7 @@ class Router(Forwarder):
         await asyncio.gather(*(self._discover_events(i) for i in self.pool.all))
         self._sync_subscribers()
         await asyncio.gather(*(check_health(self.session, i, self.connect_timeout) for i in self.pool.all))
+        self.max_model_len = await max_model_len(self.session, self.pool, self.connect_timeout)
         self._tasks.append(asyncio.create_task(self._health_loop()))
         # Load the tokenizer and connect to the store now, not on the first request.
         self._tasks.append(asyncio.create_task(self.prompts.load(self.session, self.pool)))
@@ -169,6 +171,8 @@ class Router(Forwarder):
             await asyncio.sleep(self.health_interval)
             try:
                 await asyncio.gather(*(check_health(self.session, i, self.connect_timeout) for i in self.pool.all))
+                # A prefill that restarted between two rounds has another engine id: ask again.
+                await asyncio.gather(*(self.check_engine_id(i) for i in self.pool.role("prefill")))
                 self._refresh_gauges()
             except Exception:  # noqa: BLE001 - the loop must survive anything one round throws
                 logger.exception("health round failed")
@@ -236,19 +240,19 @@ class Router(Forwarder):
 
     async def _handle(self, request: web.Request, path: str) -> web.StreamResponse:
         t0 = time.monotonic()
+        salt = None
         try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise ValueError("body must be a JSON object")
-        except (ValueError, json.JSONDecodeError) as e:
-            return self._answer(error_response(400, f"invalid JSON body: {e}"))
-        try:
+            # JSON only, bounded, parsed and hashed off the event loop when large (intake).
+            body = await read_json(request)
             slo = ttft_target(request.headers, body, self.slo)
             tokens = await self.prompts.token_ids(self.session, self.pool, path, body)
+            if self.max_model_len is None and tokens:
+                self.max_model_len = await max_model_len(self.session, self.pool, self.connect_timeout)
+            check_prompt(tokens, self.max_model_len)
+            salt = body.get("cache_salt")
+            hashes = await block_hashes(tokens, self.index.block_size, salt)
         except ProxyError as e:
             return self._answer(error_response(e.status, e.message))
-        salt = body.get("cache_salt")
-        hashes = chain(tokens, self.index.block_size, salt) if tokens else []
         store = await self._store_reach(tokens, hashes, salt)
         bs = self.index.block_size
 

@@ -21,7 +21,10 @@ get the ``kv`` policy. New:
   ``config.json`` when its path exists here, in the dtype this machine's engines get,
   :func:`kvcore.platform.engine_dtype`; else 0: transfers then cost their latency only);
 - ``--block-size``: the engines' block size (default 32); ``--tokenizer``; the cost
-  model's priors with ``--policy-config JSON`` (:class:`multi.policy.PolicyConfig`).
+  model's priors with ``--policy-config JSON`` (:class:`multi.policy.PolicyConfig`);
+- ``--secret-file``: the deployment's shared secret (else ``MCTIER_SECRET_FILE`` or
+  ``MCTIER_SECRET``): transfer parameters are signed with it (:mod:`kvcore.trust`);
+  ``--max-body-mb``: the largest request body (16 MiB; 413 above).
 """
 
 from __future__ import annotations
@@ -76,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, default=8000, help="port the router listens on")
     ap.add_argument("--timeout", type=float, default=600.0, help="deadline of one client request (504 after)")
     ap.add_argument("--connect-timeout", type=float, default=5.0, help="connect / bootstrap query timeout (502 after)")
+    ap.add_argument("--secret-file", metavar="FILE",
+                    help="the deployment's shared secret (docs/deploy.md, \"Trust model\"): the router signs the "
+                         "transfer parameters it sets with it; default: the file MCTIER_SECRET_FILE names, else "
+                         "MCTIER_SECRET, else none (nothing signed)")
+    ap.add_argument("--max-body-mb", type=float, default=16.0,
+                    help="largest request body accepted (MiB; 413 above it)")
     ap.add_argument("--decision-log", metavar="FILE",
                     help="append one JSON line per routed request: what the router knew, the route, every "
                          "estimate it weighed, the status and the time to first token")
@@ -158,15 +167,23 @@ def build_app(a: argparse.Namespace) -> web.Application:
 
         url = (pool.role("decode", False) or pool.role("plain", False) or pool.all)[0].url
         store_view = StoreView(a.store, url)
+    from kvcore.trust import SecretError, load_secret
+
+    try:
+        secret = load_secret(a.secret_file)
+    except SecretError as e:
+        raise SystemExit(f"mctier proxy: --secret-file: {e}") from None
+    if not a.max_body_mb > 0:
+        raise SystemExit("mctier proxy: --max-body-mb must be > 0")
     try:
         router = Router(pool, Chooser(a.policy, bytes_per_token(a, root), cfg),
                         BlockIndex(a.block_size, a.index_blocks), Prompts(a.tokenizer, a.connect_timeout),
                         timeout=a.timeout, connect_timeout=a.connect_timeout, slo=a.ttft_slo, store_view=store_view,
                         store_approx=bool(a.store), health_interval=a.health_interval, instances_file=a.instances,
-                        decision_log=a.decision_log)
+                        decision_log=a.decision_log, secret=secret)
     except OSError as e:  # the decision log cannot be opened
         raise SystemExit(f"mctier proxy: --decision-log: {e}") from None
-    app = web.Application(client_max_size=64 << 20)
+    app = web.Application(client_max_size=int(a.max_body_mb * (1 << 20)))
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)
     app.router.add_post("/v1/completions", router.completions)
@@ -188,7 +205,8 @@ def main(argv: list[str]) -> int:
         extra = f" (bootstrap {i.bootstrap})" if i.bootstrap else ""
         print(f"{i.role:<7} {i.url}{extra}" + (f" events {i.events}" if i.events else ""), flush=True)
     print(f"policy  {a.policy}; store view {a.store or 'none'}; TTFT target "
-          f"{f'{a.ttft_slo:g}s' if a.ttft_slo else 'none'}; KV bytes/token {r.chooser.bytes_per_token:g}", flush=True)
+          f"{f'{a.ttft_slo:g}s' if a.ttft_slo else 'none'}; KV bytes/token {r.chooser.bytes_per_token:g}; "
+          f"transfer parameters {'signed' if r.secret is not None else 'unsigned (no secret)'}", flush=True)
     # handler_cancellation: a client disconnect cancels the handler, which closes the
     # upstream connections, which makes vLLM abort both requests.
     web.run_app(app, host=a.host, port=a.port, handler_cancellation=True, access_log=None,

@@ -41,6 +41,10 @@ above the previous SUB ``seq`` means the publisher restarted: the view and the m
 are reset. Stopping and starting again keeps the state, so missed batches are replayed.
 ``cleared()`` wipes everything the index holds under the instance's name, so the router's
 approximate view (``record``) belongs in another ``BlockIndex``.
+
+Bounds: a message longer than :data:`MAX_MSG_BYTES` is refused by ZMQ (``MAXMSGSIZE``), which
+drops the connection that sent it and never reconnects it by itself; a connecting subscriber
+then opens its socket again (``reconnects``) and replays the gap.
 """
 
 from __future__ import annotations
@@ -62,6 +66,9 @@ log = logging.getLogger("mctier.router.kvevents")
 
 FULL_ATTENTION_KINDS = ("full_attention", "mla_attention", "sink_full_attention")
 _POLL_MS = 100
+# Largest event batch taken (ZMQ MAXMSGSIZE): a batch lists each stored block's token ids, a few
+# MiB for a step that stores a long prompt's blocks.
+MAX_MSG_BYTES = 64 << 20
 
 
 class EventSubscriber:
@@ -85,7 +92,7 @@ class EventSubscriber:
         self._n = dict.fromkeys(
             ("events", "batches", "gaps", "replays", "replay_failures", "unknown_parent",
              "unrepresentable", "ignored_medium", "ignored_group", "block_size_mismatch",
-             "malformed", "decode_errors", "unknown_events", "restarts"), 0)
+             "malformed", "decode_errors", "unknown_events", "restarts", "reconnects"), 0)
         self._lag_s: float | None = None
 
     # -- lifecycle --------------------------------------------------------------------
@@ -123,17 +130,44 @@ class EventSubscriber:
             self._n[name] += n
 
     # -- receive loop -----------------------------------------------------------------
-    def _run(self) -> None:
+    def _open(self):
+        """The SUB socket, and (connecting) a monitor of its connection: ZMQ drops a connection
+        that sent a message over MAXMSGSIZE and, as for any protocol error, never reconnects it."""
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES)  # longer: the publisher's connection is dropped
         sock.setsockopt(zmq.SUBSCRIBE, self.topic)
+        mon = None if self.bind else sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             sock.bind(self.endpoint) if self.bind else sock.connect(self.endpoint)
+        except zmq.ZMQError:
+            self._close(sock, mon)
+            raise
+        return sock, mon
+
+    @staticmethod
+    def _close(sock, mon) -> None:
+        if mon is not None:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:  # already closed
+                pass
+            mon.close(0)
+        sock.close(0)
+
+    def _run(self) -> None:
+        try:
+            sock, mon = self._open()
         except zmq.ZMQError as e:  # a malformed endpoint or a port in use: nothing will ever arrive
-            sock.close(0)
             return self._mark_stale(f"cannot {'bind' if self.bind else 'connect to'} {self.endpoint}: {e}")
         try:
             while not self._stop.is_set():
+                if mon is not None and mon.poll(0):  # the connection was dropped: a new socket
+                    self._close(sock, mon)
+                    self._bump("reconnects")
+                    log.warning("kv events of %s: connection to %s dropped; connecting again", self.instance,
+                                self.endpoint)
+                    sock, mon = self._open()  # the next batch's seq shows the gap: replayed
                 if not sock.poll(_POLL_MS):
                     continue
                 frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -145,8 +179,10 @@ class EventSubscriber:
                 except Exception:  # a bug here must not kill the thread silently
                     log.exception("kv events of %s: batch not applied", self.instance)
                     self._mark_stale("exception")
+        except zmq.ZMQError as e:
+            self._mark_stale(f"socket error: {e}")
         finally:
-            sock.close(0)
+            self._close(sock, mon)
 
     def _on_sub(self, seq: int, payload: bytes) -> None:
         if self._last_sub is not None and seq <= self._last_sub:
@@ -201,6 +237,7 @@ class EventSubscriber:
         A fresh DEALER per request, so late answers to an abandoned one never mix in."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES)
         sock.setsockopt(zmq.SNDTIMEO, int(self.replay_timeout * 1000))
         deadline = time.monotonic() + self.replay_timeout
         got: list[tuple[int, bytes]] = []

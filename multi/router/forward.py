@@ -54,8 +54,8 @@ class Forwarder(Proxy):
     the health checks and the handlers."""
 
     def __init__(self, pool: Pool, chooser: Chooser, index: BlockIndex, *, timeout: float, connect_timeout: float,
-                 store_approx: bool = False, decision_log: str | None = None):
-        super().__init__(timeout, connect_timeout)
+                 store_approx: bool = False, decision_log: str | None = None, secret: bytes | None = None):
+        super().__init__(timeout, connect_timeout, secret)
         self.pool, self.chooser, self.index = pool, chooser, index
         self.store_approx = store_approx
         self.metrics = RouterMetrics()

@@ -32,7 +32,8 @@ Health: every ``interval`` seconds each instance's ``/health`` (deadline
 ``timeout``) and ``/metrics`` (running and waiting requests, KV usage, and the cache
 size in blocks from ``vllm:cache_config_info``) are read. An instance that fails a
 health check (:func:`check_health`), or a prefill instance whose request failed (502,
-:mod:`multi.router.forward`), is out of rotation until a check succeeds again.
+:mod:`multi.router.forward`), is out of rotation until a check succeeds again; a failed check
+also forgets a prefill's engine id (it may come back as another engine).
 """
 
 from __future__ import annotations
@@ -202,6 +203,8 @@ async def check_health(session: aiohttp.ClientSession, inst: Instance, timeout: 
                     inst.cache_blocks = m.get("blocks", inst.cache_blocks)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         ok = False
+    if not ok:
+        inst.engine_id = None  # a prefill may come back as another engine: ask its bootstrap again
     if ok != inst.healthy:
         logger.warning("%s instance %s is %s", inst.role, inst.url, "back in rotation" if ok else "out of rotation")
     inst.healthy, inst.checked = ok, time.monotonic()

@@ -1,0 +1,85 @@
+"""What the router takes from a client before it routes anything, and how long that may take.
+
+- :func:`read_json`: a completion request is JSON (``Content-Type: application/json`` or
+  ``...+json``; else 415: a browser's cross-site ``text/plain`` POST to a loopback router is
+  refused before it is read), at most ``--max-body-mb`` (else 413), one JSON object (else
+  400). A body above :data:`PARSE_INLINE` bytes is parsed in a thread, off the event loop that
+  serves every other request.
+- :func:`check_prompt`: at most the served model's ``max_model_len`` tokens (else 400, as the
+  engine would answer, but before the router hashes them).
+- :func:`block_hashes`: the prompt's block hashes (:func:`multi.router.index.chain`), in a
+  thread for more than :data:`HASH_INLINE_TOKENS` tokens.
+- :func:`max_model_len`: the served model's, from the first instance whose ``/v1/models``
+  answers (vLLM's model card carries it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+from aiohttp import web
+
+from multi.router.index import chain
+from p2p.proxy import ProxyError
+
+PARSE_INLINE = 64 << 10
+HASH_INLINE_TOKENS = 8192
+
+
+def is_json(content_type: str) -> bool:
+    return content_type == "application/json" or (content_type.startswith("application/")
+                                                   and content_type.endswith("+json"))
+
+
+async def read_json(request: web.Request) -> dict:
+    """The request's JSON object, or ``ProxyError`` (415, 413, 400) naming what is wrong."""
+    if not is_json(request.content_type):
+        raise ProxyError(415, f"a request body must be JSON (Content-Type: application/json), got "
+                              f"{request.content_type[:100]!r}")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as e:
+        raise ProxyError(413, f"request body larger than the router's limit ({e.text})") from None
+    try:
+        body = json.loads(raw) if len(raw) <= PARSE_INLINE else await asyncio.to_thread(json.loads, raw)
+    except (ValueError, RecursionError) as e:
+        raise ProxyError(400, f"invalid JSON body: {str(e)[:200]}") from None
+    if not isinstance(body, dict):
+        raise ProxyError(400, "invalid JSON body: body must be a JSON object")
+    return body
+
+
+def check_prompt(tokens: list[int], limit: int | None) -> None:
+    if limit is not None and len(tokens) > limit:
+        raise ProxyError(400, f"the prompt has {len(tokens)} tokens, more than the model's maximum context "
+                              f"length of {limit} tokens")
+
+
+async def block_hashes(tokens: list[int], block_size: int, salt) -> list[int]:
+    """``ProxyError(400)`` for token ids a 64-bit integer cannot hold (the engine would refuse
+    them too) or a salt that is not a string."""
+    if not tokens:
+        return []
+    if salt is not None and not isinstance(salt, str):
+        raise ProxyError(400, "cache_salt must be a string")
+    try:
+        if len(tokens) <= HASH_INLINE_TOKENS:
+            return chain(tokens, block_size, salt)
+        return await asyncio.to_thread(chain, tokens, block_size, salt)
+    except (OverflowError, TypeError):
+        raise ProxyError(400, "prompt token ids must be integers that fit in 64 bits") from None
+
+
+async def max_model_len(session: aiohttp.ClientSession, pool, timeout: float) -> int | None:
+    for inst in pool.all:
+        try:
+            async with session.get(inst.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                n = (await r.json())["data"][0].get("max_model_len")
+            if isinstance(n, int) and n > 0:
+                return n
+        except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, ValueError, TypeError,
+                AttributeError):
+            continue
+    return None
