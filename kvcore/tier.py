@@ -14,10 +14,13 @@ request; tokens ``[start, end)`` live in ``block_ids[start // bs : ceil(end / bs
 
 Scheduler side (``EngineCore`` process):
 
-``lookup(request) -> int``
+``lookup(request) -> int | None``
     ``n`` such that the tier can supply prompt tokens ``[0, n)`` now. 0 when it has
-    nothing, is unreachable, or is not asked (wrong role). At most one metadata
-    round trip; the answer may be cached per request.
+    nothing, is unreachable, or is not asked (wrong role). None while the tier is still
+    finding out (a lookup it runs off the scheduler's thread): the caller asks again at a
+    later step, as vLLM does when ``get_num_new_matched_tokens`` answers None. Never
+    blocks on a round trip for longer than the tier's own lookup deadline; the answer may
+    be cached per request.
 ``plan_load(request, start_token, end_token, block_ids, expected_s=None) -> None``
     Load tokens ``[start_token, end_token)`` (``end_token <= lookup(request)``) into
     ``blocks_of(start_token, end_token, bs, block_ids)``; a block only partly inside
@@ -157,7 +160,7 @@ class Tier:
 
     # -- scheduler side ---------------------------------------------------------------
 
-    def lookup(self, request) -> int:
+    def lookup(self, request) -> int | None:
         raise NotImplementedError
 
     def plan_load(self, request, start_token: int, end_token: int, block_ids: list[int],

@@ -150,6 +150,20 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         f"the load. 0: always in the background; null: {SYNC_LOAD_MAX_CPU >> 20} MiB on a CPU engine, 0 "
         "elsewhere (not measured there).")] = None
 
+    lookup_blocking: Annotated[bool, doc(
+        "Ask the master inside vLLM's scheduling step, once per request, and answer at once (the lookup "
+        "before issue 47; benchmarks compare it). false (default): get_num_new_matched_tokens answers "
+        "\"ask again later\" (None), the lookups of one step go to the master as one batch on a thread "
+        "of their own, and the answer is used at a later step (mcstore.batchlookup).")] = False
+    lookup_timeout_ms: Annotated[float, doc(
+        "Milliseconds a non-blocking lookup may wait for the master's answer; past it the request's "
+        "lookup counts as a miss (lookups{kind=timeout}) and its prompt is computed. Positive.")] = 100.0
+    reset_removes_objects: Annotated[bool, doc(
+        "vLLM's reset_cache (POST /reset_prefix_cache?reset_external=true) also removes this engine's "
+        "objects from the shared store: every stored chunk of its key space (its model fingerprint), "
+        "whoever wrote it, so every engine of that key space loses them. false (default): the reset "
+        "drops only this engine's own caches (answered lookups), the shared store keeps its objects.")] = False
+
     def __post_init__(self):
         if not self.master:
             raise ConfigError(
@@ -173,7 +187,7 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"mcstore: chunk_tokens must be positive, got {self.chunk_tokens}")
         if self.replicas < 1:
             raise ConfigError(f"mcstore: replicas must be >= 1, got {self.replicas}")
-        for name in ("load_timeout_s", "probe_interval_s", "slow_rpc_s", "connect_timeout_s"):
+        for name in ("load_timeout_s", "probe_interval_s", "slow_rpc_s", "connect_timeout_s", "lookup_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"mcstore: {name} must be positive")
         if self.stage_above_ranges_per_region < 0:

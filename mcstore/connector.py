@@ -109,7 +109,7 @@ class StoreConnector(KVConnectorBase_V1, Tier):
     def composite_role(cls, kv_role: str, write_back: bool) -> str:
         return composite_role(kv_role, write_back)
 
-    def lookup(self, request) -> int:
+    def lookup(self, request) -> int | None:
         return self._sched.lookup(request)
 
     def plan_load(self, request, start_token: int, end_token: int, block_ids: list[int],
@@ -139,7 +139,9 @@ class StoreConnector(KVConnectorBase_V1, Tier):
         meta = self._sched.build_connector_meta(scheduler_output)
         # A step that computes nothing pauses (see __init__), unless it starts a load: the
         # pause would only delay the load (2 ms of a hit's TTFT on a one-rank engine).
-        if self._idle_step_s and not meta.loads and getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0:
+        # Nor while lookups are out: the step after it uses their answers.
+        if (self._idle_step_s and not meta.loads and not self._sched.lookups_waiting()
+                and getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0):
             time.sleep(self._idle_step_s)
         return meta
 

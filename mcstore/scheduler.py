@@ -3,11 +3,18 @@
 The tier's half of the scheduler-side contract (``kvcore.tier``; the connector
 facade exposes it, ``release`` is a no-op there), kept apart from vLLM's hooks:
 
-``lookup(request) -> int``
+``lookup(request) -> int | None``
     Prompt tokens ``[0, n)`` the store can supply: the longest prefix of full
     chunks whose every part exists (every TP rank of every pipeline stage), capped
-    so the last prompt token is left to the engine. One ``batch_is_exist`` per
-    request (cached); 0 at once while the master is unreachable. The keys come from the
+    so the last prompt token is left to the engine; None while the answer is not in yet
+    (ask again at a later step). The first call queues the request's lookup; at the end of
+    the scheduling step (``build_connector_meta``) every lookup queued in it goes to the
+    master as one ``batch_is_exist`` on the lookup thread (:mod:`mcstore.batchlookup`), and
+    a call at a later step finds the answer (cached per request). Unanswered within
+    ``lookup_timeout_ms``: a miss (0). 0 at once while the master is unreachable. With
+    ``lookup_blocking`` the call asks the master itself and answers at once. What is asked
+    and what the answers mean is :meth:`StoreScheduler._lookup_keys` and
+    :meth:`StoreScheduler._reach`, the same either way. The keys come from the
     request's vLLM block hashes where the key space says so (``mcstore.keys``), else from
     its token ids.
 ``plan_load(request, start, end, block_ids)``
@@ -16,7 +23,9 @@ facade exposes it, ``release`` is a no-op there), kept apart from vLLM's hooks:
     block position. The worker reports the request in ``finished_recving`` and any
     block it could not fill in ``get_block_ids_with_load_errors``.
 
-As a connector of its own (vLLM's hooks, not the composite's API), a load within
+As a connector of its own (vLLM's hooks, not the composite's API),
+``get_num_new_matched_tokens`` answers ``(None, False)`` while the request's lookup is not
+answered (vLLM skips the request in that step and asks again in the next). A load within
 ``sync_load_max`` bytes is synchronous: ``get_num_new_matched_tokens`` answers
 ``load_async=False``, vLLM schedules the request in the same step, and the worker ends the load
 before that step's forward (a failed block is reported in the same step). Larger loads, and
@@ -42,6 +51,7 @@ from kvcore.vllm_glue import (
     request_lora_name,
     request_mm_hashes,
 )
+from mcstore.batchlookup import Lookup, LookupQueue
 from mcstore.client import StoreClient
 from mcstore.config import StoreConfig
 from mcstore.keys import KeySpace
@@ -62,6 +72,7 @@ class _Req:
     saves: int = 0  # save jobs sent to the worker
     load_tried: bool = False  # one load per request: a failed one is recomputed, not retried
     sync: bool = False  # its load ends inside the step that schedules it (sync_load_max)
+    pending: Lookup | None = None  # its lookup, queued or on the lookup thread (not answered yet)
 
 
 class StoreScheduler:
@@ -85,6 +96,9 @@ class StoreScheduler:
         self._async_loads: set[str] = set()  # loading in the background, not yet scheduled
         self._kv_cache_manager = None
         self._warned_hashes = False
+        self.blocking = cfg.lookup_blocking
+        self.lookups = LookupQueue(self.client.exists, "scheduler") if self.client is not None else None
+        self._waiting = 0  # lookups queued or asked, not yet answered
 
     # -- state -------------------------------------------------------------------
 
@@ -120,29 +134,79 @@ class StoreScheduler:
 
     # -- composite API ---------------------------------------------------------------
 
-    def lookup(self, request) -> int:
+    def lookup(self, request) -> int | None:
         st = self._state(request)
         if st.hit is not None:
             return st.hit
-        st.hit = 0
         if not st.links:
+            st.hit = 0
             return 0
-        if self.client is None or not self.client.available:
-            self.stats.inc("lookups:unavailable")
+        lk = st.pending
+        if lk is None:
+            if self.client is None or not self.client.available:
+                self.stats.inc("lookups:unavailable")
+                st.hit = 0
+                return 0
+            keys = self._lookup_keys(st)
+            if self.blocking:
+                t0 = time.perf_counter()
+                self._found(st, self._reach(st, self.client.exists(keys)), time.perf_counter() - t0)
+                return st.hit
+            links = st.links  # the lookup thread reads this request's keys only, never its state
+            st.pending = self.lookups.submit(keys, lambda rcs: self._reach_of(links, rcs),
+                                             self.cfg.lookup_timeout_ms / 1e3)
+            self._waiting += 1
+            return None
+        if lk.done:
+            st.pending = None
+            self._waiting -= 1
+            if lk.error is not None or lk.result is None:
+                self.stats.inc("lookups:failed" if lk.error is not None else "lookups:timeout")
+                st.hit = 0
+                return 0
+            self.stats.observe("lookup_wait", time.monotonic() - lk.submitted)
+            self._found(st, lk.result, lk.seconds)
+            return st.hit
+        if lk.expired():
+            # The master did not answer in time: a miss (the answer, if it comes, is dropped).
+            lk.cancel()
+            st.pending = None
+            self._waiting -= 1
+            self.stats.inc("lookups:timeout")
+            st.hit = 0
             return 0
-        t0 = time.perf_counter()
-        rcs = self.client.exists(self.keys.all_rank_keys(st.links))
+        return None
+
+    # What a lookup asks and what the answers mean, apart from when and on which thread it runs.
+
+    def _lookup_keys(self, st: _Req) -> list[str]:
+        """The keys a request's lookup asks about: every part of every full chunk of its prompt."""
+        return self.keys.all_rank_keys(st.links)
+
+    def _reach(self, st: _Req, rcs: list[int]) -> int:
+        return self._reach_of(st.links, rcs)
+
+    def _reach_of(self, links: list[str], rcs: list[int]) -> int:
+        """Leading chunks whose every part exists, from the answers to :meth:`_lookup_keys`
+        (runs on the lookup thread too: it reads nothing but its arguments)."""
         n = self.keys.parts
         present = 0
-        while present < len(st.links) and all(rc == 1 for rc in rcs[present * n:(present + 1) * n]):
+        while present < len(links) and all(rc == 1 for rc in rcs[present * n:(present + 1) * n]):
             present += 1
+        return present
+
+    def _found(self, st: _Req, present: int, seconds: float) -> None:
+        """Record a lookup's answer for the request (on the scheduler's thread)."""
         st.present = present
-        st.hit = max(0, min(present * self.cfg.chunk_tokens, request.num_prompt_tokens - 1))
-        self.stats.observe("lookup", time.perf_counter() - t0)
+        st.hit = max(0, min(present * self.cfg.chunk_tokens, st.request.num_prompt_tokens - 1))
+        self.stats.observe("lookup", seconds)
         self.stats.inc("lookups:hit" if st.hit else "lookups:miss")
         if st.hit:
             self.stats.inc("hit_tokens", st.hit)
-        return st.hit
+
+    def lookups_waiting(self) -> bool:
+        """Whether a request's lookup is queued or asked and not answered yet."""
+        return self._waiting > 0
 
     def plan_load(self, request, start: int, end: int, block_ids: list[int], expected_s: float | None = None) -> None:
         st = self._state(request)
@@ -165,14 +229,18 @@ class StoreScheduler:
 
     # -- vLLM hooks ------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
         st.local = num_computed_tokens
         # vLLM asks again after a load that failed from its first block: answering with the
-        # same hit would load the same bad chunk forever.
-        if not self.load_enabled or st.load_tried:
+        # same hit would load the same bad chunk forever. A request that may not read cached KV
+        # would not use the answer: not worth a wait.
+        if not self.load_enabled or st.load_tried or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
-        ext = self.lookup(request) - num_computed_tokens
+        hit = self.lookup(request)
+        if hit is None:
+            return None, False
+        ext = hit - num_computed_tokens
         if ext <= 0:
             return 0, False
         st.sync = self._sync(num_computed_tokens, ext)
@@ -203,6 +271,8 @@ class StoreScheduler:
             self._async_loads.add(request.request_id)  # until vLLM schedules it (build_connector_meta)
 
     def build_connector_meta(self, scheduler_output) -> StoreMetadata:
+        if self.lookups is not None:
+            self.lookups.flush()  # this step's lookups: one batch, answered while the step runs
         meta = StoreMetadata(loads=self._loads, preempted=sorted(scheduler_output.preempted_req_ids or ()))
         self._loads = []
         self._step_sync = 0
@@ -242,6 +312,9 @@ class StoreScheduler:
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
         self._async_loads.discard(request.request_id)  # aborted: never scheduled (its load may still run)
+        if st is not None and st.pending is not None:  # aborted while its lookup was out
+            st.pending.cancel()
+            self._waiting -= 1
         # Blocks stay allocated until the worker reports the saves done.
         return bool(st is not None and st.saves), None
 
@@ -249,5 +322,7 @@ class StoreScheduler:
         return self.stats.take()
 
     def close(self) -> None:
+        if self.lookups is not None:
+            self.lookups.close()
         if self.client is not None:
             self.client.close()

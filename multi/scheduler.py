@@ -1,7 +1,8 @@
 """Composite, scheduler side: plan each request over the configured tiers.
 
 For a request with ``N`` prompt tokens and ``L`` of them in vLLM's prefix cache,
-it asks every tier how far it can supply the prompt (``lookup``), lets
+it asks every tier how far it can supply the prompt (``lookup``; while a tier's answer is
+not in, vLLM is told to ask again at a later step, as that tier alone would), lets
 :mod:`multi.policy` estimate every feasible plan over the tiers (cheapest first)
 and pick one (its own compute weighed by the other requests the engine holds,
 ``Inputs.busy``: the requests it has planned and vLLM has not finished), and drives
@@ -79,13 +80,15 @@ class TieredScheduler:
             # per request; the rest is recomputed (as each tier does on its own).
             return 0, False
         if d is None or d.local != num_computed_tokens:
-            d = self._decisions[rid] = self._decide(request, num_computed_tokens)
+            reach = {name: tier.lookup(request) for name, tier in self.tiers.items()}
+            if None in reach.values():
+                return None, False  # a tier's lookup is out (the store's, non-blocking): ask again later
+            d = self._decisions[rid] = self._decide(request, num_computed_tokens, reach)
         ext = d.end - num_computed_tokens
         return (ext, True) if ext > 0 else (0, False)
 
-    def _decide(self, request, local: int) -> _Decision:
+    def _decide(self, request, local: int, reach: dict[str, int]) -> _Decision:
         n = request.num_prompt_tokens
-        reach = {name: tier.lookup(request) for name, tier in self.tiers.items()}
         force, warning = requested_source(request.kv_transfer_params, self.default_source, self.tiers)
         if warning:
             logger.warning("request %s: %s", request.request_id, warning)

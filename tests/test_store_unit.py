@@ -7,6 +7,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -300,12 +301,30 @@ def _step(*new_rids):
                            scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new_rids])
 
 
+def _looked_up(s, *reqs):
+    """A step in which vLLM asks about ``reqs`` for the first time: each is answered "ask again
+    later" (the lookup is non-blocking); the step's end sends all their lookups as one batch; once
+    answered, the scheduler answers the next step's questions from them."""
+    before = s.lookups.batches
+    for r in reqs:
+        assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    s.build_connector_meta(_step())
+    deadline = time.monotonic() + 10
+    while not all(s._reqs[r.request_id].pending.done for r in reqs):
+        assert time.monotonic() < deadline, "lookups not answered"
+        time.sleep(0.001)
+    assert s.lookups.batches == before + 1  # one batch for the step's lookups
+
+
 def test_loads_within_sync_load_max_per_step_are_synchronous_and_others_in_the_background():
     from mcstore.scheduler import StoreScheduler
 
     cfg = load_config({"master": "h:1", "chunk_tokens": 64, "sync_load_max": "6MB"}, env={})
     s = StoreScheduler(cfg, _ks(), 32, load=True, save=False, client=_AllStored(), block_bytes=1 << 20)
     a, b, c, d = (_request(64 * 3 + 5, rid) for rid in "abcd")  # 3 stored chunks: 6 blocks, 6 MiB
+    e = _request(64 * 4 + 5, "e")
+    f = _request(64 * 3 + 5, "f")
+    _looked_up(s, a, b, c, d, e, f)
     assert s.get_num_new_matched_tokens(a, 0) == (192, False)  # 6 MiB: within this step's 6
     s.update_state_after_alloc(a, _blocks(range(7)), 192)
     assert s.get_num_new_matched_tokens(b, 0) == (192, True)  # the step's 6 MiB are taken
@@ -320,11 +339,10 @@ def test_loads_within_sync_load_max_per_step_are_synchronous_and_others_in_the_b
     assert s.get_num_new_matched_tokens(d, 0) == (192, False)
     s.build_connector_meta(_step())
     # Past the limit alone: in the background. Aborted while loading: no longer waited for.
-    e = _request(64 * 4 + 5, "e")
     assert s.get_num_new_matched_tokens(e, 0) == (256, True)
     s.update_state_after_alloc(e, _blocks(range(20, 29)), 256)
     s.request_finished(e, [])
-    assert s.get_num_new_matched_tokens(_request(64 * 3 + 5, "f"), 64) == (128, False)  # 4 MiB
+    assert s.get_num_new_matched_tokens(f, 64) == (128, False)  # 4 MiB
 
 
 def test_sync_load_max_defaults_by_platform_and_names_itself_when_bad():

@@ -131,6 +131,22 @@ def test_plan_over_three_tiers_in_order_of_cheapness():
                                                                   for n in tiers]
 
 
+def test_a_tier_still_looking_up_makes_the_composite_ask_again_later():
+    """A tier whose lookup is out (the store's non-blocking lookup answers None) makes vLLM ask
+    again later; the plan is made once every tier answered, from those answers."""
+    tiers = three_tiers(remote=False)
+    tiers["store"].reach = None
+    s = TieredScheduler(tiers, PolicyConfig(), BS, 8192.0)
+    req = request("r1", 4096)
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert not any(t.planned or t.released for t in tiers.values())
+    tiers["store"].reach = 1536  # answered at a later step
+    assert s.get_num_new_matched_tokens(req, 0) == (4095, True)
+    s.update_state_after_alloc(req, blocks(4096), 4095)
+    assert [p[1:3] for t in tiers.values() for p in t.planned] == [(0, 1536), (1536, 2560), (2560, 4095)]
+
+
 def test_load_deadline_follows_expected_work():
     assert load_deadline_s(30.0, None) == 30.0  # no estimate: the configured deadline
     assert load_deadline_s(30.0, 5.0) == 30.0  # a quick load never gets less than configured
