@@ -58,16 +58,18 @@ import msgspec
 # it never calls a tier's get_num_new_matched_tokens or update_state_after_alloc:
 # lookup / plan_load / release replace them. update_connector_output gets the
 # composite's joined results with kv_connector_stats set to the tier's own stats
-# (rebuilt by its build_kv_connector_stats); request_finished results are joined
-# (the request's blocks are held until every tier that asked let go).
+# (rebuilt by its build_kv_connector_stats) and kv_connector_worker_meta set to what its
+# own workers built (build_connector_worker_meta); request_finished results are joined
+# (the request's blocks are held until every tier that asked let go); take_events
+# yields every tier's events; reset_cache succeeds when no tier's failed.
 FORWARDED_HOOKS = (
     # scheduler side
     "bind_kv_cache_manager", "build_connector_meta", "update_connector_output", "request_finished",
-    "has_pending_push_work", "get_kv_connector_stats",
+    "has_pending_push_work", "get_kv_connector_stats", "take_events", "reset_cache",
     # worker side
     "register_kv_caches", "bind_connector_metadata", "clear_connector_metadata", "handle_preemptions",
     "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_transfer_results",
-    "get_block_ids_with_load_errors",
+    "get_block_ids_with_load_errors", "build_connector_worker_meta",
     # both, and the class-level telemetry hooks
     "shutdown", "build_kv_connector_stats", "build_prom_metrics",
 )

@@ -27,6 +27,7 @@ from kvcore.vllm_glue import (
     block_hash_scheme,
     block_size_of,
     bytes_per_token,
+    kv_events_enabled,
     kv_fingerprint_fields,
     pp_rank,
     register_connector_name,
@@ -81,6 +82,7 @@ class StoreConnector(KVConnectorBase_V1, Tier):
         keys = key_space(cfg, vllm_config, kv_cache_config)
         load = ktc.kv_role in ("kv_consumer", "kv_both")
         save = ktc.kv_role in ("kv_producer", "kv_both")
+        events = kv_events_enabled(vllm_config)  # KV events of what the tier stores (mcstore.events)
         self._sched: StoreScheduler | None = None
         self._worker: StoreWorker | None = None
         # A load keeps the engine stepping with nothing to compute; on TP/PP > 1 CPU engines
@@ -96,12 +98,13 @@ class StoreConnector(KVConnectorBase_V1, Tier):
         if role == KVConnectorRole.SCHEDULER:
             warn_pipeline_parallel(vllm_config, "mcstore StoreConnector", logger)
             self._sched = StoreScheduler(cfg, keys, block_size, load=load, save=save,
-                                         block_bytes=round(bytes_per_token(kv_cache_config) * block_size))
+                                         block_bytes=round(bytes_per_token(kv_cache_config) * block_size),
+                                         events=events)
             publish_engine_meta(cfg, keys, vllm_config, kv_cache_config, self._sched.client)  # for mctier tools
         else:
             # The worker's key space names its own stage's objects (its layers only).
             self._worker = StoreWorker(cfg, keys.stage(pp_rank()), block_size, kv_cache_config.num_blocks,
-                                       tp_rank(), load=load, save=save)
+                                       tp_rank(), load=load, save=save, events=events and save)
 
     # -- tier contract (kvcore.tier) ------------------------------------------------
 
@@ -148,6 +151,15 @@ class StoreConnector(KVConnectorBase_V1, Tier):
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched.request_finished(request, block_ids)
 
+    def update_connector_output(self, connector_output) -> None:
+        self._sched.update_connector_output(connector_output)
+
+    def take_events(self):
+        return self._sched.take_events() if self._sched is not None else ()
+
+    def reset_cache(self) -> bool | None:
+        return self._sched.reset_cache() if self._sched is not None else None
+
     # -- worker side ---------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches) -> None:
@@ -174,6 +186,9 @@ class StoreConnector(KVConnectorBase_V1, Tier):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self):
+        return self._worker.worker_meta() if self._worker is not None else None
 
     # -- both ------------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ SPEC = MetricSpec(
         "failures": "Failed store operations by cause (kind=load_<cause>|save_<cause>)",
         "io_chunks": "Whole chunks handed to Mooncake in one batch get or put (kind=load|save)",
         "io_ranges": "Buffer ranges (descriptors) of those chunks (kind=load|save)",
+        "resets": "vLLM reset_cache calls (POST /reset_prefix_cache?reset_external=true)",
     },
     ops={
         "lookup": "Duration of one request's store lookup (its batch's round trip to the master)",

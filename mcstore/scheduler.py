@@ -54,6 +54,7 @@ from kvcore.vllm_glue import (
 from mcstore.batchlookup import Lookup, LookupQueue
 from mcstore.client import StoreClient
 from mcstore.config import StoreConfig
+from mcstore.events import StoreEvents
 from mcstore.keys import KeySpace
 from mcstore.metrics import StoreStats
 from mcstore.protocol import ChunkIO, LoadJob, SaveJob, StoreMetadata
@@ -77,7 +78,7 @@ class _Req:
 
 class StoreScheduler:
     def __init__(self, cfg: StoreConfig, keys: KeySpace, block_size: int, *, load: bool, save: bool,
-                 client: StoreClient | None = None, block_bytes: int = 0):
+                 client: StoreClient | None = None, block_bytes: int = 0, events: bool = False):
         self.cfg = cfg
         self.keys = keys
         self.block_size = block_size
@@ -96,6 +97,9 @@ class StoreScheduler:
         self._async_loads: set[str] = set()  # loading in the background, not yet scheduled
         self._kv_cache_manager = None
         self._warned_hashes = False
+        # KV events (mcstore.events), at vLLM's hash block size.
+        hash_bs = keys.block_hashes.block_size if keys.block_hashes is not None else block_size
+        self.events = StoreEvents(keys.parts, hash_bs, cfg.chunk_tokens // hash_bs) if events else None
         self.blocking = cfg.lookup_blocking
         self.lookups = LookupQueue(self.client.exists, "scheduler") if self.client is not None else None
         self._waiting = 0  # lookups queued or asked, not yet answered
@@ -199,6 +203,8 @@ class StoreScheduler:
         """Record a lookup's answer for the request (on the scheduler's thread)."""
         st.present = present
         st.hit = max(0, min(present * self.cfg.chunk_tokens, st.request.num_prompt_tokens - 1))
+        if self.events is not None and present < len(st.links):
+            self.events.gone(st.links[present])  # absent: if this engine announced it, it is removed
         self.stats.observe("lookup", seconds)
         self.stats.inc("lookups:hit" if st.hit else "lookups:miss")
         if st.hit:
@@ -305,6 +311,9 @@ class StoreScheduler:
         blocks = request_block_ids(self._kv_cache_manager, rid)
         cb = self.chunk_blocks
         chunks = [ChunkIO(st.links[c], c, blocks[c * cb:(c + 1) * cb]) for c in range(first, done)]
+        if self.events is not None:
+            for c in range(first, done):
+                self.events.planned(rid, st.links[c], c, req)
         st.save_next = done
         st.saves += 1
         return SaveJob(rid, chunks)
@@ -315,8 +324,47 @@ class StoreScheduler:
         if st is not None and st.pending is not None:  # aborted while its lookup was out
             st.pending.cancel()
             self._waiting -= 1
+        if self.events is not None and not (st is not None and st.saves):
+            self.events.request_done(request.request_id)
         # Blocks stay allocated until the worker reports the saves done.
         return bool(st is not None and st.saves), None
+
+    def update_connector_output(self, out) -> None:
+        if self.events is not None:
+            self.events.worker_news(getattr(out, "kv_connector_worker_meta", None))
+            for rid in out.finished_sending or ():
+                self.events.request_done(rid)
+
+    def take_events(self) -> list:
+        return self.events.take() if self.events is not None else []
+
+    def reset_cache(self) -> bool:
+        """vLLM's reset_cache: forget every answered lookup of a request that has not planned a
+        load (asked again, it is looked up anew) and every lookup still out; with
+        ``reset_removes_objects``, remove every object of this engine's key space from the store
+        too (the published metadata stays). False when that removal failed."""
+        for st in self._reqs.values():
+            if st.pending is not None:
+                st.pending.cancel()
+                st.pending = None
+                self._waiting -= 1
+            if not st.load_tried and st.request.request_id not in self._async_loads:
+                st.hit, st.present = None, 0
+        self.stats.inc("resets")
+        if not self.cfg.reset_removes_objects:
+            return True
+        if self.client is None:
+            logger.warning("mcstore: reset_removes_objects on an engine that does not look up: nothing removed")
+            return False
+        try:
+            n = self.client.remove_key_space(self.keys)
+        except Exception as e:  # noqa: BLE001 - Unavailable, Mooncake errors: the reset failed
+            logger.warning("mcstore: reset could not remove the key space's objects: %s", e)
+            return False
+        logger.info("mcstore: reset removed %d object(s) of key space %s", n, self.keys.fp[:16])
+        if self.events is not None:
+            self.events.removed_all()
+        return True
 
     def take_stats(self) -> StoreStats | None:
         return self.stats.take()

@@ -38,6 +38,7 @@ from kvcore.platform import current as current_platform, wait_fence
 from kvcore.tier import LoadReports
 from mcstore.client import StoreClient
 from mcstore.config import StoreConfig
+from mcstore.events import StoreWorkerMeta
 from mcstore.keys import KeySpace
 from mcstore.loads import _TRAILER_SLOTS, Loads, ranged_batches
 from mcstore.metrics import StoreStats
@@ -51,7 +52,7 @@ _PREEMPT_WAIT_S = 5.0
 
 class StoreWorker(Loads):
     def __init__(self, cfg: StoreConfig, keys: KeySpace, block_size: int, num_blocks: int,
-                 rank: int, *, load: bool, save: bool):
+                 rank: int, *, load: bool, save: bool, events: bool = False):
         self.cfg = cfg
         self.keys = keys
         self.block_size = block_size
@@ -86,6 +87,10 @@ class StoreWorker(Loads):
             raise ConfigError("mcstore: verify_checksums needs host-resident KV (the CPU platform)")
         self.trailer = _TRAILER.size if self.verify else 0
         self._save_trailers = self._load_trailers = None
+        # KV events (mcstore.events): the chunk parts this worker wrote, the chunks a load found gone.
+        self.events = events
+        self.part = keys.pp_rank * keys.tp_size + rank
+        self._news = StoreWorkerMeta()
 
     # -- set-up --------------------------------------------------------------------
 
@@ -245,6 +250,23 @@ class StoreWorker(Loads):
             out, self._step_errors = self._step_errors, set()
         return out
 
+    def worker_meta(self) -> StoreWorkerMeta | None:
+        """The chunk parts written and the chunks found gone since the last call (KV events;
+        None when there are none or events are off)."""
+        if not self.events:
+            return None
+        with self._lock:
+            if not (self._news.stored or self._news.gone):
+                return None
+            out, self._news = self._news, StoreWorkerMeta()
+        return out
+
+    def _news_of(self, stored_keys: list[str] = (), gone_links: list[str] = ()) -> None:
+        if self.events:
+            with self._lock:
+                self._news.stored += [(k.rsplit("/", 1)[0], self.part) for k in stored_keys]
+                self._news.gone += gone_links
+
     def take_stats(self) -> StoreStats | None:
         with self._lock:
             return self.stats.take()
@@ -297,6 +319,8 @@ class StoreWorker(Loads):
                 self._tainted.discard(id(job))
             if tainted and written:
                 self.client.store.batch_remove(written, True)
+            elif written:
+                self._news_of(stored_keys=written)  # before the request can be reported finished
             with self._lock:
                 self._saving = None
                 self._pending_saves[job.req_id] -= 1
@@ -313,6 +337,7 @@ class StoreWorker(Loads):
         todo = [(k, c) for k, c, e in zip(keys, job.chunks, exists) if e != 1]
         if len(todo) < len(keys):
             self._count("save_skipped:exists", len(keys) - len(todo))
+            self._news_of(stored_keys=[k for k, e in zip(keys, exists) if e == 1])  # in the store all the same
         written: list[str] = []
         # Under sustained pressure only the first job waits save_retry_s; jobs behind it try
         # once until a put succeeds again, so their blocks are not held for a queue of waits.

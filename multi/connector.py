@@ -96,6 +96,12 @@ class TieredConnector(KVConnectorBase_V1):
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_push_work()
 
+    def take_events(self):
+        return self._sched.take_events() if self._sched is not None else ()
+
+    def reset_cache(self) -> bool | None:
+        return self._sched.reset_cache() if self._sched is not None else None
+
     # -- worker side ---------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches) -> None:
@@ -133,6 +139,9 @@ class TieredConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.block_ids_with_load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self):
+        return self._worker.worker_meta() if self._worker is not None else None
 
     # -- both ------------------------------------------------------------------------
 

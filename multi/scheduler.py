@@ -146,18 +146,25 @@ class TieredScheduler:
     # -- results -----------------------------------------------------------------------
 
     def update_connector_output(self, out) -> None:
-        stats = out.kv_connector_stats
+        stats, worker_meta = out.kv_connector_stats, getattr(out, "kv_connector_worker_meta", None)
         tier_data = stats.data.get("tiers", {}) if stats is not None and not stats.is_empty() else {}
+        tier_meta = getattr(worker_meta, "tiers", {})
         try:
-            # Each tier sees the joined transfer results and only its own stats.
+            # Each tier sees the joined transfer results and only its own stats and worker metadata.
             for name, tier in self.tiers.items():
                 data = tier_data.get(name)
                 out.kv_connector_stats = type(tier).build_kv_connector_stats(data=data) if data else None
+                out.kv_connector_worker_meta = tier_meta.get(name)
                 tier.update_connector_output(out)
         finally:
-            out.kv_connector_stats = stats
+            out.kv_connector_stats, out.kv_connector_worker_meta = stats, worker_meta
         if stats is not None and not stats.is_empty():
             self._learn(stats.data.get("samples", []))
+            # Learned: the samples go no further (vLLM would send them on to the API server's
+            # stats loggers, which keep every one until their next log line).
+            stats.data["samples"] = []
+            if stats.is_empty():
+                out.kv_connector_stats = None
 
     def _learn(self, raw: list) -> None:
         try:
@@ -221,6 +228,18 @@ class TieredScheduler:
 
     def has_pending_push_work(self) -> bool:
         return any(tier.has_pending_push_work() for tier in self.tiers.values())
+
+    def take_events(self):
+        for tier in self.tiers.values():
+            yield from tier.take_events()
+
+    def reset_cache(self) -> bool:
+        """Every tier's reset_cache, and the plans made from lookups of requests that have not
+        started a load (asked again, they are planned from new lookups)."""
+        ok = [tier.reset_cache() is not False for tier in self.tiers.values()]
+        for rid in [rid for rid, d in self._decisions.items() if not d.loads]:
+            del self._decisions[rid]
+        return all(ok)
 
     def take_stats(self) -> TieredStats | None:
         """Our counters since the last call, with each tier's scheduler-side stats."""
