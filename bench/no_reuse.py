@@ -19,10 +19,10 @@ median over rounds of TTFT p50/p90/p99, mean TPOT and output throughput, and eac
 ratio to ``plain`` (the median over rounds of the per-round ratio, with its range), against the
 issue's bounds: TPOT within 1.05x, p99 TTFT and throughput within 1.1x. Each run is
 ``--random-input-len 256 --random-output-len 64 --max-concurrency 4 --ignore-eos``, with its
-own seed per round (so a round's prompts are new to the store: nothing is ever hit), after one
-untimed warm-up request. Writes ``no_reuse.json`` and ``no_reuse.md`` to ``--out`` (default
-``bench/results/no_reuse/``). Everything started is stopped at the end, also on failure and
-Ctrl-C. Exit status 1 if a run failed.
+own seed per arm and round (so every run's prompts are new to the store: nothing is ever hit;
+the table's counters check it), after one untimed warm-up request. Writes ``no_reuse.json``
+and ``no_reuse.md`` to ``--out`` (default ``bench/results/no_reuse/``). Everything started is
+stopped at the end, also on failure and Ctrl-C. Exit status 1 if a run failed.
 """
 
 from __future__ import annotations
@@ -101,7 +101,10 @@ def run_arm(dep: Deployment, arm: str, master: str, model: str, runs: Path, rnd:
         dep.wait_http(url, proc)
         complete(url, ids(a.input_len, random.Random(f"warm-{name}")), max_tokens=4)  # untimed
         time.sleep(1.2)  # bench.common.QUIET_S: the warm-up's spin of vLLM's queues has ended
-        row = bench_serve(url, model, runs, name, 1000 + rnd, a)
+        # A seed of its own per arm and round: the random prompts of one arm are never another's
+        # (the store arm saves its prompts; with a shared seed, the tiered arm of the same round
+        # hit them and loaded instead of computing: not a no-reuse workload).
+        row = bench_serve(url, model, runs, name, 1000 + 100 * rnd + ARMS.index(arm), a)
         counters = {f"{k[0].removeprefix('vllm:mctier_')}{':' + k[1] if k[1] else ''}": v
                     for k, v in metrics(url).items() if k[0].endswith("_total") and v}
         row["mctier_counters"] = counters
@@ -118,7 +121,9 @@ def summarize(results: dict[str, list[dict]]) -> dict:
         ok = [r for r in rows if r is not None]
         if not ok:
             continue
-        s = {"median": {k: statistics.median(r[k] for r in ok) for k in METRICS}, "rounds": len(ok)}
+        s = {"median": {k: statistics.median(r[k] for r in ok) for k in METRICS}, "rounds": len(ok),
+             # Must be 0: a hit would make it a reuse workload.
+             "store_hits": sum(r.get("mctier_counters", {}).get("store_lookups_total:hit", 0) for r in ok)}
         if arm != "plain" and plain:
             ratios = {k: [r[k] / p[k] for r, p in zip(rows, plain) if r is not None and p is not None and p[k]]
                       for k in METRICS}
@@ -132,7 +137,7 @@ def summarize(results: dict[str, list[dict]]) -> dict:
 
 def render(summary: dict, info: dict) -> str:
     head = ("| arm | TTFT p50 ms | p90 | p99 | TPOT ms | tok/s | TPOT / plain | p99 TTFT / plain | "
-            "throughput / plain |\n|---|---|---|---|---|---|---|---|---|")
+            "throughput / plain | store hits |\n|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for arm, s in summary.items():
         m = s["median"]
@@ -143,6 +148,7 @@ def render(summary: dict, info: dict) -> str:
             cells.append("-" if r is None else
                          f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})"
                          f"{'' if s['within_bounds'][k] else ' **over**'}")
+        cells.append(f"{s['store_hits']:.0f}")
         lines.append("| " + " | ".join(cells) + " |")
     m = info["machine"]
     lines.append("")
@@ -176,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = out / "runs"
     runs.mkdir(exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+                            text=True).stdout.strip() or os.environ.get("MCTIER_COMMIT", "unknown")
     info = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "machine": machine(model), "rounds": a.rounds,
             "prompts": a.prompts, "arms": arms, "input_len": a.input_len, "output_len": a.output_len,
             "concurrency": a.concurrency, "quick": a.quick}
