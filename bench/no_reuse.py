@@ -47,6 +47,7 @@ from mcstore.server import StoreCluster  # noqa: E402
 from multi.cli.deploy import Deployment, metrics  # noqa: E402
 
 ARMS = ("plain", "store", "p2p", "tiered")
+BEFORE = "-before"  # an arm run from --before's tree
 ENGINE_CORE, CLIENT_CORE = 1, 0
 BENCH_TIMEOUT_S = 900
 METRICS = ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "output_throughput")
@@ -55,6 +56,7 @@ BOUNDS = {"mean_tpot_ms": 1.05, "p99_ttft_ms": 1.1, "output_throughput": 1 / 1.1
 
 
 def kv_config(arm: str, master: str) -> dict | None:
+    arm = arm.removesuffix(BEFORE)
     store = {"master": master, "chunk_tokens": 256}
     base = {"kv_load_failure_policy": "recompute"}
     if arm == "plain":
@@ -96,7 +98,8 @@ def bench_serve(url: str, model: str, runs: Path, name: str, seed: int, a: argpa
 
 def run_arm(dep: Deployment, arm: str, master: str, model: str, runs: Path, rnd: int, a) -> dict:
     name = f"{arm}-r{rnd}"
-    url, proc = dep.engine(name, model, ENGINE_CORE, kv_config(arm, master))
+    url, proc = dep.engine(name, model, ENGINE_CORE, kv_config(arm, master),
+                           cwd=a.before if arm.endswith(BEFORE) else None)
     try:
         dep.wait_http(url, proc)
         complete(url, ids(a.input_len, random.Random(f"warm-{name}")), max_tokens=4)  # untimed
@@ -104,7 +107,7 @@ def run_arm(dep: Deployment, arm: str, master: str, model: str, runs: Path, rnd:
         # A seed of its own per arm and round: the random prompts of one arm are never another's
         # (the store arm saves its prompts; with a shared seed, the tiered arm of the same round
         # hit them and loaded instead of computing: not a no-reuse workload).
-        row = bench_serve(url, model, runs, name, 1000 + 100 * rnd + ARMS.index(arm), a)
+        row = bench_serve(url, model, runs, name, 1000 + 100 * rnd + a.arm_list.index(arm), a)
         counters = {f"{k[0].removeprefix('vllm:mctier_')}{':' + k[1] if k[1] else ''}": v
                     for k, v in metrics(url).items() if k[0].endswith("_total") and v}
         row["mctier_counters"] = counters
@@ -170,10 +173,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "no_reuse"))
+    ap.add_argument("--before", metavar="DIR",
+                    help="also run each connector arm from DIR (an export of an earlier commit: `git archive`), "
+                         "as ARM-before, side by side with this tree's")
     a = ap.parse_args(argv)
     a.rounds = a.rounds or (1 if a.quick else 3)
     a.prompts = a.prompts or (16 if a.quick else 64)
     arms = [x for x in a.arms.split(",") if x]
+    if a.before:
+        a.before = str(Path(a.before).resolve())
+        arms += [x + BEFORE for x in arms if x != "plain"]
+    a.arm_list = arms
     for arm in arms:
         kv_config(arm, "-")  # an unknown arm fails before anything starts
     term_as_interrupt()
@@ -183,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     runs.mkdir(exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or os.environ.get("MCTIER_COMMIT", "unknown")
-    info = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "machine": machine(model), "rounds": a.rounds,
+    info = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "before": a.before, "machine": machine(model),
+            "rounds": a.rounds,
             "prompts": a.prompts, "arms": arms, "input_len": a.input_len, "output_len": a.output_len,
             "concurrency": a.concurrency, "quick": a.quick}
     dep = Deployment(out / "logs")
@@ -191,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     errors: dict[str, str] = {}
     try:
         master = ""
-        if any(arm in ("store", "tiered") for arm in arms):
+        if any(arm.removesuffix(BEFORE) in ("store", "tiered") for arm in arms):
             dep.cluster = StoreCluster(out / "logs" / "store", segment_size=1 << 30).start()
             master = dep.cluster.master_addr
         for rnd in range(a.rounds):
