@@ -19,8 +19,11 @@ median over rounds of TTFT p50/p90/p99, mean TPOT and output throughput, and eac
 ratio to ``plain`` (the median over rounds of the per-round ratio, with its range), against the
 issue's bounds: TPOT within 1.05x, p99 TTFT and throughput within 1.1x. Each run is
 ``--random-input-len 256 --random-output-len 64 --max-concurrency 4 --ignore-eos``, with its
-own seed per arm and round (so every run's prompts are new to the store: nothing is ever hit;
-the table's counters check it), after one untimed warm-up request. Writes ``no_reuse.json``
+own seed per arm and round and its own store namespace (``key_prefix``), after one untimed
+warm-up request. vLLM's random prompts are runs of consecutive token ids from a random start:
+on the test model's 2,048-token vocabulary two of 64 prompts often start alike, which every arm
+(plain too) finds in its own prefix cache; the store never holds another run's prompts (the
+table's store hits say how many its own lookups found). Writes ``no_reuse.json``
 and ``no_reuse.md`` to ``--out`` (default ``bench/results/no_reuse/``). Everything started is
 stopped at the end, also on failure and Ctrl-C. Exit status 1 if a run failed.
 """
@@ -55,9 +58,10 @@ METRICS = ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpo
 BOUNDS = {"mean_tpot_ms": 1.05, "p99_ttft_ms": 1.1, "output_throughput": 1 / 1.1}
 
 
-def kv_config(arm: str, master: str) -> dict | None:
+def kv_config(arm: str, master: str, namespace: str = "mct") -> dict | None:
+    """``namespace``: the store's key prefix of this run (see run_arm)."""
     arm = arm.removesuffix(BEFORE)
-    store = {"master": master, "chunk_tokens": 256}
+    store = {"master": master, "chunk_tokens": 256, "key_prefix": namespace}
     base = {"kv_load_failure_policy": "recompute"}
     if arm == "plain":
         return None
@@ -96,18 +100,43 @@ def bench_serve(url: str, model: str, runs: Path, name: str, seed: int, a: argpa
     return {k: d[k] for k in METRICS} | {"completed": d["completed"], "command": argv}
 
 
+def cpu_seconds(root_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of an engine's processes by role: its API server (the
+    process started), EngineCore (the scheduler) and Worker (the forward), from ``/proc``."""
+    import psutil
+
+    out: dict[str, float] = {}
+    root = psutil.Process(root_pid)
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            name = p.name() + " " + " ".join(p.cmdline()[:3])
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        role = ("api" if p.pid == root_pid else "engine_core" if "EngineCore" in name
+                else "worker" if "Worker" in name else "other")
+        out[role] = out.get(role, 0.0) + t.user + t.system
+    return out
+
+
 def run_arm(dep: Deployment, arm: str, master: str, model: str, runs: Path, rnd: int, a) -> dict:
     name = f"{arm}-r{rnd}"
-    url, proc = dep.engine(name, model, ENGINE_CORE, kv_config(arm, master),
+    # A store namespace of its own per run: vLLM's random prompts are runs of consecutive token ids
+    # (vllm.benchmarks.datasets.RandomDataset), on a 2,048-token vocabulary a prompt often starts
+    # where an earlier one did; in a shared namespace a run hit what earlier runs stored.
+    url, proc = dep.engine(name, model, ENGINE_CORE, kv_config(arm, master, f"nr{rnd}{arm.replace('-', '')}"),
                            cwd=a.before if arm.endswith(BEFORE) else None)
     try:
         dep.wait_http(url, proc)
         complete(url, ids(a.input_len, random.Random(f"warm-{name}")), max_tokens=4)  # untimed
         time.sleep(1.2)  # bench.common.QUIET_S: the warm-up's spin of vLLM's queues has ended
-        # A seed of its own per arm and round: the random prompts of one arm are never another's
-        # (the store arm saves its prompts; with a shared seed, the tiered arm of the same round
-        # hit them and loaded instead of computing: not a no-reuse workload).
+        # A seed of its own per arm and round (with a shared seed, the tiered arm of a round hit
+        # what the store arm had saved and loaded instead of computing).
+        cpu0 = cpu_seconds(proc.popen.pid)
         row = bench_serve(url, model, runs, name, 1000 + 100 * rnd + a.arm_list.index(arm), a)
+        cpu1 = cpu_seconds(proc.popen.pid)
+        # CPU milliseconds per request by process: steadier than latencies on a shared host.
+        row["cpu_ms_per_request"] = {k: (cpu1[k] - cpu0.get(k, 0.0)) * 1e3 / a.prompts for k in cpu1}
         counters = {f"{k[0].removeprefix('vllm:mctier_')}{':' + k[1] if k[1] else ''}": v
                     for k, v in metrics(url).items() if k[0].endswith("_total") and v}
         row["mctier_counters"] = counters
@@ -126,7 +155,9 @@ def summarize(results: dict[str, list[dict]]) -> dict:
             continue
         s = {"median": {k: statistics.median(r[k] for r in ok) for k in METRICS}, "rounds": len(ok),
              # Must be 0: a hit would make it a reuse workload.
-             "store_hits": sum(r.get("mctier_counters", {}).get("store_lookups_total:hit", 0) for r in ok)}
+             "store_hits": sum(r.get("mctier_counters", {}).get("store_lookups_total:hit", 0) for r in ok),
+             "cpu_ms_per_request": {k: statistics.median(r["cpu_ms_per_request"].get(k, 0.0) for r in ok)
+                                    for k in ok[0].get("cpu_ms_per_request", {})}}
         if arm != "plain" and plain:
             ratios = {k: [r[k] / p[k] for r, p in zip(rows, plain) if r is not None and p is not None and p[k]]
                       for k in METRICS}
@@ -140,7 +171,8 @@ def summarize(results: dict[str, list[dict]]) -> dict:
 
 def render(summary: dict, info: dict) -> str:
     head = ("| arm | TTFT p50 ms | p90 | p99 | TPOT ms | tok/s | TPOT / plain | p99 TTFT / plain | "
-            "throughput / plain | store hits |\n|---|---|---|---|---|---|---|---|---|---|")
+            "throughput / plain | CPU ms per request: API server / EngineCore / Worker | store hits |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for arm, s in summary.items():
         m = s["median"]
@@ -151,6 +183,8 @@ def render(summary: dict, info: dict) -> str:
             cells.append("-" if r is None else
                          f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})"
                          f"{'' if s['within_bounds'][k] else ' **over**'}")
+        cpu = s.get("cpu_ms_per_request", {})
+        cells.append(" / ".join(f"{cpu.get(k, 0):.1f}" for k in ("api", "engine_core", "worker")))
         cells.append(f"{s['store_hits']:.0f}")
         lines.append("| " + " | ".join(cells) + " |")
     m = info["machine"]
