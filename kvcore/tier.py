@@ -65,7 +65,7 @@ import msgspec
 FORWARDED_HOOKS = (
     # scheduler side
     "bind_kv_cache_manager", "build_connector_meta", "update_connector_output", "request_finished",
-    "has_pending_push_work", "get_kv_connector_stats", "take_events", "reset_cache",
+    "has_pending_push_work", "get_kv_connector_stats", "take_events", "reset_cache", "on_new_request",
     # worker side
     "register_kv_caches", "bind_connector_metadata", "clear_connector_metadata", "handle_preemptions",
     "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_transfer_results",

@@ -155,6 +155,11 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "before issue 47; benchmarks compare it). false (default): get_num_new_matched_tokens answers "
         "\"ask again later\" (None), the lookups of one step go to the master as one batch on a thread "
         "of their own, and the answer is used at a later step (mcstore.batchlookup).")] = False
+    lookup_wait_ms: Annotated[float, doc(
+        "Milliseconds a scheduling step may wait, in all, for the non-blocking lookups of the requests "
+        "that arrived since the last step (one batch, sent as the step starts asking): answered in time, "
+        "a request is scheduled in this step; otherwise it is asked again at a later step. 0: never wait "
+        "(every lookup costs its request at least one step). Within [0, 100].")] = 0.5
     lookup_timeout_ms: Annotated[float, doc(
         "Milliseconds a non-blocking lookup may wait for the master's answer; past it the request's "
         "lookup counts as a miss (lookups{kind=timeout}) and its prompt is computed. Long enough for a "
@@ -197,6 +202,8 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                               f"got {self.stage_above_ranges_per_region}")
         if self.load_thread_nice is not None and not 0 <= self.load_thread_nice <= 19:
             raise ConfigError(f"mcstore: load_thread_nice must be within [0, 19], got {self.load_thread_nice}")
+        if not 0 <= self.lookup_wait_ms <= 100:
+            raise ConfigError(f"mcstore: lookup_wait_ms must be within [0, 100], got {self.lookup_wait_ms}")
         if self.idle_step_ms is not None and not 0 <= self.idle_step_ms <= 1000:
             raise ConfigError(f"mcstore: idle_step_ms must be within [0, 1000], got {self.idle_step_ms}")
         if self.save_retry_s < 0 or self.save_queue_chunks < 1:

@@ -7,11 +7,13 @@ facade exposes it, ``release`` is a no-op there), kept apart from vLLM's hooks:
     Prompt tokens ``[0, n)`` the store can supply: the longest prefix of full
     chunks whose every part exists (every TP rank of every pipeline stage), capped
     so the last prompt token is left to the engine; None while the answer is not in yet
-    (ask again at a later step). The first call queues the request's lookup; at the end of
-    the scheduling step (``build_connector_meta``) every lookup queued in it goes to the
-    master as one ``batch_is_exist`` on the lookup thread (:mod:`mcstore.batchlookup`), and
-    a call at a later step finds the answer (cached per request). Unanswered within
-    ``lookup_timeout_ms``: a miss (0). 0 at once while the master is unreachable. With
+    (ask again at a later step). The request's lookup is queued when vLLM adds the request
+    (``on_new_request``, or the first call); the step's first call sends every queued lookup
+    to the master as one ``batch_is_exist`` on the lookup thread (:mod:`mcstore.batchlookup`)
+    and waits for it, at most ``lookup_wait_ms`` per step in all; what is not answered by
+    then is answered at a later step (cached per request; lookups still queued at the end of
+    the step go then). Unanswered within ``lookup_timeout_ms``: a miss (0). 0 at once while
+    the master is unreachable. With
     ``lookup_blocking`` the call asks the master itself and answers at once. What is asked
     and what the answers mean is :meth:`StoreScheduler._lookup_keys` and
     :meth:`StoreScheduler._reach`, the same either way. The keys come from the
@@ -103,6 +105,8 @@ class StoreScheduler:
         self.blocking = cfg.lookup_blocking
         self.lookups = LookupQueue(self.client.exists, "scheduler") if self.client is not None else None
         self._waiting = 0  # lookups queued or asked, not yet answered
+        self._wait_s = 0.0 if self.blocking else cfg.lookup_wait_ms / 1e3
+        self._wait_left = self._wait_s  # of this step's wait for its lookups
 
     # -- state -------------------------------------------------------------------
 
@@ -140,27 +144,19 @@ class StoreScheduler:
 
     def lookup(self, request) -> int | None:
         st = self._state(request)
+        if st.hit is None and st.pending is None:
+            self._ask(st)
         if st.hit is not None:
             return st.hit
-        if not st.links:
-            st.hit = 0
-            return 0
         lk = st.pending
-        if lk is None:
-            if self.client is None or not self.client.available:
-                self.stats.inc("lookups:unavailable")
-                st.hit = 0
-                return 0
-            keys = self._lookup_keys(st)
-            if self.blocking:
-                t0 = time.perf_counter()
-                self._found(st, self._reach(st, self.client.exists(keys)), time.perf_counter() - t0)
-                return st.hit
-            links = st.links  # the lookup thread reads this request's keys only, never its state
-            st.pending = self.lookups.submit(keys, lambda rcs: self._reach_of(links, rcs),
-                                             self.cfg.lookup_timeout_ms / 1e3)
-            self._waiting += 1
-            return None
+        if not lk.done and self._wait_left > 0:
+            # This step's batch goes now (every request that arrived since the last step is in it)
+            # and the step waits for it, at most lookup_wait_ms in all: a master that answers in
+            # time saves the request a step; one that does not costs this step no more than that.
+            self.lookups.flush()
+            t0 = time.monotonic()
+            self.lookups.wait(lk, self._wait_left)
+            self._wait_left -= time.monotonic() - t0
         if lk.done:
             st.pending = None
             self._waiting -= 1
@@ -180,6 +176,33 @@ class StoreScheduler:
             st.hit = 0
             return 0
         return None
+
+    def _ask(self, st: _Req) -> None:
+        """Start the request's lookup: answered at once when there is nothing to ask (no full
+        chunk, the master unreachable) or with ``lookup_blocking``; else queued for this step's
+        batch (``st.pending``)."""
+        if not st.links:
+            st.hit = 0
+            return
+        if self.client is None or not self.client.available:
+            self.stats.inc("lookups:unavailable")
+            st.hit = 0
+            return
+        keys = self._lookup_keys(st)
+        if self.blocking:
+            t0 = time.perf_counter()
+            self._found(st, self._reach(st, self.client.exists(keys)), time.perf_counter() - t0)
+            return
+        links = st.links  # the lookup thread reads this request's keys only, never its state
+        st.pending = self.lookups.submit(keys, lambda rcs: self._reach_of(links, rcs), self.cfg.lookup_timeout_ms / 1e3)
+        self._waiting += 1
+
+    def on_new_request(self, request) -> None:
+        """vLLM added the request (between steps): its lookup joins the coming step's batch."""
+        if self.load_enabled and not getattr(request, "skip_reading_prefix_cache", False):
+            st = self._state(request)
+            if st.hit is None and st.pending is None:
+                self._ask(st)
 
     # What a lookup asks and what the answers mean, apart from when and on which thread it runs.
 
@@ -278,7 +301,8 @@ class StoreScheduler:
 
     def build_connector_meta(self, scheduler_output) -> StoreMetadata:
         if self.lookups is not None:
-            self.lookups.flush()  # this step's lookups: one batch, answered while the step runs
+            self.lookups.flush()  # lookups not sent yet: one batch, answered while the step runs
+        self._wait_left = self._wait_s
         meta = StoreMetadata(loads=self._loads, preempted=sorted(scheduler_output.preempted_req_ids or ()))
         self._loads = []
         self._step_sync = 0

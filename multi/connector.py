@@ -81,6 +81,9 @@ class TieredConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def on_new_request(self, request) -> None:
+        self._sched.on_new_request(request)
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 

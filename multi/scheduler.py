@@ -229,6 +229,10 @@ class TieredScheduler:
     def has_pending_push_work(self) -> bool:
         return any(tier.has_pending_push_work() for tier in self.tiers.values())
 
+    def on_new_request(self, request) -> None:
+        for tier in self.tiers.values():
+            tier.on_new_request(request)
+
     def take_events(self):
         for tier in self.tiers.values():
             yield from tier.take_events()

@@ -1,7 +1,9 @@
-"""The store tier's non-blocking lookup against a real mooncake_master (no engine): vLLM is told
-to ask again later, the lookups of one scheduling step go to the master as one batch, the answers
-equal the blocking lookup's, and a master that stops answering makes lookups misses within their
-deadline without ever holding the scheduler's thread. (With engines: tests/test_store_e2e.py.)"""
+"""The store tier's non-blocking lookup against a real mooncake_master (no engine): the lookups
+of the requests that arrived since the last step go to the master as one batch; answered within
+the step's wait (``lookup_wait_ms``) they answer in that step, otherwise vLLM is told to ask again
+later; the answers equal the blocking lookup's; a master that stops answering makes lookups
+misses within their deadline, the scheduler's thread never held longer than the step's wait.
+(With engines: tests/test_store_events_e2e.py.)"""
 
 from __future__ import annotations
 
@@ -80,12 +82,12 @@ def test_lookups_of_one_step_go_as_one_batch_and_answer_as_the_lookup_blocking(s
     full, part, none = _request("full", 1), _request("part", 2), _request("none", 3)
     _store(raw, full, 3)
     _store(raw, part, 1)
-    s = _sched(store_cluster.master_addr)
+    s = _sched(store_cluster.master_addr, lookup_wait_ms=0)
     blocking = _sched(store_cluster.master_addr, lookup_blocking=True)
     try:
         for r in (full, part, none):
             assert s.get_num_new_matched_tokens(r, 0) == (None, False)  # asked, not answered
-        assert s.lookups.batches == 0  # nothing goes out before the step ends
+        assert s.lookups.batches == 0  # without a wait nothing goes out before the step ends
         got = _answers(s, [full, part, none])
         assert s.lookups.batches == 1 and s.lookups.calls == 1  # the step's three lookups, one batch_is_exist
         # 3 chunks of 64 hit in full (the prompt's last 5 tokens are the engine's), 1 of 3, none.
@@ -99,6 +101,27 @@ def test_lookups_of_one_step_go_as_one_batch_and_answer_as_the_lookup_blocking(s
         blocking.close()
 
 
+def test_lookups_of_the_requests_added_since_the_last_step_answer_within_the_steps_wait(store_cluster, raw):
+    """vLLM adds requests between steps (``on_new_request``): the step's first question sends all
+    their lookups as one batch and waits for it (``lookup_wait_ms``, generous here: an idle
+    master answers in well under a millisecond); every request is answered in that step."""
+    full, part, none = _request("w-full", 5), _request("w-part", 6), _request("w-none", 7)
+    _store(raw, full, 3)
+    _store(raw, part, 1)
+    s = _sched(store_cluster.master_addr, lookup_wait_ms=50)
+    try:
+        s.get_num_new_matched_tokens(_request("warm", 8), 0)  # a warm client and lookup thread
+        s.build_connector_meta(_step())
+        for r in (full, part, none):
+            s.on_new_request(r)
+        assert s.lookups.batches == 1  # the warm-up's; the new ones wait for the step
+        got = {r.request_id: s.get_num_new_matched_tokens(r, 0) for r in (full, part, none)}
+        assert got == {"w-full": (3 * CHUNK, True), "w-part": (CHUNK, True), "w-none": (0, False)}
+        assert s.lookups.batches == 2 and s.lookups.calls == 2  # the three in one batch_is_exist
+    finally:
+        s.close()
+
+
 def test_a_master_that_stops_answering_makes_lookups_misses_within_the_deadline(store_cluster, raw):
     """SIGSTOP on the master: a real master that stops answering (its TCP port still accepts,
     so the breaker stays closed and every lookup is asked). Each lookup is a miss once its
@@ -106,7 +129,7 @@ def test_a_master_that_stops_answering_makes_lookups_misses_within_the_deadline(
     again."""
     stored = _request("stored", 4)
     _store(raw, stored, 3)
-    s = _sched(store_cluster.master_addr, lookup_timeout_ms=300)
+    s = _sched(store_cluster.master_addr, lookup_timeout_ms=300, lookup_wait_ms=20)
     try:
         assert _answers(s, [stored]) == {"stored": (3 * CHUNK, True)}  # the client is warm
         reqs = [_request(f"frozen{i}", 10 + i) for i in range(4)]
@@ -119,7 +142,7 @@ def test_a_master_that_stops_answering_makes_lookups_misses_within_the_deadline(
             took = time.monotonic() - t0
         assert got == {r.request_id: (0, False) for r in reqs}  # misses: computed by the engine
         assert 0.3 <= took < 2.0, took  # at the deadline, not at Mooncake's RPC timeout
-        assert max(calls) < 0.05, max(calls)  # vLLM's scheduler thread was never held
+        assert max(calls) < 0.05, max(calls)  # never held much beyond the step's wait (20 ms)
         assert s.stats.data["counters"]["lookups:timeout"] == len(reqs)
         later = _request("later", 20)
         _store(raw, later, 2)

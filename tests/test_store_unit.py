@@ -319,7 +319,8 @@ def _looked_up(s, *reqs):
 def test_loads_within_sync_load_max_per_step_are_synchronous_and_others_in_the_background():
     from mcstore.scheduler import StoreScheduler
 
-    cfg = load_config({"master": "h:1", "chunk_tokens": 64, "sync_load_max": "6MB"}, env={})
+    # No wait for the lookups (lookup_wait_ms 0): they answer at the next step.
+    cfg = load_config({"master": "h:1", "chunk_tokens": 64, "sync_load_max": "6MB", "lookup_wait_ms": 0}, env={})
     s = StoreScheduler(cfg, _ks(), 32, load=True, save=False, client=_AllStored(), block_bytes=1 << 20)
     a, b, c, d = (_request(64 * 3 + 5, rid) for rid in "abcd")  # 3 stored chunks: 6 blocks, 6 MiB
     e = _request(64 * 4 + 5, "e")
