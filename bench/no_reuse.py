@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     (out / "no_reuse.md").write_text(table + "\n")
     (out / "no_reuse.json").write_text(json.dumps({**info, "results": results, "summary": summary,
-                                                   "errors": errors}, indent=1))
+                                                   "errors": errors, "pids": dep.started}, indent=1))
     print(f"[no_reuse] wrote {out / 'no_reuse.json'} and {out / 'no_reuse.md'}")
     return 1 if errors else 0
 
