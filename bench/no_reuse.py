@@ -58,10 +58,13 @@ METRICS = ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpo
 BOUNDS = {"mean_tpot_ms": 1.05, "p99_ttft_ms": 1.1, "output_throughput": 1 / 1.1}
 
 
+VARIANTS: dict[str, tuple[str, dict]] = {}  # --variant NAME=ARM:JSON: NAME runs ARM with JSON added to its store config
+
+
 def kv_config(arm: str, master: str, namespace: str = "mct") -> dict | None:
     """``namespace``: the store's key prefix of this run (see run_arm)."""
-    arm = arm.removesuffix(BEFORE)
-    store = {"master": master, "chunk_tokens": 256, "key_prefix": namespace}
+    arm, extra = VARIANTS.get(arm, (arm.removesuffix(BEFORE), {}))
+    store = {"master": master, "chunk_tokens": 256, "key_prefix": namespace, **extra}
     base = {"kv_load_failure_policy": "recompute"}
     if arm == "plain":
         return None
@@ -84,7 +87,7 @@ def bench_serve(url: str, model: str, runs: Path, name: str, seed: int, a: argpa
             "--random-output-len", str(a.output_len), "--random-range-ratio", "0", "--num-prompts", str(a.prompts),
             "--max-concurrency", str(a.concurrency), "--request-rate", "inf", "--seed", str(seed), "--ignore-eos",
             "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,90,99",
-            "--disable-tqdm", "--ready-check-timeout-sec", "0", "--save-result", "--result-dir", str(runs),
+            "--disable-tqdm", "--ready-check-timeout-sec", "0", "--save-result", "--save-detailed", "--result-dir", str(runs),
             "--result-filename", f"{name}.json"]
     env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
     (runs / f"{name}.json").unlink(missing_ok=True)
@@ -97,7 +100,10 @@ def bench_serve(url: str, model: str, runs: Path, name: str, seed: int, a: argpa
     d = json.loads((runs / f"{name}.json").read_text())
     if d.get("completed") != a.prompts:
         raise RuntimeError(f"{name}: {d.get('completed')} of {a.prompts} requests completed")
-    return {k: d[k] for k in METRICS} | {"completed": d["completed"], "command": argv}
+    ttfts = [x * 1e3 for x in d.get("ttfts", [])]
+    slowest = sorted(range(len(ttfts)), key=lambda i: -ttfts[i])[:3]
+    return {k: d[k] for k in METRICS} | {"completed": d["completed"], "command": argv,
+                                         "slowest_ttft_ms": [(i, round(ttfts[i], 1)) for i in slowest]}
 
 
 def cpu_seconds(root_pid: int) -> dict[str, float]:
@@ -207,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "no_reuse"))
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARM:JSON",
+                    help="one more arm NAME: ARM (store or tiered) with JSON added to its store config, e.g. "
+                         "store-nowait=store:'{\"lookup_wait_ms\": 0}'")
     ap.add_argument("--before", metavar="DIR",
                     help="also run each connector arm from DIR (an export of an earlier commit: `git archive`), "
                          "as ARM-before, side by side with this tree's")
@@ -214,9 +223,16 @@ def main(argv: list[str] | None = None) -> int:
     a.rounds = a.rounds or (1 if a.quick else 3)
     a.prompts = a.prompts or (16 if a.quick else 64)
     arms = [x for x in a.arms.split(",") if x]
+    for v in a.variant:
+        name, _, rest = v.partition("=")
+        base, _, extra = rest.partition(":")
+        if not name or base not in ("store", "tiered"):
+            raise SystemExit(f"--variant {v!r}: NAME=ARM:JSON with ARM store or tiered")
+        VARIANTS[name] = (base, json.loads(extra or "{}"))
+        arms.append(name)
     if a.before:
         a.before = str(Path(a.before).resolve())
-        arms += [x + BEFORE for x in arms if x != "plain"]
+        arms += [x + BEFORE for x in arms if x in ARMS and x != "plain"]
     a.arm_list = arms
     for arm in arms:
         kv_config(arm, "-")  # an unknown arm fails before anything starts
@@ -236,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     errors: dict[str, str] = {}
     try:
         master = ""
-        if any(arm.removesuffix(BEFORE) in ("store", "tiered") for arm in arms):
+        if any(VARIANTS.get(arm, (arm.removesuffix(BEFORE),))[0] in ("store", "tiered") for arm in arms):
             dep.cluster = StoreCluster(out / "logs" / "store", segment_size=1 << 30).start()
             master = dep.cluster.master_addr
         for rnd in range(a.rounds):
