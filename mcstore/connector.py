@@ -168,6 +168,11 @@ class StoreConnector(KVConnectorBase_V1, Tier):
     def register_kv_caches(self, kv_caches) -> None:
         self._worker.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.next_step()  # the saves of earlier steps may start
+
     def handle_preemptions(self, kv_connector_metadata) -> None:
         if self._worker is not None and isinstance(kv_connector_metadata, StoreMetadata):
             self._worker.handle_preemptions(kv_connector_metadata)

@@ -46,6 +46,29 @@ class StoreWorkerMeta(KVConnectorWorkerMetadata):
         return self
 
 
+class WorkerNews:
+    """Worker side (a mixin of :class:`mcstore.worker.StoreWorker`, whose lock, ``events``,
+    ``part`` and ``_news`` it uses): what was written and what was found gone, per step."""
+
+    def worker_meta(self) -> StoreWorkerMeta | None:
+        """The chunk parts written and the chunks found gone since the last call (None when there
+        are none or events are off)."""
+        if not self.events:
+            return None
+        with self._lock:
+            if not (self._news.stored or self._news.gone):
+                return None
+            out, self._news = self._news, StoreWorkerMeta()
+        return out
+
+    def _news_of(self, stored_keys: list[str] = (), gone_links: list[str] = ()) -> None:
+        """Object keys of parts written (``{link}/{part}``), links of chunks found gone."""
+        if self.events:
+            with self._lock:
+                self._news.stored += [(k.rsplit("/", 1)[0], self.part) for k in stored_keys]
+                self._news.gone += gone_links
+
+
 class StoreEvents:
     """Scheduler side: the events of planned saves until confirmed, and what was announced."""
 
