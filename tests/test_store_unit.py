@@ -484,3 +484,46 @@ def test_scheduler_takes_links_from_the_requests_block_hashes_and_none_from_mism
     odd = SimpleNamespace(request_id="odd", block_hashes=req.block_hashes[:4], num_tokens=len(TOKENS),
                           num_prompt_tokens=len(TOKENS))
     assert sched._state(odd).links == []
+
+
+# -- KV events (scheduler side; the engine's own stream: tests/test_store_events_e2e.py) --------
+
+
+def _event_request(rid, n_blocks, bs=32, salt=None):
+    from mcstore.keys import VllmBlockHashes, vllm_sha256_block_hashes
+
+    tokens = TOKENS[:n_blocks * bs]
+    hashes = vllm_sha256_block_hashes(tokens, VllmBlockHashes(algo="sha256", seed="s", block_size=bs), salt)
+    return SimpleNamespace(request_id=rid, block_hashes=hashes, all_token_ids=tokens, lora_request=None,
+                           mm_features=[], cache_salt=salt, prompt_embeds=None, session_id=None)
+
+
+def test_a_chunk_is_announced_once_every_part_confirmed_and_removed_only_if_announced():
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from mcstore.events import StoreEvents, StoreWorkerMeta
+
+    ev = StoreEvents(parts=2, block_size=32, chunk_blocks=2)  # TP 2, chunks of 64 tokens
+    req = _event_request("r", 6, salt="tenant")
+    for c in range(3):
+        ev.planned("r", f"link{c}", c, req)
+    ev.worker_news(StoreWorkerMeta(stored=[("link0", 0), ("link1", 0)]))
+    assert ev.take() == []  # one rank of two: not visible yet
+    ev.worker_news(StoreWorkerMeta(stored=[("link0", 1), ("link0", 1)]).aggregate(StoreWorkerMeta(gone=["link9"])))
+    (stored,) = ev.take()
+    assert isinstance(stored, BlockStored) and stored.medium == "mooncake" and stored.group_idx == 0
+    # vLLM's external form of its block hashes (as its own events give them: ints by default).
+    assert stored.block_hashes == [maybe_convert_block_hash(h) for h in req.block_hashes[:2]]
+    assert stored.parent_block_hash is None
+    assert stored.token_ids == TOKENS[:64] and stored.block_size == 32
+    assert stored.extra_keys == [("tenant",), None]  # the cache salt keys the first block, as vLLM's own
+    ev.request_done("r")  # its saves ended: link1 (one part) and link2 were not all written
+    ev.worker_news(StoreWorkerMeta(stored=[("link1", 1), ("link2", 0), ("link2", 1)]))
+    assert ev.take() == []
+    ev.gone("link1")  # never announced: nothing to remove
+    ev.gone("link0")
+    (removed,) = ev.take()
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == stored.block_hashes
+    ev.gone("link0")
+    assert ev.take() == []  # removed once
