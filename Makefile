@@ -38,7 +38,9 @@ setup:
 # instance, two and 1P1D (bench/pd_load.py), store hits arriving while decode streams run, each
 # load kind (bench/store_streams.py), then a scaled window of Mooncake's conversation
 # trace through the real stack (bench/trace_replay.py) and the cluster simulator checked
-# against it (bench/sim validate); each runs even when one before it failed.
+# against it (bench/sim validate), then what each connector costs when nothing is reused
+# (bench/no_reuse.py) and the scheduling step's time in store lookups when many requests
+# arrive at once (bench/lookup_stall.py); each runs even when one before it failed.
 # BENCH_ARGS=--quick for the reduced versions; ROUTER_BENCH_ARGS for the router's alone.
 bench: setup
 	@status=0; $(PY) -m bench.suite $(BENCH_ARGS) || status=$$?; \
@@ -48,6 +50,8 @@ bench: setup
 	$(PY) -m bench.store_streams $(filter --quick,$(BENCH_ARGS)) || status=$$?; \
 	$(PY) -m bench.trace_replay $(filter --quick,$(BENCH_ARGS)) || status=$$?; \
 	$(PY) -m bench.sim validate --replay bench/results/trace_replay || status=$$?; \
+	$(PY) -m bench.no_reuse $(filter --quick,$(BENCH_ARGS)) || status=$$?; \
+	$(PY) -m bench.lookup_stall $(filter --quick,$(BENCH_ARGS)) || status=$$?; \
 	exit $$status
 
 # The cluster simulator on Mooncake's full conversation trace (a few minutes, no engines).

@@ -14,10 +14,13 @@ request; tokens ``[start, end)`` live in ``block_ids[start // bs : ceil(end / bs
 
 Scheduler side (``EngineCore`` process):
 
-``lookup(request) -> int``
+``lookup(request) -> int | None``
     ``n`` such that the tier can supply prompt tokens ``[0, n)`` now. 0 when it has
-    nothing, is unreachable, or is not asked (wrong role). At most one metadata
-    round trip; the answer may be cached per request.
+    nothing, is unreachable, or is not asked (wrong role). None while the tier is still
+    finding out (a lookup it runs off the scheduler's thread): the caller asks again at a
+    later step, as vLLM does when ``get_num_new_matched_tokens`` answers None. Never
+    blocks on a round trip for longer than the tier's own lookup deadline; the answer may
+    be cached per request.
 ``plan_load(request, start_token, end_token, block_ids, expected_s=None) -> None``
     Load tokens ``[start_token, end_token)`` (``end_token <= lookup(request)``) into
     ``blocks_of(start_token, end_token, bs, block_ids)``; a block only partly inside
@@ -55,16 +58,18 @@ import msgspec
 # it never calls a tier's get_num_new_matched_tokens or update_state_after_alloc:
 # lookup / plan_load / release replace them. update_connector_output gets the
 # composite's joined results with kv_connector_stats set to the tier's own stats
-# (rebuilt by its build_kv_connector_stats); request_finished results are joined
-# (the request's blocks are held until every tier that asked let go).
+# (rebuilt by its build_kv_connector_stats) and kv_connector_worker_meta set to what its
+# own workers built (build_connector_worker_meta); request_finished results are joined
+# (the request's blocks are held until every tier that asked let go); take_events
+# yields every tier's events; reset_cache succeeds when no tier's failed.
 FORWARDED_HOOKS = (
     # scheduler side
     "bind_kv_cache_manager", "build_connector_meta", "update_connector_output", "request_finished",
-    "has_pending_push_work", "get_kv_connector_stats",
+    "has_pending_push_work", "get_kv_connector_stats", "take_events", "reset_cache", "on_new_request",
     # worker side
     "register_kv_caches", "bind_connector_metadata", "clear_connector_metadata", "handle_preemptions",
     "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_transfer_results",
-    "get_block_ids_with_load_errors",
+    "get_block_ids_with_load_errors", "build_connector_worker_meta",
     # both, and the class-level telemetry hooks
     "shutdown", "build_kv_connector_stats", "build_prom_metrics",
 )
@@ -157,7 +162,7 @@ class Tier:
 
     # -- scheduler side ---------------------------------------------------------------
 
-    def lookup(self, request) -> int:
+    def lookup(self, request) -> int | None:
         raise NotImplementedError
 
     def plan_load(self, request, start_token: int, end_token: int, block_ids: list[int],

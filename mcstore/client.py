@@ -13,6 +13,7 @@ step. The probe closes it again when the master answers.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 
@@ -286,6 +287,16 @@ class StoreClient:
         rcs = list(self.store.batch_remove(keys, force))
         self._after(rcs, t0, "batch_remove")
         return rcs
+
+    def remove_key_space(self, keys: KeySpace) -> int:
+        """Remove every chunk object of ``keys``' key space (whoever wrote it; leased ones too), not
+        its published metadata: how many (Mooncake's ``remove_by_regex``). Raises Unavailable
+        while the breaker is open, MooncakeError on a failed call."""
+        t0 = self._guard("remove_by_regex")
+        # Objects are {prefix}/{fp16}/{64 hex digits of the link}/{part}; the metadata is .../meta.
+        n = self.store.remove_by_regex(f"^{re.escape(keys.prefix)}/[0-9a-f]{{64}}/", True)
+        self._after([n], t0, "remove_by_regex")
+        return check(n, "remove_by_regex", keys.prefix)
 
     def admin(self, url: str | None = None, timeout: float = 5.0) -> MasterAdmin:
         """The master's HTTP admin API: ``url``, else the address the store server published

@@ -153,6 +153,27 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         f"the load. 0: always in the background; null: {SYNC_LOAD_MAX_CPU >> 20} MiB on a CPU engine, 0 "
         "elsewhere (not measured there).")] = None
 
+    lookup_blocking: Annotated[bool, doc(
+        "Ask the master inside vLLM's scheduling step, once per request, and answer at once (the lookup "
+        "before issue 47; benchmarks compare it). false (default): get_num_new_matched_tokens answers "
+        "\"ask again later\" (None), the lookups of one step go to the master as one batch on a thread "
+        "of their own, and the answer is used at a later step (mcstore.batchlookup).")] = False
+    lookup_wait_ms: Annotated[float, doc(
+        "Milliseconds a scheduling step may wait, in all, for the non-blocking lookups of the requests "
+        "that arrived since the last step (one batch, sent as the step starts asking): answered in time, "
+        "a request is scheduled in this step; otherwise it is asked again at a later step. 0: never wait "
+        "(every lookup costs its request at least one step). Within [0, 100].")] = 0.5
+    lookup_timeout_ms: Annotated[float, doc(
+        "Milliseconds a non-blocking lookup may wait for the master's answer; past it the request's "
+        "lookup counts as a miss (lookups{kind=timeout}) and its prompt is computed. Long enough for a "
+        "starved host (at 100 ms a loaded 2-core host lost hits: docs/benchmarks/no-reuse.md); a master "
+        "that stops answering costs each new request this much until the breaker opens. Positive.")] = 500.0
+    reset_removes_objects: Annotated[bool, doc(
+        "vLLM's reset_cache (POST /reset_prefix_cache?reset_external=true) also removes this engine's "
+        "objects from the shared store: every stored chunk of its key space (its model fingerprint), "
+        "whoever wrote it, so every engine of that key space loses them. false (default): the reset "
+        "drops only this engine's own caches (answered lookups), the shared store keeps its objects.")] = False
+
     def __post_init__(self):
         if not self.master:
             raise ConfigError(
@@ -176,7 +197,7 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"mcstore: chunk_tokens must be positive, got {self.chunk_tokens}")
         if self.replicas < 1:
             raise ConfigError(f"mcstore: replicas must be >= 1, got {self.replicas}")
-        for name in ("load_timeout_s", "probe_interval_s", "slow_rpc_s", "connect_timeout_s"):
+        for name in ("load_timeout_s", "probe_interval_s", "slow_rpc_s", "connect_timeout_s", "lookup_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"mcstore: {name} must be positive")
         if self.stage_above_ranges_per_region < 0:
@@ -184,6 +205,8 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                               f"got {self.stage_above_ranges_per_region}")
         if self.load_thread_nice is not None and not 0 <= self.load_thread_nice <= 19:
             raise ConfigError(f"mcstore: load_thread_nice must be within [0, 19], got {self.load_thread_nice}")
+        if not 0 <= self.lookup_wait_ms <= 100:
+            raise ConfigError(f"mcstore: lookup_wait_ms must be within [0, 100], got {self.lookup_wait_ms}")
         if self.idle_step_ms is not None and not 0 <= self.idle_step_ms <= 1000:
             raise ConfigError(f"mcstore: idle_step_ms must be within [0, 1000], got {self.idle_step_ms}")
         if self.save_retry_s < 0 or self.save_queue_chunks < 1:

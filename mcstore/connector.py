@@ -27,6 +27,7 @@ from kvcore.vllm_glue import (
     block_hash_scheme,
     block_size_of,
     bytes_per_token,
+    kv_events_enabled,
     kv_fingerprint_fields,
     pp_rank,
     register_connector_name,
@@ -81,6 +82,7 @@ class StoreConnector(KVConnectorBase_V1, Tier):
         keys = key_space(cfg, vllm_config, kv_cache_config)
         load = ktc.kv_role in ("kv_consumer", "kv_both")
         save = ktc.kv_role in ("kv_producer", "kv_both")
+        events = kv_events_enabled(vllm_config)  # KV events of what the tier stores (mcstore.events)
         self._sched: StoreScheduler | None = None
         self._worker: StoreWorker | None = None
         # A load keeps the engine stepping with nothing to compute; on TP/PP > 1 CPU engines
@@ -96,12 +98,13 @@ class StoreConnector(KVConnectorBase_V1, Tier):
         if role == KVConnectorRole.SCHEDULER:
             warn_pipeline_parallel(vllm_config, "mcstore StoreConnector", logger)
             self._sched = StoreScheduler(cfg, keys, block_size, load=load, save=save,
-                                         block_bytes=round(bytes_per_token(kv_cache_config) * block_size))
+                                         block_bytes=round(bytes_per_token(kv_cache_config) * block_size),
+                                         events=events)
             publish_engine_meta(cfg, keys, vllm_config, kv_cache_config, self._sched.client)  # for mctier tools
         else:
             # The worker's key space names its own stage's objects (its layers only).
             self._worker = StoreWorker(cfg, keys.stage(pp_rank()), block_size, kv_cache_config.num_blocks,
-                                       tp_rank(), load=load, save=save)
+                                       tp_rank(), load=load, save=save, events=events and save)
 
     # -- tier contract (kvcore.tier) ------------------------------------------------
 
@@ -109,7 +112,7 @@ class StoreConnector(KVConnectorBase_V1, Tier):
     def composite_role(cls, kv_role: str, write_back: bool) -> str:
         return composite_role(kv_role, write_back)
 
-    def lookup(self, request) -> int:
+    def lookup(self, request) -> int | None:
         return self._sched.lookup(request)
 
     def plan_load(self, request, start_token: int, end_token: int, block_ids: list[int],
@@ -132,6 +135,9 @@ class StoreConnector(KVConnectorBase_V1, Tier):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def on_new_request(self, request) -> None:
+        self._sched.on_new_request(request)
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
@@ -139,17 +145,33 @@ class StoreConnector(KVConnectorBase_V1, Tier):
         meta = self._sched.build_connector_meta(scheduler_output)
         # A step that computes nothing pauses (see __init__), unless it starts a load: the
         # pause would only delay the load (2 ms of a hit's TTFT on a one-rank engine).
-        if self._idle_step_s and not meta.loads and getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0:
+        # Nor while lookups are out: the step after it uses their answers.
+        if (self._idle_step_s and not meta.loads and not self._sched.lookups_waiting()
+                and getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0):
             time.sleep(self._idle_step_s)
         return meta
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched.request_finished(request, block_ids)
 
+    def update_connector_output(self, connector_output) -> None:
+        self._sched.update_connector_output(connector_output)
+
+    def take_events(self):
+        return self._sched.take_events() if self._sched is not None else ()
+
+    def reset_cache(self) -> bool | None:
+        return self._sched.reset_cache() if self._sched is not None else None
+
     # -- worker side ---------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches) -> None:
         self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.next_step()  # the saves of earlier steps may start
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         if self._worker is not None and isinstance(kv_connector_metadata, StoreMetadata):
@@ -172,6 +194,9 @@ class StoreConnector(KVConnectorBase_V1, Tier):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self):
+        return self._worker.worker_meta() if self._worker is not None else None
 
     # -- both ------------------------------------------------------------------------
 

@@ -125,6 +125,8 @@ class Loads:
             if first_bad < n:
                 self.stats.inc(f"failures:load_{cause or 'error'}")
         self.reports.add(LoadReport("store", job.req_id, nblocks * self.geo.block_bytes, seconds, first_bad == n))
+        if first_bad < n and gone:
+            self._news_of(gone_links=[job.chunks[first_bad].link])  # KV events: no longer stored
         if first_bad < n:
             # A chunk evicted (or its lease expired) meanwhile is an ordinary miss; the rest is not.
             (logger.info if gone else logger.warning)(

@@ -30,7 +30,8 @@ from kvcore.metrics import MetricSpec, TierStats, prom_class
 SPEC = MetricSpec(
     prefix="mctier_store",
     counters={
-        "lookups": "Store lookups by outcome (kind=hit|miss|unavailable)",
+        "lookups": "Store lookups by outcome (kind=hit|miss|unavailable: the breaker was open|timeout: no answer "
+                   "within lookup_timeout_ms|failed: the call failed), each a miss but hit",
         "hit_tokens": "Prompt tokens the store could supply at lookup",
         "loads": "Loads planned, by how they run (kind=sync: inside the step that schedules the request, "
                  "sync_load_max; kind=background: while the request waits)",
@@ -42,9 +43,12 @@ SPEC = MetricSpec(
         "failures": "Failed store operations by cause (kind=load_<cause>|save_<cause>)",
         "io_chunks": "Whole chunks handed to Mooncake in one batch get or put (kind=load|save)",
         "io_ranges": "Buffer ranges (descriptors) of those chunks (kind=load|save)",
+        "resets": "vLLM reset_cache calls (POST /reset_prefix_cache?reset_external=true)",
     },
     ops={
-        "lookup": "Duration of one request's store lookup",
+        "lookup": "Duration of one request's store lookup (its batch's round trip to the master)",
+        "lookup_wait": "From a request's first lookup call until its answer was used (non-blocking lookups: "
+                       "the steps it waited, its batch's round trip included)",
         "load": "Duration of one request's store load",
         "save": "Duration of one save batch",
         "phase": "Time in one phase of a load or save (phase=load_queue|load_transfer|load_staging|"

@@ -3,11 +3,20 @@
 The tier's half of the scheduler-side contract (``kvcore.tier``; the connector
 facade exposes it, ``release`` is a no-op there), kept apart from vLLM's hooks:
 
-``lookup(request) -> int``
+``lookup(request) -> int | None``
     Prompt tokens ``[0, n)`` the store can supply: the longest prefix of full
     chunks whose every part exists (every TP rank of every pipeline stage), capped
-    so the last prompt token is left to the engine. One ``batch_is_exist`` per
-    request (cached); 0 at once while the master is unreachable. The keys come from the
+    so the last prompt token is left to the engine; None while the answer is not in yet
+    (ask again at a later step). The request's lookup is queued when vLLM adds the request
+    (``on_new_request``, or the first call); the step's first call sends every queued lookup
+    to the master as one ``batch_is_exist`` on the lookup thread (:mod:`mcstore.batchlookup`)
+    and waits for it, at most ``lookup_wait_ms`` per step in all; what is not answered by
+    then is answered at a later step (cached per request; lookups still queued at the end of
+    the step go then). Unanswered within ``lookup_timeout_ms``: a miss (0). 0 at once while
+    the master is unreachable. With
+    ``lookup_blocking`` the call asks the master itself and answers at once. What is asked
+    and what the answers mean is :meth:`StoreScheduler._lookup_keys` and
+    :meth:`StoreScheduler._reach`, the same either way. The keys come from the
     request's vLLM block hashes where the key space says so (``mcstore.keys``), else from
     its token ids.
 ``plan_load(request, start, end, block_ids)``
@@ -16,7 +25,9 @@ facade exposes it, ``release`` is a no-op there), kept apart from vLLM's hooks:
     block position. The worker reports the request in ``finished_recving`` and any
     block it could not fill in ``get_block_ids_with_load_errors``.
 
-As a connector of its own (vLLM's hooks, not the composite's API), a load within
+As a connector of its own (vLLM's hooks, not the composite's API),
+``get_num_new_matched_tokens`` answers ``(None, False)`` while the request's lookup is not
+answered (vLLM skips the request in that step and asks again in the next). A load within
 ``sync_load_max`` bytes is synchronous: ``get_num_new_matched_tokens`` answers
 ``load_async=False``, vLLM schedules the request in the same step, and the worker ends the load
 before that step's forward (a failed block is reported in the same step). Larger loads, and
@@ -42,8 +53,10 @@ from kvcore.vllm_glue import (
     request_lora_name,
     request_mm_hashes,
 )
+from mcstore.batchlookup import Lookup, LookupQueue
 from mcstore.client import StoreClient
 from mcstore.config import StoreConfig
+from mcstore.events import StoreEvents
 from mcstore.keys import KeySpace
 from mcstore.metrics import StoreStats
 from mcstore.protocol import ChunkIO, LoadJob, SaveJob, StoreMetadata
@@ -62,11 +75,12 @@ class _Req:
     saves: int = 0  # save jobs sent to the worker
     load_tried: bool = False  # one load per request: a failed one is recomputed, not retried
     sync: bool = False  # its load ends inside the step that schedules it (sync_load_max)
+    pending: Lookup | None = None  # its lookup, queued or on the lookup thread (not answered yet)
 
 
 class StoreScheduler:
     def __init__(self, cfg: StoreConfig, keys: KeySpace, block_size: int, *, load: bool, save: bool,
-                 client: StoreClient | None = None, block_bytes: int = 0):
+                 client: StoreClient | None = None, block_bytes: int = 0, events: bool = False):
         self.cfg = cfg
         self.keys = keys
         self.block_size = block_size
@@ -85,6 +99,14 @@ class StoreScheduler:
         self._async_loads: set[str] = set()  # loading in the background, not yet scheduled
         self._kv_cache_manager = None
         self._warned_hashes = False
+        # KV events (mcstore.events), at vLLM's hash block size.
+        hash_bs = keys.block_hashes.block_size if keys.block_hashes is not None else block_size
+        self.events = StoreEvents(keys.parts, hash_bs, cfg.chunk_tokens // hash_bs) if events else None
+        self.blocking = cfg.lookup_blocking
+        self.lookups = LookupQueue(self.client.exists, "scheduler") if self.client is not None else None
+        self._waiting = 0  # lookups queued or asked, not yet answered
+        self._wait_s = 0.0 if self.blocking else cfg.lookup_wait_ms / 1e3
+        self._wait_left = self._wait_s  # of this step's wait for its lookups
 
     # -- state -------------------------------------------------------------------
 
@@ -120,29 +142,100 @@ class StoreScheduler:
 
     # -- composite API ---------------------------------------------------------------
 
-    def lookup(self, request) -> int:
+    def lookup(self, request) -> int | None:
         st = self._state(request)
+        if st.hit is None and st.pending is None:
+            self._ask(st)
         if st.hit is not None:
             return st.hit
-        st.hit = 0
-        if not st.links:
+        lk = st.pending
+        if not lk.done and self._wait_left > 0:
+            # This step's batch goes now (every request that arrived since the last step is in it)
+            # and the step waits for it, at most lookup_wait_ms in all: a master that answers in
+            # time saves the request a step; one that does not costs this step no more than that.
+            self.lookups.flush()
+            t0 = time.monotonic()
+            self.lookups.wait(lk, self._wait_left)
+            self._wait_left -= time.monotonic() - t0
+        if lk.done:
+            st.pending = None
+            self._waiting -= 1
+            if lk.error is not None or lk.result is None:
+                self.stats.inc("lookups:failed" if lk.error is not None else "lookups:timeout")
+                st.hit = 0
+                return 0
+            self.stats.observe("lookup_wait", time.monotonic() - lk.submitted)
+            self._found(st, lk.result, lk.seconds)
+            return st.hit
+        if lk.expired():
+            # The master did not answer in time: a miss (the answer, if it comes, is dropped).
+            lk.cancel()
+            st.pending = None
+            self._waiting -= 1
+            self.stats.inc("lookups:timeout")
+            st.hit = 0
             return 0
+        return None
+
+    def _ask(self, st: _Req) -> None:
+        """Start the request's lookup: answered at once when there is nothing to ask (no full
+        chunk, the master unreachable) or with ``lookup_blocking``; else queued for this step's
+        batch (``st.pending``)."""
+        if not st.links:
+            st.hit = 0
+            return
         if self.client is None or not self.client.available:
             self.stats.inc("lookups:unavailable")
-            return 0
-        t0 = time.perf_counter()
-        rcs = self.client.exists(self.keys.all_rank_keys(st.links))
+            st.hit = 0
+            return
+        keys = self._lookup_keys(st)
+        if self.blocking:
+            t0 = time.perf_counter()
+            self._found(st, self._reach(st, self.client.exists(keys)), time.perf_counter() - t0)
+            return
+        links = st.links  # the lookup thread reads this request's keys only, never its state
+        st.pending = self.lookups.submit(keys, lambda rcs: self._reach_of(links, rcs), self.cfg.lookup_timeout_ms / 1e3)
+        self._waiting += 1
+
+    def on_new_request(self, request) -> None:
+        """vLLM added the request (between steps): its lookup joins the coming step's batch."""
+        if self.load_enabled and not getattr(request, "skip_reading_prefix_cache", False):
+            st = self._state(request)
+            if st.hit is None and st.pending is None:
+                self._ask(st)
+
+    # What a lookup asks and what the answers mean, apart from when and on which thread it runs.
+
+    def _lookup_keys(self, st: _Req) -> list[str]:
+        """The keys a request's lookup asks about: every part of every full chunk of its prompt."""
+        return self.keys.all_rank_keys(st.links)
+
+    def _reach(self, st: _Req, rcs: list[int]) -> int:
+        return self._reach_of(st.links, rcs)
+
+    def _reach_of(self, links: list[str], rcs: list[int]) -> int:
+        """Leading chunks whose every part exists, from the answers to :meth:`_lookup_keys`
+        (runs on the lookup thread too: it reads nothing but its arguments)."""
         n = self.keys.parts
         present = 0
-        while present < len(st.links) and all(rc == 1 for rc in rcs[present * n:(present + 1) * n]):
+        while present < len(links) and all(rc == 1 for rc in rcs[present * n:(present + 1) * n]):
             present += 1
+        return present
+
+    def _found(self, st: _Req, present: int, seconds: float) -> None:
+        """Record a lookup's answer for the request (on the scheduler's thread)."""
         st.present = present
-        st.hit = max(0, min(present * self.cfg.chunk_tokens, request.num_prompt_tokens - 1))
-        self.stats.observe("lookup", time.perf_counter() - t0)
+        st.hit = max(0, min(present * self.cfg.chunk_tokens, st.request.num_prompt_tokens - 1))
+        if self.events is not None and present < len(st.links):
+            self.events.gone(st.links[present])  # absent: if this engine announced it, it is removed
+        self.stats.observe("lookup", seconds)
         self.stats.inc("lookups:hit" if st.hit else "lookups:miss")
         if st.hit:
             self.stats.inc("hit_tokens", st.hit)
-        return st.hit
+
+    def lookups_waiting(self) -> bool:
+        """Whether a request's lookup is queued or asked and not answered yet."""
+        return self._waiting > 0
 
     def plan_load(self, request, start: int, end: int, block_ids: list[int], expected_s: float | None = None) -> None:
         st = self._state(request)
@@ -165,14 +258,18 @@ class StoreScheduler:
 
     # -- vLLM hooks ------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
         st.local = num_computed_tokens
         # vLLM asks again after a load that failed from its first block: answering with the
-        # same hit would load the same bad chunk forever.
-        if not self.load_enabled or st.load_tried:
+        # same hit would load the same bad chunk forever. A request that may not read cached KV
+        # would not use the answer: not worth a wait.
+        if not self.load_enabled or st.load_tried or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
-        ext = self.lookup(request) - num_computed_tokens
+        hit = self.lookup(request)
+        if hit is None:
+            return None, False
+        ext = hit - num_computed_tokens
         if ext <= 0:
             return 0, False
         st.sync = self._sync(num_computed_tokens, ext)
@@ -203,6 +300,9 @@ class StoreScheduler:
             self._async_loads.add(request.request_id)  # until vLLM schedules it (build_connector_meta)
 
     def build_connector_meta(self, scheduler_output) -> StoreMetadata:
+        if self.lookups is not None:
+            self.lookups.flush()  # lookups not sent yet: one batch, answered while the step runs
+        self._wait_left = self._wait_s
         meta = StoreMetadata(loads=self._loads, preempted=sorted(scheduler_output.preempted_req_ids or ()))
         self._loads = []
         self._step_sync = 0
@@ -235,6 +335,9 @@ class StoreScheduler:
         blocks = request_block_ids(self._kv_cache_manager, rid)
         cb = self.chunk_blocks
         chunks = [ChunkIO(st.links[c], c, blocks[c * cb:(c + 1) * cb]) for c in range(first, done)]
+        if self.events is not None:
+            for c in range(first, done):
+                self.events.planned(rid, st.links[c], c, req)
         st.save_next = done
         st.saves += 1
         return SaveJob(rid, chunks)
@@ -242,12 +345,56 @@ class StoreScheduler:
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
         self._async_loads.discard(request.request_id)  # aborted: never scheduled (its load may still run)
+        if st is not None and st.pending is not None:  # aborted while its lookup was out
+            st.pending.cancel()
+            self._waiting -= 1
+        if self.events is not None and not (st is not None and st.saves):
+            self.events.request_done(request.request_id)
         # Blocks stay allocated until the worker reports the saves done.
         return bool(st is not None and st.saves), None
+
+    def update_connector_output(self, out) -> None:
+        if self.events is not None:
+            self.events.worker_news(getattr(out, "kv_connector_worker_meta", None))
+            for rid in out.finished_sending or ():
+                self.events.request_done(rid)
+
+    def take_events(self) -> list:
+        return self.events.take() if self.events is not None else []
+
+    def reset_cache(self) -> bool:
+        """vLLM's reset_cache: forget every answered lookup of a request that has not planned a
+        load (asked again, it is looked up anew) and every lookup still out; with
+        ``reset_removes_objects``, remove every object of this engine's key space from the store
+        too (the published metadata stays). False when that removal failed."""
+        for st in self._reqs.values():
+            if st.pending is not None:
+                st.pending.cancel()
+                st.pending = None
+                self._waiting -= 1
+            if not st.load_tried and st.request.request_id not in self._async_loads:
+                st.hit, st.present = None, 0
+        self.stats.inc("resets")
+        if not self.cfg.reset_removes_objects:
+            return True
+        if self.client is None:
+            logger.warning("mcstore: reset_removes_objects on an engine that does not look up: nothing removed")
+            return False
+        try:
+            n = self.client.remove_key_space(self.keys)
+        except Exception as e:  # noqa: BLE001 - Unavailable, Mooncake errors: the reset failed
+            logger.warning("mcstore: reset could not remove the key space's objects: %s", e)
+            return False
+        logger.info("mcstore: reset removed %d object(s) of key space %s", n, self.keys.fp[:16])
+        if self.events is not None:
+            self.events.removed_all()
+        return True
 
     def take_stats(self) -> StoreStats | None:
         return self.stats.take()
 
     def close(self) -> None:
+        if self.lookups is not None:
+            self.lookups.close()
         if self.client is not None:
             self.client.close()

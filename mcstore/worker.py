@@ -1,10 +1,10 @@
 """Store tier, worker side (runs in the Worker process).
 
 Loads and saves run on two background threads, off the forward path (a synchronous load's
-step waits for its load before the forward: ``sync_load_max``), straight
-between the registered KV pages and the store (zero copy; except a load of a chunk whose
-blocks are scattered, or needed from a later block on, which goes through a host staging
-buffer: :mod:`mcstore.loads`). A stored object is one
+step waits for its load before the forward: ``sync_load_max``; a save starts at the next step),
+straight between the registered KV pages and the store (zero copy; except a load of a chunk whose
+blocks are scattered, or needed from a later block on, which goes through host staging:
+:mod:`mcstore.loads`). A stored object is one
 chunk of one TP rank: the chunk's pages in canonical order (layer-major, then
 block order; see ``KVGeometry.ranges``), so its bytes do not depend on the block
 ids it was saved from or is loaded into. The load path is in :mod:`mcstore.loads`.
@@ -38,6 +38,7 @@ from kvcore.platform import current as current_platform, wait_fence
 from kvcore.tier import LoadReports
 from mcstore.client import StoreClient
 from mcstore.config import StoreConfig
+from mcstore.events import StoreWorkerMeta, WorkerNews
 from mcstore.keys import KeySpace
 from mcstore.loads import _TRAILER_SLOTS, Loads, ranged_batches
 from mcstore.metrics import StoreStats
@@ -47,11 +48,12 @@ from mcstore.protocol import SaveJob, StoreMetadata
 logger = get_logger("mcstore.worker")
 
 _PREEMPT_WAIT_S = 5.0
+SAVE_HOLD_S = 0.02  # a queued save starts at the next step, or this long after it was queued
 
 
-class StoreWorker(Loads):
+class StoreWorker(Loads, WorkerNews):
     def __init__(self, cfg: StoreConfig, keys: KeySpace, block_size: int, num_blocks: int,
-                 rank: int, *, load: bool, save: bool):
+                 rank: int, *, load: bool, save: bool, events: bool = False):
         self.cfg = cfg
         self.keys = keys
         self.block_size = block_size
@@ -67,8 +69,9 @@ class StoreWorker(Loads):
         self.chunk_bytes = 0
         self._lock = threading.Condition()
         self._load_q: queue.Queue = queue.Queue()
-        self._save_q: deque = deque()
+        self._save_q: deque = deque()  # (job, fence, queued at, step)
         self._save_q_chunks = 0
+        self._step = 0  # steps bound so far (next_step)
         self._saving: SaveJob | None = None
         self._tainted: set[int] = set()
         self._pending_saves: Counter[str] = Counter()
@@ -86,6 +89,10 @@ class StoreWorker(Loads):
             raise ConfigError("mcstore: verify_checksums needs host-resident KV (the CPU platform)")
         self.trailer = _TRAILER.size if self.verify else 0
         self._save_trailers = self._load_trailers = None
+        # KV events (mcstore.events): the chunk parts this worker wrote, the chunks a load found gone.
+        self.events = events
+        self.part = keys.pp_rank * keys.tp_size + rank
+        self._news = StoreWorkerMeta()
 
     # -- set-up --------------------------------------------------------------------
 
@@ -195,9 +202,25 @@ class StoreWorker(Loads):
                     self._pending_saves[job.req_id] += 0
                     continue
                 self._pending_saves[job.req_id] += 1
-                self._save_q.append((job, fence, time.monotonic()))
+                self._save_q.append((job, fence, time.monotonic(), self._step))
                 self._save_q_chunks += n
             self._lock.notify_all()
+
+    def next_step(self) -> None:
+        """A new step's metadata is bound: the saves queued by earlier steps may start (see
+        :meth:`_save_ready`)."""
+        with self._lock:
+            self._step += 1
+            if self._save_q:
+                self._lock.notify_all()
+
+    def _save_ready(self, now: float) -> float:
+        """0 when the first queued save may start, else how long until it may. A save waits for
+        the engine's next step (its KV's step has sampled and sent out its tokens by then), or
+        SAVE_HOLD_S when no step follows: started at once it took the engine's one core from the
+        step's first tokens (docs/benchmarks/no-reuse.md)."""
+        _, _, queued, step = self._save_q[0]
+        return 0.0 if step < self._step else max(0.0, queued + SAVE_HOLD_S - now)
 
     def handle_preemptions(self, meta: StoreMetadata) -> None:
         """A preempted request's blocks are about to be reused: no save may read them after this."""
@@ -206,13 +229,13 @@ class StoreWorker(Loads):
         gone = set(meta.preempted)
         with self._lock:
             kept = deque()
-            for job, fence, queued in self._save_q:
+            for job, fence, queued, step in self._save_q:
                 if job.req_id in gone:
                     self._save_q_chunks -= len(job.chunks)
                     self._pending_saves[job.req_id] -= 1
                     self._count("save_skipped:preempted", len(job.chunks))
                 else:
-                    kept.append((job, fence, queued))
+                    kept.append((job, fence, queued, step))
             self._save_q = kept
             deadline = time.monotonic() + _PREEMPT_WAIT_S
             while self._saving is not None and self._saving.req_id in gone:
@@ -277,11 +300,11 @@ class StoreWorker(Loads):
     def _save_loop(self) -> None:
         while not self._stop.is_set():
             with self._lock:
-                while not self._save_q and not self._stop.is_set():
-                    self._lock.wait(0.5)
+                while not self._stop.is_set() and (not self._save_q or self._save_ready(time.monotonic()) > 0):
+                    self._lock.wait(self._save_ready(time.monotonic()) if self._save_q else 0.5)
                 if self._stop.is_set():
                     return
-                job, fence, queued = self._save_q.popleft()
+                job, fence, queued, _ = self._save_q.popleft()
                 self._save_q_chunks -= len(job.chunks)
                 self._saving = job
             try:
@@ -297,6 +320,8 @@ class StoreWorker(Loads):
                 self._tainted.discard(id(job))
             if tainted and written:
                 self.client.store.batch_remove(written, True)
+            elif written:
+                self._news_of(stored_keys=written)  # before the request can be reported finished
             with self._lock:
                 self._saving = None
                 self._pending_saves[job.req_id] -= 1
@@ -313,6 +338,7 @@ class StoreWorker(Loads):
         todo = [(k, c) for k, c, e in zip(keys, job.chunks, exists) if e != 1]
         if len(todo) < len(keys):
             self._count("save_skipped:exists", len(keys) - len(todo))
+            self._news_of(stored_keys=[k for k, e in zip(keys, exists) if e == 1])  # in the store all the same
         written: list[str] = []
         # Under sustained pressure only the first job waits save_retry_s; jobs behind it try
         # once until a put succeeds again, so their blocks are not held for a queue of waits.

@@ -81,6 +81,9 @@ class TieredConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def on_new_request(self, request) -> None:
+        self._sched.on_new_request(request)
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
@@ -95,6 +98,12 @@ class TieredConnector(KVConnectorBase_V1):
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_push_work()
+
+    def take_events(self):
+        return self._sched.take_events() if self._sched is not None else ()
+
+    def reset_cache(self) -> bool | None:
+        return self._sched.reset_cache() if self._sched is not None else None
 
     # -- worker side ---------------------------------------------------------------
 
@@ -133,6 +142,9 @@ class TieredConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.block_ids_with_load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self):
+        return self._worker.worker_meta() if self._worker is not None else None
 
     # -- both ------------------------------------------------------------------------
 

@@ -1,11 +1,12 @@
-"""Scheduler -> worker metadata of the composite (one per engine step)."""
+"""Scheduler -> worker metadata of the composite (one per engine step), and worker -> scheduler
+metadata (each tier's own, when a tier has some)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcore.vllm_glue import KVConnectorMetadata
+from kvcore.vllm_glue import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass
@@ -20,3 +21,15 @@ class TieredMetadata(KVConnectorMetadata):
     # This step's forward: (new tokens, context before them) per scheduled request,
     # so the worker can time the forward for the prefill-speed fit.
     step_tokens: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class TieredWorkerMeta(KVConnectorWorkerMetadata):
+    # tier name -> what that tier's build_connector_worker_meta gave (vLLM joins the workers')
+    tiers: dict[str, Any] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        for name, theirs in getattr(other, "tiers", {}).items():
+            mine = self.tiers.get(name)
+            self.tiers[name] = theirs if mine is None else mine.aggregate(theirs)
+        return self

@@ -1,7 +1,8 @@
 """Composite, scheduler side: plan each request over the configured tiers.
 
 For a request with ``N`` prompt tokens and ``L`` of them in vLLM's prefix cache,
-it asks every tier how far it can supply the prompt (``lookup``), lets
+it asks every tier how far it can supply the prompt (``lookup``; while a tier's answer is
+not in, vLLM is told to ask again at a later step, as that tier alone would), lets
 :mod:`multi.policy` estimate every feasible plan over the tiers (cheapest first)
 and pick one (its own compute weighed by the other requests the engine holds,
 ``Inputs.busy``: the requests it has planned and vLLM has not finished), and drives
@@ -79,13 +80,15 @@ class TieredScheduler:
             # per request; the rest is recomputed (as each tier does on its own).
             return 0, False
         if d is None or d.local != num_computed_tokens:
-            d = self._decisions[rid] = self._decide(request, num_computed_tokens)
+            reach = {name: tier.lookup(request) for name, tier in self.tiers.items()}
+            if None in reach.values():
+                return None, False  # a tier's lookup is out (the store's, non-blocking): ask again later
+            d = self._decisions[rid] = self._decide(request, num_computed_tokens, reach)
         ext = d.end - num_computed_tokens
         return (ext, True) if ext > 0 else (0, False)
 
-    def _decide(self, request, local: int) -> _Decision:
+    def _decide(self, request, local: int, reach: dict[str, int]) -> _Decision:
         n = request.num_prompt_tokens
-        reach = {name: tier.lookup(request) for name, tier in self.tiers.items()}
         force, warning = requested_source(request.kv_transfer_params, self.default_source, self.tiers)
         if warning:
             logger.warning("request %s: %s", request.request_id, warning)
@@ -143,18 +146,25 @@ class TieredScheduler:
     # -- results -----------------------------------------------------------------------
 
     def update_connector_output(self, out) -> None:
-        stats = out.kv_connector_stats
+        stats, worker_meta = out.kv_connector_stats, getattr(out, "kv_connector_worker_meta", None)
         tier_data = stats.data.get("tiers", {}) if stats is not None and not stats.is_empty() else {}
+        tier_meta = getattr(worker_meta, "tiers", {})
         try:
-            # Each tier sees the joined transfer results and only its own stats.
+            # Each tier sees the joined transfer results and only its own stats and worker metadata.
             for name, tier in self.tiers.items():
                 data = tier_data.get(name)
                 out.kv_connector_stats = type(tier).build_kv_connector_stats(data=data) if data else None
+                out.kv_connector_worker_meta = tier_meta.get(name)
                 tier.update_connector_output(out)
         finally:
-            out.kv_connector_stats = stats
+            out.kv_connector_stats, out.kv_connector_worker_meta = stats, worker_meta
         if stats is not None and not stats.is_empty():
             self._learn(stats.data.get("samples", []))
+            # Learned: the samples go no further (vLLM would send them on to the API server's
+            # stats loggers, which keep every one until their next log line).
+            stats.data["samples"] = []
+            if stats.is_empty():
+                out.kv_connector_stats = None
 
     def _learn(self, raw: list) -> None:
         try:
@@ -218,6 +228,22 @@ class TieredScheduler:
 
     def has_pending_push_work(self) -> bool:
         return any(tier.has_pending_push_work() for tier in self.tiers.values())
+
+    def on_new_request(self, request) -> None:
+        for tier in self.tiers.values():
+            tier.on_new_request(request)
+
+    def take_events(self):
+        for tier in self.tiers.values():
+            yield from tier.take_events()
+
+    def reset_cache(self) -> bool:
+        """Every tier's reset_cache, and the plans made from lookups of requests that have not
+        started a load (asked again, they are planned from new lookups)."""
+        ok = [tier.reset_cache() is not False for tier in self.tiers.values()]
+        for rid in [rid for rid, d in self._decisions.items() if not d.loads]:
+            del self._decisions[rid]
+        return all(ok)
 
     def take_stats(self) -> TieredStats | None:
         """Our counters since the last call, with each tier's scheduler-side stats."""

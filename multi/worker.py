@@ -8,10 +8,14 @@ tier whose blocks are unknown fails the whole request (``failed_recving``). A
 request whose blocks several tiers hold after it finished (store saves, P2P
 handoff) is reported finished-sending once all of them let go.
 
-Calibration samples are measured here: every forward pass is timed
+Calibration samples are measured here: forward passes are timed
 (:class:`multi.policy.ForwardSample`), and every successful ``LoadReport`` of a
 tier becomes a :class:`multi.policy.LoadSample`; both ride on the stats record,
-encoded by :func:`multi.policy.encode_samples`.
+encoded by :func:`multi.policy.encode_samples`. Every pass that computes prompt tokens
+is a sample; passes that only decode are sampled at most ``DECODE_SAMPLES_PER_S`` a second:
+a sample on every decode step made the stats record travel (worker, scheduler, API
+server) and the fit learn at every step, a per-step cost on the engine's one core
+(docs/benchmarks/no-reuse.md).
 """
 
 from __future__ import annotations
@@ -23,9 +27,13 @@ from kvcore.tier import Tier
 from kvcore.vllm_glue import KVConnectorTransferResults
 from multi.metrics import TieredStats
 from multi.policy import ForwardSample, LoadSample, encode_samples
-from multi.protocol import TieredMetadata
+from multi.protocol import TieredMetadata, TieredWorkerMeta
 
 logger = get_logger("multi.worker")
+
+# Decode-only forward passes sampled per second (a burst of as many is allowed): what the
+# forward-time fit needs of them (its fixed cost per pass), without a sample per step.
+DECODE_SAMPLES_PER_S = 20.0
 
 
 class TieredWorker:
@@ -41,6 +49,8 @@ class TieredWorker:
         self._invalid: set[int] = set()
         self._forward_start = 0.0
         self._step_tokens: list[tuple[int, int]] = []
+        self._decode_budget = DECODE_SAMPLES_PER_S  # token bucket of decode-only samples
+        self._budget_at = time.monotonic()
 
     # -- hooks forwarded to every tier -------------------------------------------------
 
@@ -94,13 +104,26 @@ class TieredWorker:
     # -- joined results ----------------------------------------------------------------
 
     def _forward_done(self) -> None:
-        if self._step_tokens and self._forward_start:
+        if self._step_tokens and self._forward_start and self._sampled(time.monotonic()):
             seconds = time.monotonic() - self._forward_start
             self.stats.data["samples"].extend(encode_samples([ForwardSample(
                 [n for n, _ in self._step_tokens], [c for _, c in self._step_tokens], seconds)]))
             self.stats.own_observe("forward", seconds)
         self._step_tokens = []
         self._forward_start = 0.0
+
+    def _sampled(self, now: float) -> bool:
+        """Whether this step's forward pass is a calibration sample: always when it computes
+        prompt tokens, else while the decode-only budget lasts."""
+        if any(n > 1 for n, _ in self._step_tokens):
+            return True
+        self._decode_budget = min(DECODE_SAMPLES_PER_S,
+                                  self._decode_budget + (now - self._budget_at) * DECODE_SAMPLES_PER_S)
+        self._budget_at = now
+        if self._decode_budget < 1.0:
+            return False
+        self._decode_budget -= 1.0
+        return True
 
     def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults(finished_sending=set(), finished_recving=set(), failed_recving=set())
@@ -151,6 +174,11 @@ class TieredWorker:
             # Keep what the other tiers delivered: vLLM recomputes from the first invalid block.
             self._invalid.update(blocks[t])
         out.finished_recving.add(rid)
+
+    def worker_meta(self) -> TieredWorkerMeta | None:
+        """Each tier's worker -> scheduler metadata of this step, by tier (None when no tier has any)."""
+        metas = {name: m for name, tier in self.tiers.items() if (m := tier.build_connector_worker_meta()) is not None}
+        return TieredWorkerMeta(metas) if metas else None
 
     def block_ids_with_load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()

@@ -2,7 +2,8 @@
 
 The tests marked ``bench_harness`` run the benchmark programs' reduced versions for real
 (``bench.suite --quick``, ``bench.router_bench --quick``, ``bench.trace_replay --quick``,
-``bench.tiered_bench --quick``, ``bench.store_streams --quick``): a Mooncake master, the
+``bench.tiered_bench --quick``, ``bench.store_streams --quick``, ``bench.no_reuse --quick``,
+``bench.lookup_stall --quick``): a Mooncake master, the
 store tier's writer and reader engines, LMCache's server and engines from their own
 virtualenv, 1P1D pairs, the TieredConnector and stock MultiConnector pairs, routers, and the
 raw-API benchmarks. They assert what the harness promises (every section and configuration
@@ -153,6 +154,52 @@ def test_router_bench_quick_reports_every_row(tmp_path):
     assert "Every run" in md and "Side by side" in md and "Admission above capacity" in md
     assert len(r["pids"]) >= 2 + 3 + 2 + 6  # store pair, A's engines, B's engines, a router per run
     assert [p for p in r["pids"] if not _gone(p)] == []
+
+
+@pytest.mark.bench_harness
+def test_no_reuse_quick_measures_every_connector_beside_plain(tmp_path):
+    """``python -m bench.no_reuse --quick``: one round of 16 prompts on a plain engine and on one
+    with each connector; every run completed every request, the connectors' lookups ran (their
+    counters), each connector has its ratios to plain, and every process is gone. No assertion
+    on speed."""
+    import math
+
+    proc = subprocess.run([sys.executable, "-m", "bench.no_reuse", "--quick", "--out", str(tmp_path)],
+                          cwd=str(ROOT), capture_output=True, text=True, timeout=1200)
+    (tmp_path / "stdout.txt").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((tmp_path / "no_reuse.json").read_text())
+    assert r["arms"] == ["plain", "store", "p2p", "tiered"] and r["rounds"] == 1 and not r["errors"]
+    for arm in r["arms"]:
+        (row,) = r["results"][arm]
+        assert row["completed"] == r["prompts"] == 16
+        for k in ("p50_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "output_throughput"):
+            assert math.isfinite(row[k]) and row[k] > 0, (arm, k, row[k])
+        assert row["cpu_ms_per_request"]["worker"] > 0
+        if arm != "plain":
+            assert set(r["summary"][arm]["ratio"]) >= {"mean_tpot_ms", "p99_ttft_ms", "output_throughput"}
+    for arm in ("store", "tiered"):  # their store lookups ran, one per request at least
+        (row,) = r["results"][arm]
+        assert sum(v for k, v in row["mctier_counters"].items() if k.startswith("store_lookups_total")) >= 16
+    assert "TPOT / plain" in (tmp_path / "no_reuse.md").read_text()
+    assert len(r["pids"]) >= 4 + 2 and [p for p in r["pids"] if not _gone(p)] == []
+
+
+@pytest.mark.bench_harness
+def test_lookup_stall_quick_measures_every_mode_with_the_same_hits(tmp_path):
+    """``python -m bench.lookup_stall --quick`` (32 arrivals, two repetitions, no engine): every
+    lookup mode with the master idle and busy, each answering every request with the same hit
+    tokens. No assertion on speed."""
+    proc = subprocess.run([sys.executable, "-m", "bench.lookup_stall", "--quick", "--out", str(tmp_path)],
+                          cwd=str(ROOT), capture_output=True, text=True, timeout=900)
+    (tmp_path / "stdout.txt").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((tmp_path / "lookup_stall.json").read_text())
+    cells = {(x["master"], x["arrivals"], x["mode"]) for x in r["rows"]}
+    assert cells == {(m, 32, mode) for m in ("idle", "busy")
+                     for mode in ("blocking", "non-blocking", "non-blocking, no wait")}
+    assert len({tuple(x["hit_tokens_all"]) for x in r["rows"]}) == 1
+    assert all(x["hit_tokens"] == 16 * (4 * 256 - 1) and x["steps"] >= 1 for x in r["rows"])
 
 
 @pytest.mark.bench_harness

@@ -49,8 +49,10 @@ class _Store:
 def _scheduler(ks: KeySpace, client):
     from mcstore.scheduler import StoreScheduler
 
-    return StoreScheduler(load_config({"master": "h:1", "chunk_tokens": CHUNK}, env={}), ks, BS, load=True,
-                          save=False, client=client)
+    # Blocking lookups: these tests are about which keys a lookup asks and what the answers mean,
+    # the same for the non-blocking lookup (tests/test_store_unit.py covers when it answers).
+    return StoreScheduler(load_config({"master": "h:1", "chunk_tokens": CHUNK, "lookup_blocking": True}, env={}), ks,
+                          BS, load=True, save=False, client=client)
 
 
 # -- keys of every TP and PP layout ---------------------------------------------------------------

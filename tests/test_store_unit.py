@@ -7,6 +7,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -300,12 +301,31 @@ def _step(*new_rids):
                            scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new_rids])
 
 
+def _looked_up(s, *reqs):
+    """A step in which vLLM asks about ``reqs`` for the first time: each is answered "ask again
+    later" (the lookup is non-blocking); the step's end sends all their lookups as one batch; once
+    answered, the scheduler answers the next step's questions from them."""
+    before = s.lookups.batches
+    for r in reqs:
+        assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    s.build_connector_meta(_step())
+    deadline = time.monotonic() + 10
+    while not all(s._reqs[r.request_id].pending.done for r in reqs):
+        assert time.monotonic() < deadline, "lookups not answered"
+        time.sleep(0.001)
+    assert s.lookups.batches == before + 1  # one batch for the step's lookups
+
+
 def test_loads_within_sync_load_max_per_step_are_synchronous_and_others_in_the_background():
     from mcstore.scheduler import StoreScheduler
 
-    cfg = load_config({"master": "h:1", "chunk_tokens": 64, "sync_load_max": "6MB"}, env={})
+    # No wait for the lookups (lookup_wait_ms 0): they answer at the next step.
+    cfg = load_config({"master": "h:1", "chunk_tokens": 64, "sync_load_max": "6MB", "lookup_wait_ms": 0}, env={})
     s = StoreScheduler(cfg, _ks(), 32, load=True, save=False, client=_AllStored(), block_bytes=1 << 20)
     a, b, c, d = (_request(64 * 3 + 5, rid) for rid in "abcd")  # 3 stored chunks: 6 blocks, 6 MiB
+    e = _request(64 * 4 + 5, "e")
+    f = _request(64 * 3 + 5, "f")
+    _looked_up(s, a, b, c, d, e, f)
     assert s.get_num_new_matched_tokens(a, 0) == (192, False)  # 6 MiB: within this step's 6
     s.update_state_after_alloc(a, _blocks(range(7)), 192)
     assert s.get_num_new_matched_tokens(b, 0) == (192, True)  # the step's 6 MiB are taken
@@ -320,11 +340,10 @@ def test_loads_within_sync_load_max_per_step_are_synchronous_and_others_in_the_b
     assert s.get_num_new_matched_tokens(d, 0) == (192, False)
     s.build_connector_meta(_step())
     # Past the limit alone: in the background. Aborted while loading: no longer waited for.
-    e = _request(64 * 4 + 5, "e")
     assert s.get_num_new_matched_tokens(e, 0) == (256, True)
     s.update_state_after_alloc(e, _blocks(range(20, 29)), 256)
     s.request_finished(e, [])
-    assert s.get_num_new_matched_tokens(_request(64 * 3 + 5, "f"), 64) == (128, False)  # 4 MiB
+    assert s.get_num_new_matched_tokens(f, 64) == (128, False)  # 4 MiB
 
 
 def test_sync_load_max_defaults_by_platform_and_names_itself_when_bad():
@@ -465,3 +484,46 @@ def test_scheduler_takes_links_from_the_requests_block_hashes_and_none_from_mism
     odd = SimpleNamespace(request_id="odd", block_hashes=req.block_hashes[:4], num_tokens=len(TOKENS),
                           num_prompt_tokens=len(TOKENS))
     assert sched._state(odd).links == []
+
+
+# -- KV events (scheduler side; the engine's own stream: tests/test_store_events_e2e.py) --------
+
+
+def _event_request(rid, n_blocks, bs=32, salt=None):
+    from mcstore.keys import VllmBlockHashes, vllm_sha256_block_hashes
+
+    tokens = TOKENS[:n_blocks * bs]
+    hashes = vllm_sha256_block_hashes(tokens, VllmBlockHashes(algo="sha256", seed="s", block_size=bs), salt)
+    return SimpleNamespace(request_id=rid, block_hashes=hashes, all_token_ids=tokens, lora_request=None,
+                           mm_features=[], cache_salt=salt, prompt_embeds=None, session_id=None)
+
+
+def test_a_chunk_is_announced_once_every_part_confirmed_and_removed_only_if_announced():
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from mcstore.events import StoreEvents, StoreWorkerMeta
+
+    ev = StoreEvents(parts=2, block_size=32, chunk_blocks=2)  # TP 2, chunks of 64 tokens
+    req = _event_request("r", 6, salt="tenant")
+    for c in range(3):
+        ev.planned("r", f"link{c}", c, req)
+    ev.worker_news(StoreWorkerMeta(stored=[("link0", 0), ("link1", 0)]))
+    assert ev.take() == []  # one rank of two: not visible yet
+    ev.worker_news(StoreWorkerMeta(stored=[("link0", 1), ("link0", 1)]).aggregate(StoreWorkerMeta(gone=["link9"])))
+    (stored,) = ev.take()
+    assert isinstance(stored, BlockStored) and stored.medium == "mooncake" and stored.group_idx == 0
+    # vLLM's external form of its block hashes (as its own events give them: ints by default).
+    assert stored.block_hashes == [maybe_convert_block_hash(h) for h in req.block_hashes[:2]]
+    assert stored.parent_block_hash is None
+    assert stored.token_ids == TOKENS[:64] and stored.block_size == 32
+    assert stored.extra_keys == [("tenant",), None]  # the cache salt keys the first block, as vLLM's own
+    ev.request_done("r")  # its saves ended: link1 (one part) and link2 were not all written
+    ev.worker_news(StoreWorkerMeta(stored=[("link1", 1), ("link2", 0), ("link2", 1)]))
+    assert ev.take() == []
+    ev.gone("link1")  # never announced: nothing to remove
+    ev.gone("link0")
+    (removed,) = ev.take()
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == stored.block_hashes
+    ev.gone("link0")
+    assert ev.take() == []  # removed once

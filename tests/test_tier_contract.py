@@ -39,6 +39,8 @@ class FakeTier(Tier):
         self.results = KVConnectorTransferResults()
         self.errors: set[int] = set()
         self.reports = LoadReports()
+        self.worker_metas, self.events, self.added = [], [], []
+        self.reset_ok, self.worker_meta = True, None
 
     def lookup(self, request):
         return self.reach
@@ -63,6 +65,20 @@ class FakeTier(Tier):
 
     def update_connector_output(self, out):
         self.calls.append(("update", out.kv_connector_stats))
+        self.worker_metas.append(getattr(out, "kv_connector_worker_meta", None))
+
+    def take_events(self):
+        out, self.events = self.events, []
+        return out
+
+    def reset_cache(self):
+        return self.reset_ok
+
+    def on_new_request(self, request):
+        self.added.append(request.request_id)
+
+    def build_connector_worker_meta(self):
+        return self.worker_meta
 
     def has_pending_push_work(self):
         return False
@@ -129,6 +145,57 @@ def test_plan_over_three_tiers_in_order_of_cheapness():
     # Each tier's load is given the plan's estimate of it (its deadline follows it).
     assert [round(t.expected[0], 6) for t in tiers.values()] == [params["kv_plan_estimates"]["parts"][f"{n}_s"]
                                                                   for n in tiers]
+
+
+def test_a_tier_still_looking_up_makes_the_composite_ask_again_later():
+    """A tier whose lookup is out (the store's non-blocking lookup answers None) makes vLLM ask
+    again later; the plan is made once every tier answered, from those answers."""
+    tiers = three_tiers(remote=False)
+    tiers["store"].reach = None
+    s = TieredScheduler(tiers, PolicyConfig(), BS, 8192.0)
+    req = request("r1", 4096)
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert not any(t.planned or t.released for t in tiers.values())
+    tiers["store"].reach = 1536  # answered at a later step
+    assert s.get_num_new_matched_tokens(req, 0) == (4095, True)
+    s.update_state_after_alloc(req, blocks(4096), 4095)
+    assert [p[1:3] for t in tiers.values() for p in t.planned] == [(0, 1536), (1536, 2560), (2560, 4095)]
+
+
+class _Meta:
+    """A tier's worker metadata: joined across workers by concatenation."""
+
+    def __init__(self, *items):
+        self.items = list(items)
+
+    def aggregate(self, other):
+        self.items += other.items
+        return self
+
+
+def test_events_worker_metadata_new_requests_and_resets_reach_every_tier():
+    from multi.protocol import TieredWorkerMeta
+
+    tiers = three_tiers(remote=False)
+    tiers["store"].worker_meta, tiers["p2p"].worker_meta = _Meta("s1"), _Meta("p1")
+    w = TieredWorker(tiers)
+    joined = w.worker_meta().aggregate(TieredWorkerMeta({"store": _Meta("s2")}))  # a second worker's
+    assert {k: v.items for k, v in joined.tiers.items()} == {"store": ["s1", "s2"], "p2p": ["p1"]}
+    s = TieredScheduler(tiers, PolicyConfig(), BS, 8192.0)
+    out = SimpleNamespace(kv_connector_stats=None, kv_connector_worker_meta=joined)
+    s.update_connector_output(out)
+    assert [m.items if m else None for t in tiers.values() for m in t.worker_metas] == [["s1", "s2"], None, ["p1"]]
+    assert out.kv_connector_worker_meta is joined  # vLLM's record restored
+    tiers["store"].events, tiers["p2p"].events = ["stored"], ["removed"]
+    assert list(s.take_events()) == ["stored", "removed"]
+    req = request("r1", 4096)
+    s.on_new_request(req)
+    assert all(t.added == ["r1"] for t in tiers.values())
+    assert s.get_num_new_matched_tokens(req, 0)[0] > 0 and "r1" in s._decisions
+    assert s.reset_cache() is True and "r1" not in s._decisions  # planned, no load started: forgotten
+    tiers["disk"].reset_ok = False
+    assert s.reset_cache() is False
 
 
 def test_load_deadline_follows_expected_work():

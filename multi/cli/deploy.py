@@ -70,14 +70,16 @@ class Deployment:
 
     def engine(self, name: str, model: str, core: int, kv_config: dict | None, *,
                python: str = sys.executable, env: dict[str, str] | None = None,
-               extra: list[str] | None = None) -> tuple[str, Proc]:
+               extra: list[str] | None = None, cwd: str | None = None) -> tuple[str, Proc]:
         """An OpenAI server pinned whole to ``core``; ``python`` may be another virtualenv's
         interpreter (the benchmarks run peers such as LMCache that way); ``extra`` are more
-        ``vllm serve`` flags (e.g. ``--num-gpu-blocks-override`` to size the prefix cache)."""
+        ``vllm serve`` flags (e.g. ``--num-gpu-blocks-override`` to size the prefix cache);
+        ``cwd``: the directory it runs in, whose packages it imports (default: this one's; a
+        benchmark runs an earlier commit's export beside the current one that way)."""
         port = free_port()
         argv = engine_argv(model, port, python=python, served_name="demo", kv_config=kv_config, extra=extra)
         proc = self.track(Proc(name, argv, self.log_dir / f"{name}.log", env={**engine_env(core), **(env or {})},
-                               cpus={core}))
+                               cwd=cwd, cpus={core}))
         return f"http://127.0.0.1:{port}", proc
 
     def pd_pair(self, model: str, p_cfg: dict, d_cfg: dict, bootstrap_port: int,

@@ -6,8 +6,11 @@ then answers :meth:`StoreView.reach`: how many leading prompt tokens the store h
 in whole chunks, from one ``batch_is_exist`` over the chunk keys of every TP rank and
 pipeline stage (a chunk counts only when all its parts are present, as for the tier).
 
-Blocking (Mooncake client calls): the router runs it in a thread under a deadline and
-uses its approximate store view when the answer is late or the store is unreachable.
+Blocking: the router runs it in a thread under a deadline and uses its approximate store
+view when the answer is late or the store is unreachable. The lookup itself goes the store
+tier's way (:mod:`mcstore.batchlookup`): on a lookup thread, lookups asked while another is
+out going to the master together as one ``batch_is_exist``, and one unanswered within
+``timeout_s`` reads as nothing stored.
 A key space not published yet (no engine has started its store tier) reads as "nothing
 in the store" and is looked up again on the next call, at most every ``retry_s``.
 """
@@ -19,6 +22,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from mcstore.batchlookup import LookupQueue
 from mcstore.keys import KeySpace
 
 logger = logging.getLogger("mctier.router.store")
@@ -26,10 +30,12 @@ logger = logging.getLogger("mctier.router.store")
 
 class StoreView:
     def __init__(self, master: str, engine_url: str, fingerprint: str | None = None, key_prefix: str = "mct",
-                 retry_s: float = 5.0):
+                 retry_s: float = 5.0, timeout_s: float = 0.5):
         self.master, self.engine_url = master, engine_url
         self.fingerprint, self.key_prefix, self.retry_s = fingerprint, key_prefix, retry_s
+        self.timeout_s = timeout_s
         self._client = None
+        self._queue: LookupQueue | None = None
         self._ks: KeySpace | None = None
         self._next_try = 0.0
         self._lock = threading.Lock()
@@ -57,7 +63,8 @@ class StoreView:
         return self._ks
 
     def reach(self, tokens: Sequence[int], cache_salt: str | None = None) -> int:
-        """Leading prompt tokens the store holds (a multiple of the chunk size)."""
+        """Leading prompt tokens the store holds (a multiple of the chunk size); 0 when the
+        master did not answer within ``timeout_s``."""
         with self._lock:
             ks = self._key_space()
             if ks is None or not tokens:
@@ -65,19 +72,35 @@ class StoreView:
             links = ks.links(tokens, cache_salt=cache_salt)
             if not links:
                 return 0
-            keys = ks.all_rank_keys(links)
             self.lookups += 1
-            rcs = self._client.exists(keys)
-        hit = 0
-        for i in range(len(links)):
-            if all(rc == 1 for rc in rcs[i * ks.parts:(i + 1) * ks.parts]):
-                hit = (i + 1) * ks.chunk_tokens
-            else:
-                break
-        return hit
+            if self._queue is None:
+                self._queue = LookupQueue(self._client.exists, "router")
+            lk = self._queue.submit(ks.all_rank_keys(links), lambda rcs: _chunks_held(ks, len(links), rcs),
+                                    self.timeout_s)
+            self._queue.flush()
+            queue = self._queue
+        if not queue.wait(lk, self.timeout_s) or lk.result is None:
+            self.errors += 1
+            return 0
+        return lk.result
 
     def close(self) -> None:
         with self._lock:
+            if self._queue is not None:
+                self._queue.close()
+                self._queue = None
             if self._client is not None:
                 self._client.close()
                 self._client = None
+
+
+def _chunks_held(ks: KeySpace, chunks: int, rcs: Sequence[int]) -> int:
+    """What the answers to a lookup of ``chunks`` chunks' keys mean: the leading tokens whose
+    chunks have every part (as the store tier counts them)."""
+    hit = 0
+    for i in range(chunks):
+        if all(rc == 1 for rc in rcs[i * ks.parts:(i + 1) * ks.parts]):
+            hit = (i + 1) * ks.chunk_tokens
+        else:
+            break
+    return hit

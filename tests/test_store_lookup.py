@@ -1,0 +1,158 @@
+"""The store tier's non-blocking lookup against a real mooncake_master (no engine): the lookups
+of the requests that arrived since the last step go to the master as one batch; answered within
+the step's wait (``lookup_wait_ms``) they answer in that step, otherwise vLLM is told to ask again
+later; the answers equal the blocking lookup's; a master that stops answering makes lookups
+misses within their deadline, the scheduler's thread never held longer than the step's wait.
+(With engines: tests/test_store_events_e2e.py.)"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from mcstore.config import load_config
+from mcstore.keys import KeySpace, fingerprint
+from mcstore.scheduler import StoreScheduler
+from mcstore.server import CLIENT_ENV
+from tests.store_util import raw_client
+from tests.support import frozen
+
+pytestmark = pytest.mark.integration
+
+BS, CHUNK = 32, 64
+KS = KeySpace(fingerprint({"t": "lookup"}), CHUNK)
+
+
+@pytest.fixture(autouse=True)
+def _client_env(monkeypatch):
+    for k, v in CLIENT_ENV.items():
+        monkeypatch.setenv(k, v)
+
+
+def _sched(master: str, **extra) -> StoreScheduler:
+    cfg = load_config({"master": master, "chunk_tokens": CHUNK, **extra}, env={})
+    return StoreScheduler(cfg, KS, BS, load=True, save=False)
+
+
+def _request(rid: str, seed: int, n: int = 3 * CHUNK + 5):
+    tokens = [(seed * 7919 + i * 31) % 2000 + 4 for i in range(n)]
+    return SimpleNamespace(request_id=rid, prompt_token_ids=tokens, num_prompt_tokens=n, num_tokens=n,
+                           num_computed_tokens=0, cache_salt=None, lora_request=None, mm_features=None)
+
+
+def _store(raw, req, chunks: int) -> None:
+    """Objects for the first ``chunks`` chunks of ``req``'s prompt (a lookup asks only whether
+    they exist; their bytes are the worker's business)."""
+    for k in KS.all_rank_keys(KS.links(req.prompt_token_ids)[:chunks]):
+        assert raw.put(k, b"kv") == 0
+
+
+def _step():
+    return SimpleNamespace(preempted_req_ids=set(), num_scheduled_tokens={}, scheduled_new_reqs=[])
+
+
+def _answers(s: StoreScheduler, reqs, timeout_s: float = 10.0, max_call_s: list | None = None) -> dict:
+    """vLLM's question for each request, asked once per step until answered: rid -> answer."""
+    out, deadline = {}, time.monotonic() + timeout_s
+    while len(out) < len(reqs):
+        assert time.monotonic() < deadline, f"unanswered after {timeout_s}s: {[r.request_id for r in reqs]}"
+        for r in reqs:
+            if r.request_id not in out:
+                t0 = time.monotonic()
+                got = s.get_num_new_matched_tokens(r, 0)
+                if max_call_s is not None:
+                    max_call_s.append(time.monotonic() - t0)
+                if got != (None, False):
+                    out[r.request_id] = got
+        s.build_connector_meta(_step())
+        time.sleep(0.002)  # the step's forward
+    return out
+
+
+@pytest.fixture(scope="module")
+def raw(store_cluster):
+    c = raw_client(store_cluster.master_addr)
+    yield c
+    c.close()
+
+
+def test_lookups_of_one_step_go_as_one_batch_and_answer_as_the_lookup_blocking(store_cluster, raw):
+    full, part, none = _request("full", 1), _request("part", 2), _request("none", 3)
+    _store(raw, full, 3)
+    _store(raw, part, 1)
+    s = _sched(store_cluster.master_addr, lookup_wait_ms=0)
+    blocking = _sched(store_cluster.master_addr, lookup_blocking=True)
+    try:
+        for r in (full, part, none):
+            assert s.get_num_new_matched_tokens(r, 0) == (None, False)  # asked, not answered
+        assert s.lookups.batches == 0  # without a wait nothing goes out before the step ends
+        got = _answers(s, [full, part, none])
+        assert s.lookups.batches == 1 and s.lookups.calls == 1  # the step's three lookups, one batch_is_exist
+        # 3 chunks of 64 hit in full (the prompt's last 5 tokens are the engine's), 1 of 3, none.
+        assert got == {"full": (3 * CHUNK, True), "part": (CHUNK, True), "none": (0, False)}
+        assert {r.request_id: blocking.get_num_new_matched_tokens(r, 0) for r in (full, part, none)} == got
+        counters = s.stats.data["counters"]
+        assert counters["lookups:hit"] == 2 and counters["lookups:miss"] == 1
+        assert len(s.stats.data["ops"]["lookup_wait"]) == 3
+    finally:
+        s.close()
+        blocking.close()
+
+
+def test_lookups_of_the_requests_added_since_the_last_step_answer_within_the_steps_wait(store_cluster, raw):
+    """vLLM adds requests between steps (``on_new_request``): the step's first question sends all
+    their lookups as one batch and waits for it (``lookup_wait_ms``, generous here: an idle
+    master answers in well under a millisecond); every request is answered in that step."""
+    full, part, none = _request("w-full", 5), _request("w-part", 6), _request("w-none", 7)
+    _store(raw, full, 3)
+    _store(raw, part, 1)
+    s = _sched(store_cluster.master_addr, lookup_wait_ms=50)
+    try:
+        s.get_num_new_matched_tokens(_request("warm", 8), 0)  # a warm client and lookup thread
+        s.build_connector_meta(_step())
+        for r in (full, part, none):
+            s.on_new_request(r)
+        assert s.lookups.batches == 1  # the warm-up's; the new ones wait for the step
+        got = {r.request_id: s.get_num_new_matched_tokens(r, 0) for r in (full, part, none)}
+        assert got == {"w-full": (3 * CHUNK, True), "w-part": (CHUNK, True), "w-none": (0, False)}
+        assert s.lookups.batches == 2 and s.lookups.calls == 2  # the three in one batch_is_exist
+    finally:
+        s.close()
+
+
+def test_a_master_that_stops_answering_makes_lookups_misses_within_the_deadline(store_cluster, raw):
+    """SIGSTOP on the master: a real master that stops answering (its TCP port still accepts,
+    so the breaker stays closed and every lookup is asked). Each lookup is a miss once its
+    deadline passes; no call of vLLM's hook blocks meanwhile. After SIGCONT, lookups answer
+    again."""
+    stored = _request("stored", 4)
+    _store(raw, stored, 3)
+    s = _sched(store_cluster.master_addr, lookup_timeout_ms=300, lookup_wait_ms=20)
+    try:
+        assert _answers(s, [stored]) == {"stored": (3 * CHUNK, True)}  # the client is warm
+        reqs = [_request(f"frozen{i}", 10 + i) for i in range(4)]
+        for r in reqs:
+            _store(raw, r, 3)  # stored: only the silence makes them misses
+        calls: list[float] = []
+        with frozen(store_cluster.master.popen.pid):
+            t0 = time.monotonic()
+            got = _answers(s, reqs, timeout_s=5, max_call_s=calls)
+            took = time.monotonic() - t0
+        assert got == {r.request_id: (0, False) for r in reqs}  # misses: computed by the engine
+        assert 0.3 <= took < 2.0, took  # at the deadline, not at Mooncake's RPC timeout
+        assert max(calls) < 0.05, max(calls)  # never held much beyond the step's wait (20 ms)
+        assert s.stats.data["counters"]["lookups:timeout"] == len(reqs)
+        later = _request("later", 20)
+        _store(raw, later, 2)
+        deadline = time.monotonic() + 30  # the lookup thread's stuck call returns, the breaker recovers
+        while True:
+            s.stats.data["counters"].pop("lookups:timeout", None)
+            ans = _answers(s, [later], timeout_s=5)["later"]
+            if ans == (2 * CHUNK, True):
+                break
+            assert time.monotonic() < deadline, f"lookups still fail after the master resumed: {ans}"
+            later = _request(f"later{time.monotonic()}", 20)  # the same prompt, asked anew
+    finally:
+        s.close()
