@@ -2,9 +2,11 @@
 
 ``StoreView(master, engine_url)`` finds the key space the engines of ``engine_url``'s
 model published in the store when they started (:func:`mcstore.tools.published.meta_for_server`),
-then answers :meth:`StoreView.reach`: how many leading prompt tokens the store holds,
-in whole chunks, from one ``batch_is_exist`` over the chunk keys of every TP rank and
-pipeline stage (a chunk counts only when all its parts are present, as for the tier).
+then answers :meth:`StoreView.reach`: how many leading prompt tokens the store holds, by
+the engine's own lookup (:mod:`mcstore.lookup`): whole chunks from one ``batch_is_exist``
+over the chunk keys of every TP rank and pipeline stage (a chunk counts only when all its
+parts are present, as for the tier), then the leading blocks of a stored object past them
+found through its directory entry (two more round trips, only when one may add blocks).
 
 Blocking (Mooncake client calls): the router runs it in a thread under a deadline and
 uses its approximate store view when the answer is late or the store is unreachable.
@@ -20,6 +22,7 @@ import time
 from collections.abc import Sequence
 
 from mcstore.keys import KeySpace
+from mcstore.lookup import Probe, reach
 
 logger = logging.getLogger("mctier.router.store")
 
@@ -57,24 +60,17 @@ class StoreView:
         return self._ks
 
     def reach(self, tokens: Sequence[int], cache_salt: str | None = None) -> int:
-        """Leading prompt tokens the store holds (a multiple of the chunk size)."""
+        """Leading prompt tokens the store holds (a multiple of the block size), as the engine's
+        lookup finds them."""
         with self._lock:
             ks = self._key_space()
             if ks is None or not tokens:
                 return 0
-            links = ks.links(tokens, cache_salt=cache_salt)
-            if not links:
+            probe = Probe(ks, ks.hashes(tokens, cache_salt=cache_salt), len(tokens))
+            if not probe.hashes:
                 return 0
-            keys = ks.all_rank_keys(links)
             self.lookups += 1
-            rcs = self._client.exists(keys)
-        hit = 0
-        for i in range(len(links)):
-            if all(rc == 1 for rc in rcs[i * ks.parts:(i + 1) * ks.parts]):
-                hit = (i + 1) * ks.chunk_tokens
-            else:
-                break
-        return hit
+            return reach(self._client, probe).tokens
 
     def close(self) -> None:
         with self._lock:
