@@ -185,7 +185,6 @@ class _Blocks:
 def _save_prompt(sched, w, tokens, rid, block_ids):
     """The scheduler plans the prompt's saves as vLLM would after one prefill step of it, and
     the worker writes them: SaveJob with its whole chunks, its tail and their directory entries."""
-    from mcstore.protocol import StoreMetadata
 
     req = _request(tokens, rid)
     sched.bind_kv_cache_manager(_Blocks({rid: block_ids}))
