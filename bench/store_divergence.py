@@ -9,13 +9,12 @@ A Mooncake master and store server on loopback and, on the ``small`` model: a wr
 (``StoreConnector``, ``kv_producer``: it saves and never looks up, so its prefix-cache hits
 carry no store lookup) on core 0; readers S (``StoreConnector``) and T (``TieredConnector``
 with the store tier alone, its store plan forced with ``kv_source=store``), both
-``kv_consumer`` (they never write) on core 1. Per prefix length ``L`` and repetition, W
+``kv_consumer`` (they never write) on core 1, in dev mode (``/reset_prefix_cache``). Per prefix length ``L`` and repetition, W
 computes a fresh prompt ``P`` of ``L + r`` tokens (``r`` uniform in 1..255, so ``P`` ends inside
 a chunk; its time is the miss, the ceiling) and saves it; once the store holds all of it, the
-objects it added are counted (whole chunks, part objects, directory entries; before key
-version 4 the store kept whole chunks only, ``floor(L / 256)``). Then three prompts that
-share a prefix with ``P``, each read by S and T (in turns, order rotating), then served by W
-from its own prefix cache (the floor: W computed ``P``, so it reuses what a prefix cache would):
+objects it holds for ``P`` are counted (whole chunks, part objects, directory entries; before
+key version 4 the store kept whole chunks only, ``floor(L / 256)``). Then three prompts that
+share a prefix with ``P``:
 
 - ``aligned``: ``P[:L]`` plus one new block (the prefix ends at a chunk boundary: the store's
   best case, and all it served before key version 4);
@@ -23,14 +22,20 @@ from its own prefix cache (the floor: W computed ``P``, so it reuses what a pref
   a random offset inside a chunk, as a shared system prompt or document does;
 - ``next_turn``: ``P`` plus one new block: a conversation's next turn extends the prompt.
 
-After S's hit a plain process on core 1 reads the same bytes with the raw Mooncake get
-(:mod:`bench.raw_probe`, one object per chunk): a hit's time beyond the floor is set against
-that read. Also per hit: S's store lookup time (its master round trips, from
-``vllm:mctier_store_lookup_seconds``) and the tokens it loaded. Greedy token ids of every hit
-are checked against the floor's (the same split: the same cached tokens); the exit status is 1
-if any differed. Writes ``store_divergence.json`` and ``store_divergence.md`` (the table) to
-``--out`` (default ``bench/results/store_divergence``). ``--quick``: one 1,024-token length,
-one repetition (``make test-bench``'s check).
+Each is read by S and by T in turns (order rotating; each reader's prefix cache emptied first,
+so that what it reuses comes from the store). Right after S's hit, S serves the same shared
+prefix with another new block: its own prefix-cache hit on what it just loaded, the same split
+on the same core, which is **the floor** (it includes S's store lookup, which finds nothing to
+add: up to three master round trips, about a millisecond). Then a plain process on core 1 reads
+the bytes S loaded with the raw Mooncake get (:mod:`bench.raw_probe`, one object per chunk): a
+hit's time beyond the floor is set against that read. Then W serves the readers' prompt from
+its own prefix cache (W computed ``P``): the reference for the greedy token ids of both
+readers' hits (the same split: equal cached tokens, also checked), and a second floor on
+another core. Also per hit: S's store lookup time (``vllm:mctier_store_lookup_seconds``) and
+the tokens it loaded. The exit status is 1 if any token differed. Writes
+``store_divergence.json`` and ``store_divergence.md`` (the table) to ``--out`` (default
+``bench/results/store_divergence``). ``--quick``: one 1,024-token length, one repetition
+(``make test-bench``'s check).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import raw_probe  # noqa: E402
-from bench.client import ids, stream  # noqa: E402
+from bench.client import ids, reset_prefix_cache, stream  # noqa: E402
 from bench.common import (  # noqa: E402
     QUIET_S,
     Checker,
@@ -68,6 +73,7 @@ CASES = ("aligned", "divergent", "next_turn")
 READERS = ("store", "tiered")
 MAX_TOKENS = 4
 BLOCK = 32
+DEV_MODE = {"env": {"VLLM_SERVER_DEV_MODE": "1"}}  # the readers' /reset_prefix_cache
 
 
 def store_config(master: str, role: str) -> dict:
@@ -82,23 +88,25 @@ def tiered_config(master: str) -> dict:
             "kv_connector_extra_config": {"store": {"master": master, "chunk_tokens": CHUNK}}}
 
 
-def prompts(p: list[int], n_pfx: int, rng: random.Random) -> dict[str, tuple[list[int], int]]:
-    """Per case: the reader's prompt and how many tokens of it a prefix cache holding ``p``
-    reuses (whole blocks of the shared prefix; vLLM leaves the last prompt token to compute)."""
+def prompts(p: list[int], n_pfx: int, rng: random.Random) -> dict[str, tuple[list[int], list[int], int]]:
+    """Per case: the readers' prompt, a second one with the same shared prefix and another new
+    block (for the reader's own prefix-cache hit), and how many tokens of them a prefix cache
+    holding ``p`` reuses (the shared prefix's whole blocks)."""
     d = n_pfx - CHUNK + rng.randrange(1, CHUNK)
     out = {"aligned": (p[:n_pfx], n_pfx), "divergent": (p[:d], d), "next_turn": (p, len(p))}
-    return {case: (shared + ids(SUFFIX, rng), shared_n // BLOCK * BLOCK) for case, (shared, shared_n) in out.items()}
+    return {case: (shared + ids(SUFFIX, rng), shared + ids(SUFFIX, rng), n // BLOCK * BLOCK)
+            for case, (shared, n) in out.items()}
 
 
 class StoreWatch:
-    """The store as the bench sees it: the writer's new keys, and when a prompt is all stored
-    (the engine's own lookup, :mod:`mcstore.lookup`, from the tools' key space)."""
+    """The store as the bench sees it: when a prompt is all stored (the engine's own lookup,
+    :mod:`mcstore.lookup`, in the key space the engines published) and its objects."""
 
     def __init__(self, cluster):
         from mcstore.admin import MasterAdmin
         from mcstore.client import StoreClient
 
-        self.admin = MasterAdmin(cluster.admin)
+        self.admin = MasterAdmin(f"http://{cluster.host}:{cluster.metrics_port}")
         self.client = StoreClient.for_tool(cluster.master_addr, "bench-watch")
         self._ks = None
 
@@ -111,8 +119,17 @@ class StoreWatch:
             self._ks = meta.key_space()
         return self._ks
 
-    def keys(self) -> set[str]:
-        return set(self.admin.all_keys())
+    def objects(self, prompt: list[int]) -> dict[str, int]:
+        """The objects the store holds for ``prompt`` alone: its whole chunks' parts, its tail's
+        parts (a part object) and the directory entries of both."""
+        ks = self.key_space()
+        hs = ks.hashes(prompt)
+        links = ks.links_from_block_hashes(hs, len(prompt))
+        tail = len(hs) - len(links) * ks.chunk_blocks
+        kinds = {"chunks": ks.all_rank_keys(links),
+                 "parts": ks.all_rank_keys([ks.part_link(hs[-1], tail)]) if tail else [],
+                 "directories": [ks.dir_key(hs[i]) for i in range(0, len(hs), ks.chunk_blocks)]}
+        return {k: sum(rc == 1 for rc in self.client.exists(keys)) for k, keys in kinds.items()}
 
     def wait_stored(self, prompt: list[int], timeout: float = 120.0) -> float:
         """Seconds until the store's reach of ``prompt`` covers its full blocks."""
@@ -125,18 +142,6 @@ class StoreWatch:
                 raise RuntimeError(f"the writer's {len(prompt)}-token prompt not stored within {timeout:.0f} s")
             time.sleep(0.05)
         return time.monotonic() - t0
-
-    @staticmethod
-    def objects(new: set[str]) -> dict[str, int]:
-        from mcstore.tools.keynames import DIR, parse_key
-
-        out = {"chunks": 0, "parts": 0, "directories": 0}
-        for k in new:
-            parsed = parse_key(k)
-            if parsed is None or parsed[2] == "meta":
-                continue
-            out["directories" if parsed[2] == DIR else "parts" if "-" in parsed[2] else "chunks"] += 1
-        return out
 
     def close(self) -> None:
         self.client.close()
@@ -175,8 +180,8 @@ def run(a: argparse.Namespace) -> int:
         master = dep.cluster.master_addr
         (w_url, _), (s_url, _), (t_url, _) = start_engines(
             dep, model, [("div-writer", 0, store_config(master, "kv_producer")),
-                         ("div-store", 1, store_config(master, "kv_consumer")),
-                         ("div-tiered", 1, tiered_config(master))], extra=long)
+                         ("div-store", 1, store_config(master, "kv_consumer"), DEV_MODE),
+                         ("div-tiered", 1, tiered_config(master), DEV_MODE)], extra=long)
         readers = {"store": s_url, "tiered": t_url}
         watch = StoreWatch(dep.cluster)
         for n_pfx in prefixes:
@@ -184,18 +189,24 @@ def run(a: argparse.Namespace) -> int:
             objects, misses = [], []
             for rep in range(a.reps + 1):  # the first is a warm-up, not in the figures
                 p = ids(n_pfx + rng.randrange(1, CHUNK), rng)
-                keys0 = watch.keys()
                 miss = stream(w_url, p, 1)
                 watch.wait_stored(p)
-                objs = StoreWatch.objects(watch.keys() - keys0)
-                for case, (q, floor_cached) in prompts(p, n_pfx, rng).items():
+                objs = watch.objects(p)
+                for case, (q, q_own, floor_cached) in prompts(p, n_pfx, rng).items():
                     res: dict = {"prompt_tokens": len(q), "expected_cached": floor_cached}
                     for who in rotated(list(READERS), rep):
+                        reset_prefix_cache(readers[who])  # what an earlier case left: a store hit, not a local one
                         time.sleep(QUIET_S)  # the other reader on this core goes quiet
                         m0 = scrape(readers[who])
                         got = stream(readers[who], q, MAX_TOKENS, kv={"kv_source": "store"} if who == "tiered" else None)
                         res[who] = {"ttft_s": got.ttft, "cached": got.cached, **_hit_metrics(readers[who], m0)}
                         res[f"{who}_tokens"] = got.token_ids
+                        if who == "store":
+                            # The floor on the reader's own core: its prefix cache now holds what it
+                            # loaded, and q_own shares exactly that with q (another new block after it).
+                            time.sleep(QUIET_S)
+                            own = stream(readers[who], q_own, MAX_TOKENS)
+                            res["own"] = {"ttft_s": own.ttft, "cached": own.cached}
                     if rep and a.raw_probe and res["store"]["loaded_bytes"] > 0:
                         time.sleep(QUIET_S)
                         chunks = max(1, round(res["store"]["loaded_tokens"] / CHUNK))
@@ -204,7 +215,9 @@ def run(a: argparse.Namespace) -> int:
                         res["raw_get_s"] = res["store"]["loaded_bytes"] / res["raw_gbps"] / 1e9
                     time.sleep(QUIET_S)
                     floor = stream(w_url, q, MAX_TOKENS)
-                    res["floor"] = {"ttft_s": floor.ttft, "cached": floor.cached}
+                    res["writer"] = {"ttft_s": floor.ttft, "cached": floor.cached}
+                    check.same("store_divergence", f"{case}: the reader's own prefix-cache hit's cached tokens",
+                               len(q), [res["own"]["cached"]], [floor.cached])
                     for who in READERS:
                         check.same("store_divergence", f"{case}: {who} hit vs the floor (prefix-cache hit)", len(q),
                                    res.pop(f"{who}_tokens"), floor.token_ids)
@@ -238,13 +251,14 @@ def summarise(n_pfx: int, case: str, reps: list[dict], objects: list[dict], miss
     def m(who, key):
         return _med(r[who][key] for r in reps)
 
-    floor, s, t = m("floor", "ttft_s"), m("store", "ttft_s"), m("tiered", "ttft_s")
-    beyond = _med(r["store"]["ttft_s"] - r["floor"]["ttft_s"] for r in reps)
+    floor, s, t = m("own", "ttft_s"), m("store", "ttft_s"), m("tiered", "ttft_s")
+    beyond = _med(r["store"]["ttft_s"] - r["own"]["ttft_s"] for r in reps)
     raw = _med(r.get("raw_get_s") for r in reps)
     return {"prefix_tokens": n_pfx, "case": case, "prompt_tokens": _med(r["prompt_tokens"] for r in reps),
-            "floor_ttft_s": floor, "store_ttft_s": s, "tiered_ttft_s": t, "miss_ttft_s": _med(misses),
+            "floor_ttft_s": floor, "writer_ttft_s": m("writer", "ttft_s"), "store_ttft_s": s, "tiered_ttft_s": t,
+            "miss_ttft_s": _med(misses), "writer_vs_floor": m("writer", "ttft_s") / floor if floor else None,
             "store_vs_floor": s / floor if s and floor else None, "tiered_vs_store": t / s if t and s else None,
-            "floor_cached": m("floor", "cached"), "store_cached": m("store", "cached"),
+            "floor_cached": m("writer", "cached"), "own_cached": m("own", "cached"), "store_cached": m("store", "cached"),
             "tiered_cached": m("tiered", "cached"), "partial_tokens": m("store", "partial_tokens"),
             "loaded_bytes": m("store", "loaded_bytes"), "load_s": m("store", "load_s"),
             "lookup_s": m("store", "lookup_s"), "tiered_lookup_s": m("tiered", "lookup_s"),
@@ -266,8 +280,9 @@ def _x(x) -> str:
 
 
 def _print(r: dict) -> None:
-    print(f"{r['prefix_tokens']:>6} {r['case']:>10}: floor {_ms(r['floor_ttft_s'])} ms (cached "
-          f"{r['floor_cached']:.0f}), store {_ms(r['store_ttft_s'])} ms x{_x(r['store_vs_floor'])} (cached "
+    print(f"{r['prefix_tokens']:>6} {r['case']:>10}: floor {_ms(r['floor_ttft_s'])} ms (the writer's "
+          f"{_ms(r['writer_ttft_s'])}, cached {r['floor_cached']:.0f}), store {_ms(r['store_ttft_s'])} ms "
+          f"x{_x(r['store_vs_floor'])} (cached "
           f"{r['store_cached']:.0f}, {r['partial_tokens']:.0f} past the whole chunks), tiered "
           f"{_ms(r['tiered_ttft_s'])} ms x{_x(r['tiered_vs_store'])} of store | beyond the floor "
           f"{_ms(r['beyond_floor_s'])} ms, raw get of its {r['loaded_bytes'] / 1e6:.1f} MB {_ms(r['raw_get_s'])} ms "
@@ -279,14 +294,16 @@ def table(rows: list[dict], result: dict) -> str:
     m = result["machine"]
     head = (f"Run {result['date']}, {m['cpu']} ({m['isa']}; engines in {m['dtype']}), small model "
             f"{m.get('model_shape')}, {result['reps']} repetitions (medians), {result['chunk_tokens']}-token chunks.\n\n")
-    cols = ["prefix", "case", "prompt", "floor ms", "store ms", "store /floor", "tiered ms", "tiered /store",
+    cols = ["prefix", "case", "prompt", "floor ms", "writer's hit ms", "store ms", "store /floor", "tiered ms",
+            "tiered /store",
             "cached floor / store / tiered", "past whole chunks", "beyond floor ms", "raw get ms", "beyond /raw",
             "lookup ms", "objects (chunks+tails+dirs)", "before v4", "miss ms"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         o = r["objects"]
         lines.append("| " + " | ".join(str(x) for x in [
-            r["prefix_tokens"], r["case"], f"{r['prompt_tokens']:.0f}", _ms(r["floor_ttft_s"]), _ms(r["store_ttft_s"]),
+            r["prefix_tokens"], r["case"], f"{r['prompt_tokens']:.0f}", _ms(r["floor_ttft_s"]), _ms(r["writer_ttft_s"]),
+            _ms(r["store_ttft_s"]),
             _x(r["store_vs_floor"]), _ms(r["tiered_ttft_s"]), _x(r["tiered_vs_store"]),
             f"{r['floor_cached']:.0f} / {r['store_cached']:.0f} / {r['tiered_cached']:.0f}",
             f"{r['partial_tokens']:.0f}", _ms(r["beyond_floor_s"]), _ms(r["raw_get_s"]), _x(r["beyond_vs_raw"]),
