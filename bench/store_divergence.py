@@ -165,6 +165,53 @@ def _hit_metrics(url: str, m0: dict) -> dict:
             "sync_loads": get(d, "vllm:mctier_store_loads_total", kind="sync")}
 
 
+def lookup_times(cluster, n: int, tokens: int = 32768, gap_s: float = 0.005) -> dict:
+    """The lookup alone (:func:`mcstore.lookup.reach`, the engine's), against this run's master
+    before any engine starts: a ``tokens``-token prompt whose whole chunks are stored (one round
+    trip), one that diverges inside its last chunk from a stored prompt (three: the entry's get
+    and the object's parts), and one that shares nothing (one). Tiny stand-in objects under the
+    real keys (existence is all a lookup asks); each lookup after a ``gap_s`` pause, as between
+    requests. Milliseconds, p50 and p99 of ``n`` each, and the round trips."""
+    from mcstore.client import StoreClient
+    from mcstore.keys import Directory, KeySpace, VllmBlockHashes, fingerprint
+    from mcstore.lookup import Probe, reach
+
+    scheme = VllmBlockHashes(algo="sha256", seed="vllm-none-hash", block_size=BLOCK)
+    ks = KeySpace(fingerprint({"bench": "lookup"}), CHUNK, block_hashes=scheme)
+    client = StoreClient.for_tool(cluster.master_addr, "bench-lookup")
+    rng = random.Random(1)
+    try:
+        p = ids(tokens, rng)
+        hs = ks.hashes(p)
+        links = ks.links_from_block_hashes(hs, tokens)
+        keys = ks.all_rank_keys(links) + [ks.dir_key(hs[i]) for i in range(0, len(hs), ks.chunk_blocks)]
+        values = [b"x"] * len(links) + [Directory.of(hs[i:i + ks.chunk_blocks]).encode()
+                                         for i in range(0, len(hs), ks.chunk_blocks)]
+        for i in range(0, len(keys), 64):
+            assert client.upsert_small(keys[i:i + 64], values[i:i + 64]) == 0
+        d = tokens - CHUNK + 5 * BLOCK + 7
+        cases = {"whole chunks": p + ids(SUFFIX, rng), "inside the last chunk": p[:d] + ids(SUFFIX, rng),
+                 "nothing shared": ids(tokens + SUFFIX, rng)}
+        out = {}
+        for name, q in cases.items():
+            probe_hashes, xs = ks.hashes(q), []
+            r = None
+            for _ in range(n):
+                time.sleep(gap_s)
+                t0 = time.perf_counter()
+                r = reach(client, Probe(ks, probe_hashes, len(q)), len(q) - 1)
+                xs.append(time.perf_counter() - t0)
+            xs.sort()
+            out[name] = {"p50_ms": xs[len(xs) // 2] * 1e3, "p99_ms": xs[min(len(xs) - 1, int(0.99 * len(xs)))] * 1e3,
+                         "round_trips": r.round_trips, "tokens": r.tokens, "prompt_tokens": len(q)}
+            print(f"[store_divergence] lookup of a {len(q)}-token prompt, {name}: p50 {out[name]['p50_ms']:.2f} ms, "
+                  f"p99 {out[name]['p99_ms']:.2f} ms, {r.round_trips} round trip(s), reach {r.tokens}", flush=True)
+        client.remove(keys, force=True)
+        return out
+    finally:
+        client.close()
+
+
 def run(a: argparse.Namespace) -> int:
     out = output_dir(a.out)
     model = model_dir("small")
@@ -178,6 +225,7 @@ def run(a: argparse.Namespace) -> int:
     try:
         dep.cluster = StoreCluster(log_dir=out / "logs", segment_size=a.segment_gb << 30).start()
         master = dep.cluster.master_addr
+        lookups = lookup_times(dep.cluster, a.lookups) if a.lookups else {}
         (w_url, _), (s_url, _), (t_url, _) = start_engines(
             dep, model, [("div-writer", 0, store_config(master, "kv_producer")),
                          ("div-store", 1, store_config(master, "kv_consumer"), DEV_MODE),
@@ -236,7 +284,7 @@ def run(a: argparse.Namespace) -> int:
             watch.close()
         dep.stop()
     result = {"machine": machine(model), "date": datetime.now(timezone.utc).isoformat(timespec="minutes"),
-              "reps": a.reps, "chunk_tokens": CHUNK, "rows": rows, "pids": sorted(set(dep.started))}
+              "reps": a.reps, "chunk_tokens": CHUNK, "rows": rows, "lookups": lookups, "pids": sorted(set(dep.started))}
     (out / "store_divergence.md").write_text(table(rows, result))
     print("\n" + table(rows, result))
     return check.write(out / "store_divergence.json", result, "store_divergence")
@@ -309,7 +357,10 @@ def table(rows: list[dict], result: dict) -> str:
             f"{r['partial_tokens']:.0f}", _ms(r["beyond_floor_s"]), _ms(r["raw_get_s"]), _x(r["beyond_vs_raw"]),
             _ms(r["lookup_s"]), f"{o['chunks']:.0f}+{o['parts']:.0f}+{o['directories']:.0f}",
             r["objects_whole_chunks_only"], _ms(r["miss_ttft_s"])]) + " |")
-    return head + "\n".join(lines) + "\n"
+    tail = "".join(f"\nLookup of a {x['prompt_tokens']}-token prompt, {name} (the master alone, before the engines): "
+                   f"p50 {x['p50_ms']:.2f} ms, p99 {x['p99_ms']:.2f} ms, {x['round_trips']} round trip(s)."
+                   for name, x in result.get("lookups", {}).items())
+    return head + "\n".join(lines) + "\n" + tail + ("\n" if tail else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -321,11 +372,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-raw-probe", dest="raw_probe", action="store_false",
                     help="leave out the raw get of each hit's bytes")
     ap.add_argument("--segment-gb", type=int, default=6, help="the store server's segment, GiB")
+    ap.add_argument("--lookups", type=int, default=300,
+                    help="lookups timed alone per kind before the engines start (0: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "store_divergence"))
     a = ap.parse_args(argv)
     if a.quick:
-        a.prefixes, a.reps = "1024", 1
+        a.prefixes, a.reps, a.lookups = "1024", 1, 20
     if any(int(x) % CHUNK or int(x) < CHUNK for x in a.prefixes.split(",")):
         raise SystemExit(f"--prefixes must be positive multiples of {CHUNK}")
     return run(a)
