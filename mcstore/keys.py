@@ -302,6 +302,7 @@ class EngineMeta(msgspec.Struct, kw_only=True):
     key_version: str | None = None
     block_hashes: VllmBlockHashes | None = None  # links from vLLM's block hashes (key version 3)
     block_tokens: int | None = None  # tokens per block hash of our own chain (key version 4)
+    partial_hits: bool = True  # the engine saves part objects and directory entries (StoreConfig.partial_hits)
 
     def foreign(self) -> bool:
         return foreign_version(self.key_version)
@@ -311,10 +312,11 @@ class EngineMeta(msgspec.Struct, kw_only=True):
                         block_hashes=self.block_hashes, block_tokens=self.block_tokens)
 
 
-def engine_meta(ks: KeySpace, key_prefix: str, model: str | None, fields: dict[str, Any]) -> EngineMeta:
+def engine_meta(ks: KeySpace, key_prefix: str, model: str | None, fields: dict[str, Any],
+                partial_hits: bool = True) -> EngineMeta:
     return EngineMeta(fingerprint=ks.fp, chunk_tokens=ks.chunk_tokens, tp_size=ks.tp_size, pp_size=ks.pp_size,
                       key_prefix=key_prefix, model=model, fields=fields, key_version=KEY_VERSION,
-                      block_hashes=ks.block_hashes, block_tokens=ks.block_tokens)
+                      block_hashes=ks.block_hashes, block_tokens=ks.block_tokens, partial_hits=partial_hits)
 
 
 def meta_key(ks: KeySpace) -> str:

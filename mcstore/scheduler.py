@@ -85,7 +85,7 @@ class StoreScheduler:
         self.chunk_blocks = cfg.chunk_tokens // block_size
         # Blocks finer than a chunk (part objects, directories) where a key space's block hash
         # is one KV block; otherwise whole chunks only.
-        self.partial = keys.block_tokens == block_size and self.chunk_blocks > 1
+        self.partial = cfg.partial_hits and keys.block_tokens == block_size and self.chunk_blocks > 1
         self.load_enabled = load
         self.save_enabled = save
         # A pure client (no segment): the scheduler only asks what exists.

@@ -152,10 +152,11 @@ def _reach(client, ks: KeySpace, p: Prefix) -> Reach:
     return reach(client, Probe(ks, ks.hashes(p.tokens, cache_salt=p.cache_salt), len(p.tokens)))
 
 
-def _target(ks: KeySpace, p: Prefix) -> int:
+def _target(meta: EngineMeta, ks: KeySpace, p: Prefix) -> int:
     """The tokens the engine stores of a prefix: its full blocks (whole chunks only where a
-    key space has no finer block)."""
-    return len(p.tokens) // ks.block_tokens * ks.block_tokens
+    key space has no finer block or the engine keeps whole chunks only)."""
+    unit = ks.block_tokens if meta.partial_hits else ks.chunk_tokens
+    return len(p.tokens) // unit * unit
 
 
 def repin(client: StoreClient, keys: list[str], rc, lease_wait_s: float) -> dict[str, str | None]:
@@ -242,7 +243,7 @@ def warmup(prefixes: list[Prefix], meta: EngineMeta, master: str, runner, *, pin
     try:
         client.upsert(meta_key(ks), msgspec.json.encode(meta), replicate_config(hard_pin=True))
         links = [ks.links(p.tokens, cache_salt=p.cache_salt) for p in prefixes]
-        targets = [_target(ks, p) for p in prefixes]
+        targets = [_target(meta, ks, p) for p in prefixes]
         results = []
         for i, (p, ls) in enumerate(zip(prefixes, links)):
             before = sum(_present(client, ks, ls)) if ls else 0
