@@ -238,6 +238,25 @@ def test_saved_tail_and_a_divergent_chunk_are_found_and_loaded(store_cluster):
         r3 = reach(client, Probe(ks, ks.hashes(stranger), len(stranger)), len(stranger) - 1)
         assert (r3.tokens, r3.round_trips) == (0, 1)  # chunk 0's entry was asked in the first call: absent
 
+        # `mctier inspect lookup` and the router's store view reach as far (the engine's own lookup).
+        from mcstore.keys import engine_meta
+        from mcstore.tools.inspect import Inspector
+        from multi.router.storeview import StoreView
+
+        insp = Inspector(master, f"http://127.0.0.1:{store_cluster.metrics_port}", engine_meta(ks, "mct", "m", {}))
+        view = StoreView(master, "http://unused")
+        view._client, view._ks = client, ks  # the key space it would read from the engine's published one
+        try:
+            for q, want in ((reader, CHUNK + 2 * BS), (ext, 2 * CHUNK + 3 * BS), (stranger, 0)):
+                lk = insp.lookup(q)
+                assert lk.hit_tokens == view.reach(q) == want
+            lk = insp.lookup(ext)
+            assert [c.present for c in lk.chunks] == [True, True] + [False] * (len(ext) // CHUNK - 2)
+            assert (lk.partial.index, lk.partial.start, lk.partial.end, lk.partial.blocks, lk.partial.present,
+                    lk.partial.keys) == (2, 2 * CHUNK, 2 * CHUNK + 3 * BS, 3, True, [f"{part}/tp0"])
+        finally:
+            insp.close()
+
         # The reader's scheduler plans those loads; the worker fills the blocks from the objects.
         rs = _scheduler(master, ks, save=False)
         req = _request(reader, "r")
