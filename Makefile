@@ -36,7 +36,8 @@ setup:
 # ~/.cache/mctier/venv-lmcache), then the composite's decision quality (bench/tiered_bench.py), the router's
 # (bench/router_bench.py), decode streams under arriving long prefills on one
 # instance, two and 1P1D (bench/pd_load.py), store hits arriving while decode streams run, each
-# load kind (bench/store_streams.py), then a scaled window of Mooncake's conversation
+# load kind (bench/store_streams.py), store hits wherever a shared prefix ends, through the store
+# tier and the composite (bench/store_divergence.py), then a scaled window of Mooncake's conversation
 # trace through the real stack (bench/trace_replay.py) and the cluster simulator checked
 # against it (bench/sim validate), then what each connector costs when nothing is reused
 # (bench/no_reuse.py) and the scheduling step's time in store lookups when many requests
@@ -48,6 +49,7 @@ bench: setup
 	$(PY) -m bench.router_bench $(filter --quick,$(BENCH_ARGS)) $(ROUTER_BENCH_ARGS) || status=$$?; \
 	$(PY) -m bench.pd_load $(filter --quick,$(BENCH_ARGS)) || status=$$?; \
 	$(PY) -m bench.store_streams $(filter --quick,$(BENCH_ARGS)) || status=$$?; \
+	$(PY) -m bench.store_divergence $(filter --quick,$(BENCH_ARGS)) || status=$$?; \
 	$(PY) -m bench.trace_replay $(filter --quick,$(BENCH_ARGS)) || status=$$?; \
 	$(PY) -m bench.sim validate --replay bench/results/trace_replay || status=$$?; \
 	$(PY) -m bench.no_reuse $(filter --quick,$(BENCH_ARGS)) || status=$$?; \

@@ -37,6 +37,14 @@ Scheduler side (``EngineCore`` process):
     The request will not load from this tier (or no more than planned): free what
     is held for it elsewhere (P2P: the prefill instance's blocks). No-op for a tier
     that holds nothing on a request's behalf.
+``reserve_sync(request, start_token, end_token) -> bool``
+    Asked before ``plan_load`` each time vLLM asks about the request: True when this tier's
+    load of that range may end inside the step that schedules the request (vLLM's
+    synchronous load, ``load_async=False``), counted in the tier's budget for the step;
+    the load then planned is synchronous: the worker side ends it in ``start_load_kv``,
+    before the forward, reports its unfilled blocks in that step's
+    ``get_block_ids_with_load_errors`` and never reports the request in
+    ``finished_recving``. Default False (always in the background).
 
 Worker side (``Worker`` process):
 
@@ -171,6 +179,9 @@ class Tier:
 
     def release(self, request) -> None:
         raise NotImplementedError
+
+    def reserve_sync(self, request, start_token: int, end_token: int) -> bool:
+        return False
 
     # -- worker side ------------------------------------------------------------------
 

@@ -214,6 +214,34 @@ class StoreClient:
         self._after(rcs, t0, "batch_get_into_multi_buffers")
         return rcs
 
+    def fetch(self, key: str, max_bytes: int) -> bytes | None:
+        """A small object's bytes (through the client's local buffer); None when it is absent,
+        larger than ``max_bytes``, the breaker is open or the call failed. Raises nothing."""
+        if not self.available:
+            return None
+        t0 = time.monotonic()
+        try:
+            raw = self.store.get(key)
+        except Exception:  # noqa: BLE001 - a failed read is an absent object here
+            raw = None
+        self._after([], t0, "get")
+        return bytes(raw) if raw and len(raw) <= max_bytes else None
+
+    def upsert_small(self, keys: list[str], values: list[bytes]) -> int:
+        """Small objects, each inserted or replaced (``upsert_batch``, through the local buffer,
+        with the tier's replicate config): 0 when all went, else a status code. Raises nothing."""
+        if not keys:
+            return 0
+        if not self.available:
+            return -1
+        t0 = time.monotonic()
+        try:
+            rc = int(self.store.upsert_batch(keys, values, self.replicate))
+        except Exception:  # noqa: BLE001
+            rc = -1
+        self._after([rc], t0, "upsert_batch")
+        return rc
+
     def register(self, addr: int, size: int) -> None:
         check(self.store.register_buffer(addr, size), "register_buffer", f"{size} bytes at {addr:#x}")
         self._registered.append(addr)
@@ -373,7 +401,7 @@ def publish_engine_meta(cfg: StoreConfig, keys: KeySpace, vllm_config, kv_cache_
         from kvcore.vllm_glue import kv_fingerprint_fields
 
         meta = engine_meta(keys, cfg.key_prefix, cfg.model_id or vllm_config.model_config.model,
-                           kv_fingerprint_fields(vllm_config, kv_cache_config))
+                           kv_fingerprint_fields(vllm_config, kv_cache_config), cfg.partial_hits)
         return publish(cfg, meta_key(keys), msgspec.json.encode(meta), client)
     except Exception as e:  # noqa: BLE001
         logger.warning("mcstore: engine metadata not published: %s", e)

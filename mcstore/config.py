@@ -85,6 +85,12 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Bytes of the Mooncake client's local staging buffer (an int, or a string such as \"512MB\").")] = "16MB"
     chunk_tokens: Annotated[int, doc(
         "Tokens per stored object (chunk); a multiple of the engine's --block-size.")] = 256
+    partial_hits: Annotated[bool, doc(
+        "Store hits finer than a chunk: save a prompt's full blocks past its last whole chunk as one more "
+        "object and a small directory entry per saved object, and load the leading blocks of another "
+        "prompt's object that a prompt shares (to within a block of where a shared prefix ends). false: "
+        "whole chunks only, about half the master's objects per prompt at TP 1 (docs/deploy.md, sizing); "
+        "engines of either setting share their whole chunks.")] = True
     model_id: Annotated[str | None, doc(
         "Model identity in the key fingerprint; null: the served model (vLLM's model path or name). "
         "Engines share stored chunks only under equal fingerprints.")] = None

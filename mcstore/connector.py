@@ -59,8 +59,9 @@ def key_space(cfg: StoreConfig, vllm_config, kv_cache_config) -> KeySpace:
     scheme = block_hash_scheme(vllm_config, kv_cache_config, cfg.chunk_tokens)
     if scheme is not None:  # links from vLLM's block hashes (mcstore.keys): another key space
         fields["block_hashes"] = scheme
+    # Our own chain hashes one KV block at a time (the block size is in the fingerprint).
     return KeySpace(fingerprint(fields), cfg.chunk_tokens, fields["tp_size"], cfg.key_prefix,
-                    pp_size=fields["pp_size"],
+                    pp_size=fields["pp_size"], block_tokens=block_size_of(kv_cache_config),
                     block_hashes=None if scheme is None else VllmBlockHashes(**scheme))
 
 
@@ -121,6 +122,9 @@ class StoreConnector(KVConnectorBase_V1, Tier):
 
     def release(self, request) -> None:
         return None  # nothing is held elsewhere on a request's behalf
+
+    def reserve_sync(self, request, start_token: int, end_token: int) -> bool:
+        return self._sched.reserve_sync(request, start_token, end_token)
 
     def take_load_reports(self) -> list[LoadReport]:
         return self._worker.reports.take() if self._worker is not None else []

@@ -1,25 +1,39 @@
 """Store keys: one link per ``chunk_tokens``-token chunk, a SHA-256 hash of everything before it.
 
-Two ways to get the links, fixed per key space (the choice is in the fingerprint):
+Every link comes from a chain of **block hashes**, one per ``block_tokens``-token block (the
+engine's block size), each a hash of everything up to the end of its block: chunk ``i``'s link
+is ``H(fingerprint, hash of its last block)``. Two ways to get the block hashes, fixed per key
+space (the choice is in the fingerprint):
 
-- **From vLLM's block hashes** (key spaces with :class:`VllmBlockHashes`: engines whose
+- **vLLM's block hashes** (key spaces with :class:`VllmBlockHashes`: engines whose
   ``--prefix-caching-hash-algo`` is ``sha256``, vLLM's default). vLLM already hashes every
   request's full blocks, chained, on its input thread (``Request.block_hashes``: pickle plus
   SHA-256, from a seed that is ``PYTHONHASHSEED`` or vLLM's fixed default, the cache salt,
-  LoRA name and path, multimodal and prompt-embedding hashes folded in). Chunk ``i``'s link
-  is ``H(fingerprint, block hash ending chunk i)``: 128 short hashes for a 32K-token prompt
-  instead of digesting 32K token ids in the scheduler's lookup, about 5 times faster
-  (docs/benchmarks/store-hit.md). Tools without an engine
+  LoRA name and path, multimodal and prompt-embedding hashes folded in): 128 short hashes for
+  a 32K-token prompt instead of digesting 32K token ids in the scheduler's lookup, about 5
+  times faster (docs/benchmarks/store-hit.md). Tools without an engine
   recompute vLLM's hashes with :func:`vllm_sha256_block_hashes`, the same bytes (a test holds
   it to vLLM's own hasher).
 - **Our own chain** otherwise (other hash algorithms: ``xxhash`` is not collision resistant and
   ``sha256_cbor`` is not reproduced here), and in engine-less tests and benchmarks:
 
-``seed = H(fingerprint, isolation keys)``; ``link[i] = H(link[i-1], tokens of chunk i)``, the
-tokens digested as their MessagePack array (msgspec's encoding: each int in its shortest form,
-the same bytes on every host; a decoder recovers the list, so two different chunks never digest
-the same bytes). It replaced int64 little-endian in key version 2: fewer bytes to digest, a
-faster chain (docs/benchmarks/store-hit.md).
+``seed = H(fingerprint, isolation keys)``; ``block[i] = H(block[i-1], tokens of block i)``
+(:func:`chain`), the tokens digested as their MessagePack array (msgspec's encoding: each int in
+its shortest form, the same bytes on every host; a decoder recovers the list, so two different
+blocks never digest the same bytes). It replaced int64 little-endian in key version 2: fewer
+bytes to digest, a faster chain (docs/benchmarks/store-hit.md).
+
+Besides whole chunks, two kinds of keys let a reader use stored blocks past the last whole
+chunk it shares with a writer (key version 4; :mod:`mcstore.lookup` reads them):
+
+- a **part object** holds the leading ``n < chunk_blocks`` blocks of a chunk: the full blocks
+  of a saved prompt past its last whole chunk, ``{link of its last block}-b{n}``
+  (:meth:`KeySpace.part_link`), one per TP rank and stage as for a chunk;
+- a **directory** entry per saved chunk or part, keyed by the hash of its *first* block
+  (:meth:`KeySpace.dir_key`; that hash covers everything before the chunk too), lists the
+  object's block hashes (:class:`Directory`). A reader whose chunk ``k`` is missing asks for
+  the directory of its own chunk ``k``'s first block and loads as many leading blocks of the
+  named object as match its own hashes. One entry per first block: the last writer wins.
 The fingerprint digests everything that makes stored bytes (in)compatible:
 model identity, dtype, KV layout, block size, layer count, KV heads, head size,
 sliding window (when vLLM keeps such layers as full attention), TP size, PP size and
@@ -28,7 +42,7 @@ split, and chunk size (``kvcore.vllm_glue.kv_fingerprint_fields``). Isolation ke
 differ in any of them never share an object. Only ``hashlib``: deterministic across
 processes and hosts.
 
-One object per part of a chunk, a part being what one worker holds: with one pipeline
+One object per rank part of a chunk, a rank part being what one worker holds: with one pipeline
 stage ``{prefix}/{fp16}/{link hex}/tp{rank}`` (TP rank ``rank``; these keys never change),
 with ``pp_size > 1`` ``{prefix}/{fp16}/{link hex}/pp{stage}tp{rank}``. A stage's object
 holds its own layers only, ``fields["pp_layers"][stage]`` of the fingerprint (vLLM's split
@@ -55,9 +69,10 @@ from typing import Any
 import msgspec
 
 # v2: tokens digested as MessagePack, not int64. v3: links from vLLM's block hashes where vLLM
-# hashes with sha256. An engine of another version has other keys altogether (the version is
-# in the fingerprint), so it sees misses, never the other's bytes.
-KEY_VERSION = "mctier-store-v3"
+# hashes with sha256. v4: every link from a chain of block hashes (our own chain per block, not
+# per chunk), part objects and directories. An engine of another version has other keys
+# altogether (the version is in the fingerprint), so it sees misses, never the other's bytes.
+KEY_VERSION = "mctier-store-v4"
 
 
 class VllmBlockHashes(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,29 +133,72 @@ def _token_bytes(tokens: Sequence[int]) -> bytes:
         return _encode([operator.index(t) for t in tokens])
 
 
-def chain(start: bytes, tokens: Sequence[int], chunk_tokens: int) -> list[bytes]:
-    """Links of every *full* chunk of ``tokens``."""
+def chain(start: bytes, tokens: Sequence[int], block_tokens: int) -> list[bytes]:
+    """Our own chain: the hash of every *full* ``block_tokens``-token block of ``tokens``."""
     links, prev = [], start
-    for i in range(len(tokens) // chunk_tokens):
+    for i in range(len(tokens) // block_tokens):
         h = hashlib.sha256(prev)
-        h.update(_token_bytes(tokens[i * chunk_tokens : (i + 1) * chunk_tokens]))
+        h.update(_token_bytes(tokens[i * block_tokens : (i + 1) * block_tokens]))
         prev = h.digest()
         links.append(prev)
     return links
 
 
+HASH_BYTES = 32  # a block hash: SHA-256, ours and vLLM's
+
+
+class Directory(msgspec.Struct, array_like=True, frozen=True):
+    """What a directory entry holds (MessagePack): the block hashes of one stored object, its
+    first block's first, and ``check``, the first 16 bytes of SHA-256 over them, so that a read
+    mixing two writers' entries is refused rather than matched."""
+
+    hashes: list[bytes]
+    check: bytes
+
+    @classmethod
+    def of(cls, hashes: Sequence[bytes]) -> Directory:
+        hs = [bytes(h) for h in hashes]
+        return cls(hs, hashlib.sha256(b"".join(hs)).digest()[:16])
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @classmethod
+    def decode(cls, raw: bytes, max_blocks: int) -> Directory | None:
+        """The entry in ``raw``, None unless it is well formed: 1 to ``max_blocks`` hashes of
+        :data:`HASH_BYTES` bytes each and a matching check."""
+        if not raw or len(raw) > 64 + max_blocks * (HASH_BYTES + 4):
+            return None
+        try:
+            d = msgspec.msgpack.decode(raw, type=cls)
+        except msgspec.DecodeError:
+            return None
+        if not 1 <= len(d.hashes) <= max_blocks or any(len(h) != HASH_BYTES for h in d.hashes):
+            return None
+        return d if hashlib.sha256(b"".join(d.hashes)).digest()[:16] == d.check else None
+
+
 class KeySpace:
     """Key naming for one engine configuration; ``pp_rank`` is the stage whose objects
-    :meth:`key` names (a worker's own; the scheduler looks up every stage's)."""
+    :meth:`key` names (a worker's own; the scheduler looks up every stage's).
+    ``block_tokens``: tokens per block hash of our own chain (the engine's block size; default
+    the chunk, which leaves no block finer than a chunk); vLLM's hash block size with
+    ``block_hashes``."""
 
     def __init__(self, fp: str, chunk_tokens: int, tp_size: int = 1, prefix: str = "mct", *,
-                 pp_size: int = 1, pp_rank: int = 0, block_hashes: VllmBlockHashes | None = None):
+                 pp_size: int = 1, pp_rank: int = 0, block_hashes: VllmBlockHashes | None = None,
+                 block_tokens: int | None = None):
         if not 0 <= pp_rank < pp_size:
             raise ValueError(f"pipeline stage {pp_rank} outside pp_size {pp_size}")
-        if block_hashes is not None and chunk_tokens % block_hashes.block_size:
+        if block_hashes is not None:
+            block_tokens = block_hashes.block_size
+        block_tokens = block_tokens or chunk_tokens
+        if block_tokens <= 0 or chunk_tokens % block_tokens:
             raise ValueError(f"chunk of {chunk_tokens} tokens is not a whole number of "
-                             f"{block_hashes.block_size}-token vLLM hash blocks")
+                             f"{block_tokens}-token {'vLLM ' if block_hashes else ''}hash blocks")
         self.block_hashes = block_hashes
+        self.block_tokens = block_tokens
+        self.chunk_blocks = chunk_tokens // block_tokens  # block hashes per chunk
         self._fp_bytes = fp.encode()
         self.fp = fp
         self.chunk_tokens = chunk_tokens
@@ -158,31 +216,52 @@ class KeySpace:
     def stage(self, pp_rank: int) -> KeySpace:
         """The same key space naming stage ``pp_rank``'s objects."""
         return KeySpace(self.fp, self.chunk_tokens, self.tp_size, self._key_prefix, pp_size=self.pp_size,
-                        pp_rank=pp_rank, block_hashes=self.block_hashes)
+                        pp_rank=pp_rank, block_hashes=self.block_hashes, block_tokens=self.block_tokens)
 
-    def links(self, tokens: Sequence[int], cache_salt=None, lora=None, mm_hashes=()) -> list[str]:
-        """Links of every full chunk of a prompt, from its token ids (the tools' way; the
-        scheduler of a key space with vLLM block hashes uses :meth:`links_from_block_hashes`)."""
+    def hashes(self, tokens: Sequence[int], cache_salt=None, lora=None, mm_hashes=()) -> list[bytes]:
+        """The block hashes of a prompt's full blocks, from its token ids (the tools' way; the
+        scheduler of a key space with vLLM block hashes takes the request's own)."""
         if self.block_hashes is None:
-            s = seed(self.fp, cache_salt, lora, tuple(mm_hashes))
-            return [f"{self.prefix}/{link.hex()}" for link in chain(s, tokens, self.chunk_tokens)]
+            return chain(seed(self.fp, cache_salt, lora, tuple(mm_hashes)), tokens, self.block_tokens)
         if lora or mm_hashes:
             # vLLM's hashes fold in the adapter's path and the multimodal inputs themselves.
             raise ValueError("this key space's links come from vLLM's block hashes: those of a LoRA or "
                              "multimodal request are only known to the engine")
-        return self.links_from_block_hashes(vllm_sha256_block_hashes(tokens, self.block_hashes, cache_salt),
-                                            len(tokens))
+        return vllm_sha256_block_hashes(tokens, self.block_hashes, cache_salt)
+
+    def links(self, tokens: Sequence[int], cache_salt=None, lora=None, mm_hashes=()) -> list[str]:
+        """Links of every full chunk of a prompt, from its token ids."""
+        return self.links_from_block_hashes(self.hashes(tokens, cache_salt, lora, mm_hashes), len(tokens))
 
     def links_from_block_hashes(self, block_hashes: Sequence[bytes], num_tokens: int) -> list[str]:
-        """Links of the full chunks of the first ``num_tokens`` tokens from vLLM's block hashes of
-        them (``Request.block_hashes``): chunk ``i``'s is ``H(fingerprint, hash of its last block)``."""
-        per = self.chunk_tokens // self.block_hashes.block_size
+        """Links of the full chunks of the first ``num_tokens`` tokens from the block hashes of
+        them (vLLM's ``Request.block_hashes``, or :meth:`hashes`): chunk ``i``'s is
+        ``H(fingerprint, hash of its last block)``."""
+        per = self.chunk_blocks
         n = min(num_tokens // self.chunk_tokens, len(block_hashes) // per)
         fp, sha, head = self._fp_bytes, hashlib.sha256, self.prefix + "/"
         # A slice and string concatenation instead of an index and an f-string per chunk: about
         # 10% less on the scheduler's lookup path, where the sha256 calls are most of the time
         # (docs/benchmarks/store-hit.md).
         return [head + sha(fp + h).hexdigest() for h in block_hashes[per - 1 : n * per : per]]
+
+    def part_link(self, last_hash: bytes, blocks: int) -> str:
+        """The link of a part object: the leading ``blocks`` (fewer than a chunk's) blocks of a
+        chunk, the last of them hashed ``last_hash``."""
+        if not 0 < blocks < self.chunk_blocks:
+            raise ValueError(f"a part object holds 1 to {self.chunk_blocks - 1} blocks, not {blocks}")
+        return f"{self.prefix}/{hashlib.sha256(self._fp_bytes + last_hash).hexdigest()}-b{blocks}"
+
+    def object_link(self, hashes: Sequence[bytes]) -> str:
+        """The link of the object holding the blocks hashed ``hashes`` (a chunk's leading blocks:
+        all of them, a whole chunk, or fewer, a part object)."""
+        if len(hashes) == self.chunk_blocks:
+            return f"{self.prefix}/{hashlib.sha256(self._fp_bytes + hashes[-1]).hexdigest()}"
+        return self.part_link(hashes[-1], len(hashes))
+
+    def dir_key(self, first_hash: bytes) -> str:
+        """The directory entry of the chunk whose first block is hashed ``first_hash``."""
+        return f"{self.prefix}/d/{hashlib.sha256(self._fp_bytes + b'dir' + first_hash).hexdigest()}"
 
     def key(self, link: str, rank: int, stage: int | None = None) -> str:
         """The object of TP rank ``rank`` of stage ``stage`` (default: this key space's stage)."""
@@ -222,19 +301,22 @@ class EngineMeta(msgspec.Struct, kw_only=True):
     # field existed (key versions 1 and 2): tools cannot tell those apart.
     key_version: str | None = None
     block_hashes: VllmBlockHashes | None = None  # links from vLLM's block hashes (key version 3)
+    block_tokens: int | None = None  # tokens per block hash of our own chain (key version 4)
+    partial_hits: bool = True  # the engine saves part objects and directory entries (StoreConfig.partial_hits)
 
     def foreign(self) -> bool:
         return foreign_version(self.key_version)
 
     def key_space(self) -> KeySpace:
         return KeySpace(self.fingerprint, self.chunk_tokens, self.tp_size, self.key_prefix, pp_size=self.pp_size,
-                        block_hashes=self.block_hashes)
+                        block_hashes=self.block_hashes, block_tokens=self.block_tokens)
 
 
-def engine_meta(ks: KeySpace, key_prefix: str, model: str | None, fields: dict[str, Any]) -> EngineMeta:
+def engine_meta(ks: KeySpace, key_prefix: str, model: str | None, fields: dict[str, Any],
+                partial_hits: bool = True) -> EngineMeta:
     return EngineMeta(fingerprint=ks.fp, chunk_tokens=ks.chunk_tokens, tp_size=ks.tp_size, pp_size=ks.pp_size,
                       key_prefix=key_prefix, model=model, fields=fields, key_version=KEY_VERSION,
-                      block_hashes=ks.block_hashes)
+                      block_hashes=ks.block_hashes, block_tokens=ks.block_tokens, partial_hits=partial_hits)
 
 
 def meta_key(ks: KeySpace) -> str:

@@ -9,10 +9,13 @@ per region; Mooncake's TCP transport pays per range. So a chunk with more than
 ``stage_above_ranges_per_region`` ranges per region (default 4) is fetched as one range into a
 host staging buffer and its pages copied into place (:mod:`kvcore.pages`), as many chunks per
 Mooncake get as the buffer holds (``load_staging_size``, 64 MB) and one indexed copy per KV
-region for them all. Staging about halves a scattered chunk's load and batching the staged
+region for them all. Every read checks the object's size: a whole chunk's, or a part
+object's (``ChunkIO.blocks`` blocks). Staging about halves a scattered chunk's load and batching the staged
 gets halves it again, while at 1 to 3 ranges per region staging lost to its copy: hence the
-default between the two (docs/benchmarks/store-phases.md). A chunk needed from block ``first``
-on only is fetched whole into staging too.
+default between the two (docs/benchmarks/store-phases.md). An object needed only in part (from
+block ``first`` on, or its leading blocks: another prompt's chunk that this one shares up to a
+block inside it) and a part object are fetched whole into staging too, then the blocks needed
+copied: one object per load at most, so a ranged get (Mooncake has one) would save little.
 
 A read that outlasts the master's read lease (``--default_kv_lease_ttl``) fails:
 Mooncake's batch get returns LEASE_EXPIRED for it (the object may have been evicted
@@ -93,7 +96,8 @@ class Loads:
             cause = "unavailable"
         else:
             cause = None
-            full = [i for i, c in enumerate(job.chunks) if c.first == 0 and len(c.block_ids) == self.chunk_blocks]
+            full = [i for i, c in enumerate(job.chunks)
+                    if c.first == 0 and c.blocks == 0 and len(c.block_ids) == self.chunk_blocks]
             cause, gone = self._get_whole([job.chunks[i] for i in full], full, ok)
             for i, c in enumerate(job.chunks):
                 if i not in full:
@@ -183,7 +187,8 @@ class Loads:
         chunk that did not arrive whole, (None, False, len(chunks)) if all did; ``ok[idx[j]]``
         := chunk ``j`` arrived whole and is in its pages."""
         stage, stride = self._staging_buffer(), self._slot_bytes()
-        base, want, slots = stage.data_ptr(), self.chunk_bytes + self.trailer, stage.numel() // stride
+        obj = self._object_bytes(chunks[js[0]])
+        base, want, slots = stage.data_ptr(), obj + self.trailer, stage.numel() // stride
         for lo in range(0, len(js), slots):
             part = js[lo:lo + slots]
             ptrs = [[base + s * stride] for s in range(len(part))]
@@ -197,8 +202,7 @@ class Loads:
                 if rc != want:
                     cause, gone = read_cause(rc, want), is_missing(rc)
                     break
-                if self.verify and not trailer_ok(base + s * stride + self.chunk_bytes, [base + s * stride],
-                                                  [self.chunk_bytes], keys[s]):
+                if self.verify and not trailer_ok(base + s * stride + obj, [base + s * stride], [obj], keys[s]):
                     cause = "checksum"
                     break
                 good += 1
@@ -211,6 +215,10 @@ class Loads:
             if cause is not None:
                 return cause, gone, part[good]
         return None, False, len(chunks)
+
+    def _object_bytes(self, c: ChunkIO) -> int:
+        """Bytes of the pages of the object ``c`` reads from (without the trailer)."""
+        return (c.blocks or self.chunk_blocks) * self.geo.block_bytes
 
     def _slot_bytes(self) -> int:
         """Bytes between two objects in staging: one object, rounded up to 4 KiB so that every
@@ -232,17 +240,19 @@ class Loads:
         """Pages ``c.first..`` of the objects in staging slots 0, 1, ... into blocks
         ``c.block_ids``, as many blocks from each. Torch copies, not memmove: on CUDA the
         pages are device memory (kvcore.pages)."""
-        k, first = len(cs[0].block_ids), cs[0].first
-        assert all(len(c.block_ids) == k and c.first == first for c in cs)
+        k, first, nb = len(cs[0].block_ids), cs[0].first, cs[0].blocks or self.chunk_blocks
+        assert all(len(c.block_ids) == k and c.first == first and (c.blocks or self.chunk_blocks) == nb for c in cs)
+        assert first + k <= nb
         ids = [b for c in cs for b in c.block_ids]
-        for i, (r, off) in enumerate(zip(self.geo.regions, self._region_off)):
+        for i, (r, pre) in enumerate(zip(self.geo.regions, self._region_pre)):
+            off = nb * pre
             src = self._staging.as_strided((len(cs), k, r.page_bytes), (self._slot_bytes(), r.page_bytes, 1),
                                            off + first * r.page_bytes)
             self.pages.write(i, ids, src)
 
     def _load_partial(self, c: ChunkIO) -> tuple[bool, str | None, bool]:
-        """Blocks ``c.first..`` of a chunk: the whole object through staging (:meth:`_get_staged`),
-        its pages from ``c.first`` on copied; not added to the ``io_*`` counters (as before).
+        """Blocks ``[c.first, c.first + len(c.block_ids))`` of an object: the whole object through
+        staging (:meth:`_get_staged`), those pages copied; not added to the ``io_*`` counters (as before).
         (arrived whole, the cause if not, whether that cause is a miss: evicted, lease expired)."""
         ok = [False]
         cause, gone, _ = self._get_staged([c], [0], [0], ok, count_io=False)

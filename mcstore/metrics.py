@@ -16,7 +16,9 @@ time goes can be read off any engine's /metrics:
   (includes waiting for the forward pass that writes the pages);
 - ``save_exists``: the master round trip that skips chunks already stored;
 - ``save_transfer``: Mooncake's batch put from the pages (allocation at the master,
-  transfer, commit).
+  transfer, commit);
+- ``save_dirs``: writing the directory entries of the objects just saved (the first TP rank
+  of the first stage only; :mod:`mcstore.keys`).
 
 ``io_ranges`` / ``io_chunks`` (kind = load or save) count the buffer ranges handed to
 Mooncake for whole chunks and those chunks: their ratio is the descriptors per chunk,
@@ -33,6 +35,8 @@ SPEC = MetricSpec(
         "lookups": "Store lookups by outcome (kind=hit|miss|unavailable: the breaker was open|timeout: no answer "
                    "within lookup_timeout_ms|failed: the call failed), each a miss but hit",
         "hit_tokens": "Prompt tokens the store could supply at lookup",
+        "partial_hit_tokens": "Of those, the tokens past the whole chunks: leading blocks of another prompt's "
+                              "stored chunk or saved tail, found through its directory entry",
         "loads": "Loads planned, by how they run (kind=sync: inside the step that schedules the request, "
                  "sync_load_max; kind=background: while the request waits)",
         "loaded_tokens": "Tokens loaded from the store into KV blocks",
@@ -52,7 +56,7 @@ SPEC = MetricSpec(
         "load": "Duration of one request's store load",
         "save": "Duration of one save batch",
         "phase": "Time in one phase of a load or save (phase=load_queue|load_transfer|load_staging|"
-                 "load_copy|load_recheck|save_queue|save_exists|save_transfer)",
+                 "load_copy|load_recheck|save_queue|save_exists|save_transfer|save_dirs)",
     },
     op_labels={"phase": "phase"},
 )

@@ -11,16 +11,28 @@ from kvcore.vllm_glue import KVConnectorMetadata
 
 
 class ChunkIO(msgspec.Struct, array_like=True, frozen=True):
-    """Blocks ``[first, first+len(block_ids))`` of stored chunk ``link``, in these block ids.
+    """Blocks ``[first, first+len(block_ids))`` of stored object ``link``, in these block ids.
 
-    A save always covers the whole chunk (``first == 0``); a load may cover part
-    of one (when a local prefix hit or an explicit range starts or ends inside it).
+    The object is a whole chunk (``blocks == 0``) or a part object of ``blocks`` blocks, the
+    leading blocks of chunk ``index`` (:mod:`mcstore.keys`). A save always covers the whole
+    object (``first == 0``); a load may cover part of one (when a local prefix hit or an
+    explicit range starts or ends inside it, or a reader shares only its leading blocks).
     """
 
     link: str
     index: int
     block_ids: list[int]
     first: int = 0
+    blocks: int = 0
+
+
+class DirEntry(msgspec.Struct, array_like=True, frozen=True):
+    """A directory entry (``mcstore.keys.Directory``, encoded) to write once object ``link`` is
+    saved; the first TP rank of the first stage writes it."""
+
+    link: str
+    key: str
+    value: bytes
 
 
 class LoadJob(msgspec.Struct, array_like=True):
@@ -33,6 +45,7 @@ class LoadJob(msgspec.Struct, array_like=True):
 class SaveJob(msgspec.Struct, array_like=True):
     req_id: str
     chunks: list[ChunkIO]
+    dirs: list[DirEntry] = msgspec.field(default_factory=list)
 
 
 @dataclass

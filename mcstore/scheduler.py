@@ -5,25 +5,26 @@ facade exposes it, ``release`` is a no-op there), kept apart from vLLM's hooks:
 
 ``lookup(request) -> int | None``
     Prompt tokens ``[0, n)`` the store can supply: the longest prefix of full
-    chunks whose every part exists (every TP rank of every pipeline stage), capped
+    chunks whose every part exists (every TP rank of every pipeline stage), then the
+    leading blocks of one more stored object that are the request's own (a writer's chunk
+    or saved prompt tail that diverges from this prompt, or ends, inside the chunk), capped
     so the last prompt token is left to the engine; None while the answer is not in yet
-    (ask again at a later step). The request's lookup is queued when vLLM adds the request
-    (``on_new_request``, or the first call); the step's first call sends every queued lookup
-    to the master as one ``batch_is_exist`` on the lookup thread (:mod:`mcstore.batchlookup`)
-    and waits for it, at most ``lookup_wait_ms`` per step in all; what is not answered by
-    then is answered at a later step (cached per request; lookups still queued at the end of
-    the step go then). Unanswered within ``lookup_timeout_ms``: a miss (0). 0 at once while
-    the master is unreachable. With
-    ``lookup_blocking`` the call asks the master itself and answers at once. What is asked
-    and what the answers mean is :meth:`StoreScheduler._lookup_keys` and
-    :meth:`StoreScheduler._reach`, the same either way. The keys come from the
-    request's vLLM block hashes where the key space says so (``mcstore.keys``), else from
-    its token ids.
+    (ask again at a later step). What is asked and what the answers mean: :mod:`mcstore.lookup`
+    (one ``batch_is_exist``, two more round trips only when a directory entry may add blocks).
+    A lookup is queued when vLLM adds the request (``on_new_request``, or the first call); the
+    step's first call sends every queued one to the master in one batch on the lookup thread
+    (:mod:`mcstore.batchlookup`) and waits for it, at most ``lookup_wait_ms`` per step in all;
+    later answers are used at a later step. Unanswered within ``lookup_timeout_ms``: a miss;
+    0 at once while the master is unreachable. ``lookup_blocking`` asks at once. Keys: from
+    vLLM's block hashes where the key space says so (``mcstore.keys``), else the token ids.
 ``plan_load(request, start, end, block_ids)``
     Load tokens ``[start, end)`` (``start`` block aligned, ``end <= lookup``) into
     the request's blocks; ``block_ids`` is the request's block list indexed by
     block position. The worker reports the request in ``finished_recving`` and any
     block it could not fill in ``get_block_ids_with_load_errors``.
+``reserve_sync(request, start, end) -> bool``
+    Whether that load may end inside the step that schedules the request (below), counted
+    in the step's budget if so: a composite asks before answering vLLM ``load_async``.
 
 As a connector of its own (vLLM's hooks, not the composite's API),
 ``get_num_new_matched_tokens`` answers ``(None, False)`` while the request's lookup is not
@@ -34,8 +35,10 @@ before that step's forward (a failed block is reported in the same step). Larger
 any while a background load is under way, run in the background: the request waits in
 ``WAITING_FOR_REMOTE_KVS`` until the worker reports it in ``finished_recving``.
 
-Saves are planned here too: every step, each scheduled request's newly
-completed full prompt chunks (not known to be stored) go to the worker.
+Saves are planned here too (:mod:`mcstore.saveplan`): every step, each scheduled request's newly
+completed full prompt chunks (not known to be stored) go to the worker, and once all its
+full prompt blocks are computed, those past its last whole chunk as one part object (the
+tail a later turn of the conversation extends), each with its directory entry.
 """
 
 from __future__ import annotations
@@ -48,7 +51,6 @@ from kvcore.log import get_logger
 from kvcore.platform import current as current_platform
 from kvcore.tier import load_deadline_s
 from kvcore.vllm_glue import (
-    request_block_ids,
     request_cache_salt,
     request_lora_name,
     request_mm_hashes,
@@ -58,8 +60,10 @@ from mcstore.client import StoreClient
 from mcstore.config import StoreConfig
 from mcstore.events import StoreEvents
 from mcstore.keys import KeySpace
+from mcstore.lookup import Partial, Probe, Reach, finish, reach
 from mcstore.metrics import StoreStats
-from mcstore.protocol import ChunkIO, LoadJob, SaveJob, StoreMetadata
+from mcstore.protocol import ChunkIO, LoadJob, StoreMetadata
+from mcstore.saveplan import SavePlans
 
 logger = get_logger("mcstore.scheduler")
 
@@ -67,24 +71,30 @@ logger = get_logger("mcstore.scheduler")
 @dataclass
 class _Req:
     request: Any
-    links: list[str]
+    hashes: list[bytes]  # block hashes of the prompt's full blocks (the key space's block_tokens)
+    links: list[str]  # of its full chunks
     hit: int | None = None  # lookup result in tokens (None: not looked up yet)
     present: int = 0  # leading chunks found in the store at lookup
+    partial: Partial | None = None  # the object supplying blocks past them, found at lookup
     local: int = 0  # tokens computed locally when the connector was asked
     save_next: int = 0  # next chunk to consider for saving
+    tail_saved: bool = False  # the blocks past the last whole chunk went to the worker (or need not)
     saves: int = 0  # save jobs sent to the worker
     load_tried: bool = False  # one load per request: a failed one is recomputed, not retried
     sync: bool = False  # its load ends inside the step that schedules it (sync_load_max)
     pending: Lookup | None = None  # its lookup, queued or on the lookup thread (not answered yet)
 
 
-class StoreScheduler:
+class StoreScheduler(SavePlans):
     def __init__(self, cfg: StoreConfig, keys: KeySpace, block_size: int, *, load: bool, save: bool,
                  client: StoreClient | None = None, block_bytes: int = 0, events: bool = False):
         self.cfg = cfg
         self.keys = keys
         self.block_size = block_size
         self.chunk_blocks = cfg.chunk_tokens // block_size
+        # Blocks finer than a chunk (part objects, directories) where a key space's block hash
+        # is one KV block; otherwise whole chunks only.
+        self.partial = cfg.partial_hits and keys.block_tokens == block_size and self.chunk_blocks > 1
         self.load_enabled = load
         self.save_enabled = save
         # A pure client (no segment): the scheduler only asks what exists.
@@ -96,6 +106,7 @@ class StoreScheduler:
         self.block_bytes = block_bytes  # KV bytes of one block in one rank's cache (sync_load_max)
         self.sync_max = cfg.sync_load_bytes(current_platform().device_type) if block_bytes else 0
         self._step_sync = 0  # bytes of the synchronous loads planned for the coming step
+        self._granted: set[str] = set()  # requests whose load may be synchronous in the coming step
         self._async_loads: set[str] = set()  # loading in the background, not yet scheduled
         self._kv_cache_manager = None
         self._warned_hashes = False
@@ -116,12 +127,15 @@ class StoreScheduler:
     def _state(self, request) -> _Req:
         st = self._reqs.get(request.request_id)
         if st is None:
-            st = self._reqs[request.request_id] = _Req(request, self._links(request))
+            hashes = self._hashes(request)
+            st = self._reqs[request.request_id] = _Req(
+                request, hashes, self.keys.links_from_block_hashes(hashes, request.num_prompt_tokens))
         return st
 
-    def _links(self, request) -> list[str]:
+    def _hashes(self, request) -> list[bytes]:
+        """The block hashes of the request's full prompt blocks."""
         if self.keys.block_hashes is None:
-            return self.keys.links(
+            return self.keys.hashes(
                 request.prompt_token_ids or [],
                 cache_salt=request_cache_salt(request),
                 lora=request_lora_name(request),
@@ -138,7 +152,7 @@ class StoreScheduler:
                                "not looked up or saved (warned once)", request.request_id, len(hashes),
                                request.num_tokens, self.keys.block_hashes.block_size)
             return []
-        return self.keys.links_from_block_hashes(hashes, request.num_prompt_tokens)
+        return list(hashes[:request.num_prompt_tokens // self.keys.block_tokens])
 
     # -- composite API ---------------------------------------------------------------
 
@@ -181,20 +195,23 @@ class StoreScheduler:
         """Start the request's lookup: answered at once when there is nothing to ask (no full
         chunk, the master unreachable) or with ``lookup_blocking``; else queued for this step's
         batch (``st.pending``)."""
-        if not st.links:
+        if not st.links and not (self.partial and st.hashes):
             st.hit = 0
             return
         if self.client is None or not self.client.available:
             self.stats.inc("lookups:unavailable")
             st.hit = 0
             return
-        keys = self._lookup_keys(st)
+        n = st.request.num_prompt_tokens
+        probe = Probe(self.keys, st.hashes, n, self.partial, links=st.links)
         if self.blocking:
             t0 = time.perf_counter()
-            self._found(st, self._reach(st, self.client.exists(keys)), time.perf_counter() - t0)
+            self._found(st, reach(self.client, probe, usable_tokens=n - 1), time.perf_counter() - t0)
             return
-        links = st.links  # the lookup thread reads this request's keys only, never its state
-        st.pending = self.lookups.submit(keys, lambda rcs: self._reach_of(links, rcs), self.cfg.lookup_timeout_ms / 1e3)
+        # The lookup thread reads the probe only (built here), never the request's state.
+        client = self.client
+        st.pending = self.lookups.submit(probe.first_keys(), lambda rcs: finish(client, probe, rcs, n - 1),
+                                         self.cfg.lookup_timeout_ms / 1e3)
         self._waiting += 1
 
     def on_new_request(self, request) -> None:
@@ -204,34 +221,18 @@ class StoreScheduler:
             if st.hit is None and st.pending is None:
                 self._ask(st)
 
-    # What a lookup asks and what the answers mean, apart from when and on which thread it runs.
-
-    def _lookup_keys(self, st: _Req) -> list[str]:
-        """The keys a request's lookup asks about: every part of every full chunk of its prompt."""
-        return self.keys.all_rank_keys(st.links)
-
-    def _reach(self, st: _Req, rcs: list[int]) -> int:
-        return self._reach_of(st.links, rcs)
-
-    def _reach_of(self, links: list[str], rcs: list[int]) -> int:
-        """Leading chunks whose every part exists, from the answers to :meth:`_lookup_keys`
-        (runs on the lookup thread too: it reads nothing but its arguments)."""
-        n = self.keys.parts
-        present = 0
-        while present < len(links) and all(rc == 1 for rc in rcs[present * n:(present + 1) * n]):
-            present += 1
-        return present
-
-    def _found(self, st: _Req, present: int, seconds: float) -> None:
+    def _found(self, st: _Req, r: Reach, seconds: float) -> None:
         """Record a lookup's answer for the request (on the scheduler's thread)."""
-        st.present = present
-        st.hit = max(0, min(present * self.cfg.chunk_tokens, st.request.num_prompt_tokens - 1))
-        if self.events is not None and present < len(st.links):
-            self.events.gone(st.links[present])  # absent: if this engine announced it, it is removed
+        st.present, st.partial = r.chunks, r.partial
+        st.hit = max(0, min(r.tokens, st.request.num_prompt_tokens - 1))
+        if self.events is not None and r.chunks < len(st.links):
+            self.events.gone(st.links[r.chunks])  # absent: if this engine announced it, it is removed
         self.stats.observe("lookup", seconds)
         self.stats.inc("lookups:hit" if st.hit else "lookups:miss")
         if st.hit:
             self.stats.inc("hit_tokens", st.hit)
+        if r.partial is not None:
+            self.stats.inc("partial_hit_tokens", st.hit - r.chunks * self.cfg.chunk_tokens)
 
     def lookups_waiting(self) -> bool:
         """Whether a request's lookup is queued or asked and not answered yet."""
@@ -244,17 +245,31 @@ class StoreScheduler:
             raise ValueError(f"mcstore: load range [{start}, {end}) is empty or not block aligned")
         b0, b1 = start // bs, -(-end // bs)
         last_chunk = -(-b1 // cb)
-        if last_chunk > len(st.links) or b1 > len(block_ids):
-            raise ValueError(f"mcstore: load range [{start}, {end}) beyond the stored chunks "
-                             f"({len(st.links)}) or the request's blocks ({len(block_ids)})")
+        p = st.partial
+        stored = p.index * cb + p.matched if p is not None else len(st.links) * cb  # blocks a load may cover
+        if b1 > max(stored, st.present * cb) or b1 > len(block_ids):
+            raise ValueError(f"mcstore: load range [{start}, {end}) beyond the stored blocks "
+                             f"({max(stored, st.present * cb)}) or the request's blocks ({len(block_ids)})")
         chunks = []
         for c in range(b0 // cb, last_chunk):
             lo, hi = max(b0, c * cb), min(b1, (c + 1) * cb)
-            chunks.append(ChunkIO(st.links[c], c, list(block_ids[lo:hi]), lo - c * cb))
+            if p is not None and c == p.index:  # leading blocks of another prompt's object
+                chunks.append(ChunkIO(p.link, c, list(block_ids[lo:hi]), lo - c * cb, 0 if p.blocks == cb else p.blocks))
+            else:
+                chunks.append(ChunkIO(st.links[c], c, list(block_ids[lo:hi]), lo - c * cb))
         st.load_tried = True
+        st.sync = request.request_id in self._granted
         self.stats.inc("loads:sync" if st.sync else "loads:background")
         self._loads.append(LoadJob(request.request_id, chunks, load_deadline_s(self.cfg.load_timeout_s, expected_s),
                                    sync=st.sync))
+        if not st.sync:
+            self._async_loads.add(request.request_id)  # until vLLM schedules it (build_connector_meta)
+
+    def reserve_sync(self, request, start: int, end: int) -> bool:
+        """Whether a load of tokens ``[start, end)`` may end inside the step that schedules the
+        request (:meth:`_sync`), counted in this step's budget if so: what a composite asks
+        before it answers vLLM's ``load_async``. The load it plans next runs so."""
+        return self.load_enabled and end > start and self._grant(request, start, end - start)
 
     # -- vLLM hooks ------------------------------------------------------------------
 
@@ -272,8 +287,15 @@ class StoreScheduler:
         ext = hit - num_computed_tokens
         if ext <= 0:
             return 0, False
-        st.sync = self._sync(num_computed_tokens, ext)
-        return ext, not st.sync
+        return ext, not self._grant(request, num_computed_tokens, ext)
+
+    def _grant(self, request, local: int, ext: int) -> bool:
+        """:meth:`_sync`, remembered for the request until this step's metadata is built."""
+        if self._sync(local, ext):
+            self._granted.add(request.request_id)
+            return True
+        self._granted.discard(request.request_id)
+        return False
 
     def _sync(self, local: int, ext: int) -> bool:
         """Load tokens ``[local, local + ext)`` inside the step that schedules the request (vLLM's
@@ -296,8 +318,6 @@ class StoreScheduler:
             return
         st = self._state(request)
         self.plan_load(request, st.local, st.local + num_external_tokens, blocks.get_block_ids()[0])
-        if not st.sync:
-            self._async_loads.add(request.request_id)  # until vLLM schedules it (build_connector_meta)
 
     def build_connector_meta(self, scheduler_output) -> StoreMetadata:
         if self.lookups is not None:
@@ -306,6 +326,7 @@ class StoreScheduler:
         meta = StoreMetadata(loads=self._loads, preempted=sorted(scheduler_output.preempted_req_ids or ()))
         self._loads = []
         self._step_sync = 0
+        self._granted.clear()
         for req in scheduler_output.scheduled_new_reqs:
             self._async_loads.discard(req.req_id)  # its load ended (or failed): it is scheduled
         for rid in meta.preempted:
@@ -313,34 +334,13 @@ class StoreScheduler:
             if st is not None:
                 # The worker drops a preempted request's queued saves; offer them again.
                 st.save_next = 0
+                st.tail_saved = False
         if self.save_enabled:
             for rid, n in scheduler_output.num_scheduled_tokens.items():
                 job = self._plan_save(rid, n)
                 if job is not None:
                     meta.saves.append(job)
         return meta
-
-    def _plan_save(self, rid: str, num_scheduled: int) -> SaveJob | None:
-        st = self._reqs.get(rid)
-        if st is None or not st.links:
-            return None
-        req = st.request
-        done = min(req.num_computed_tokens + num_scheduled, req.num_prompt_tokens) // self.cfg.chunk_tokens
-        done = min(done, len(st.links))
-        first = max(st.save_next, st.present)
-        if done <= first:
-            return None
-        if self._kv_cache_manager is None:
-            raise RuntimeError("mcstore: scheduler connector was not bound to the KV cache manager")
-        blocks = request_block_ids(self._kv_cache_manager, rid)
-        cb = self.chunk_blocks
-        chunks = [ChunkIO(st.links[c], c, blocks[c * cb:(c + 1) * cb]) for c in range(first, done)]
-        if self.events is not None:
-            for c in range(first, done):
-                self.events.planned(rid, st.links[c], c, req)
-        st.save_next = done
-        st.saves += 1
-        return SaveJob(rid, chunks)
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)

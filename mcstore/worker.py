@@ -111,11 +111,12 @@ class StoreWorker(Loads, WorkerNews):
             self._load_trailers = torch.zeros(_TRAILER_SLOTS * _TRAILER.size, dtype=torch.uint8)
             for t in (self._save_trailers, self._load_trailers):
                 self.client.register(t.data_ptr(), t.numel())
-        # Region r of a stored chunk starts after the chunk's pages of regions < r.
-        self._region_off, off = [], 0
+        # Region r of a stored object of n blocks starts n * _region_pre[r] bytes in: after the
+        # object's pages of regions < r.
+        self._region_pre, off = [], 0
         for r in self.geo.regions:
-            self._region_off.append(off)
-            off += self.chunk_blocks * r.page_bytes
+            self._region_pre.append(off)
+            off += r.page_bytes
         # Scattered chunks load through host staging (mcstore.loads): the threshold in ranges.
         self.stage_above = int(self.cfg.stage_above_ranges_per_region * len(self.geo.regions))
         self._start_threads()
@@ -333,6 +334,7 @@ class StoreWorker(Loads, WorkerNews):
             return []
         t0 = time.monotonic()
         keys = [self.keys.key(c.link, self.rank) for c in job.chunks]
+        obj_bytes = {k: len(c.block_ids) * self.geo.block_bytes + self.trailer for k, c in zip(keys, job.chunks)}
         with self._phase("save_exists"):
             exists = self.client.exists(keys)
         todo = [(k, c) for k, c, e in zip(keys, job.chunks, exists) if e != 1]
@@ -382,12 +384,27 @@ class StoreWorker(Loads, WorkerNews):
             if retry:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.2)
+        if job.dirs and written and self.rank == 0 and self.keys.pp_rank == 0:
+            self._save_dirs(job, set(written))
         with self._lock:
             self.stats.observe("save", time.monotonic() - t0)
             if written:
-                self.stats.inc("saved_tokens", len(written) * self.cfg.chunk_tokens)
-                self.stats.inc("saved_bytes", len(written) * (self.chunk_bytes + self.trailer))
+                self.stats.inc("saved_tokens", sum(obj_bytes[k] - self.trailer for k in written) // self.geo.block_bytes
+                               * self.block_size)
+                self.stats.inc("saved_bytes", sum(obj_bytes[k] for k in written))
         return written
+
+    def _save_dirs(self, job: SaveJob, written: set[str]) -> None:
+        """The directory entries of the objects this rank just wrote (the first rank of the
+        first stage writes them; a reader still checks every part exists). Replaces an entry
+        of the same first block: the last writer wins (mcstore.keys)."""
+        dirs = [d for d in job.dirs if self.keys.key(d.link, self.rank) in written]
+        if not dirs:
+            return
+        with self._phase("save_dirs"):
+            rc = self.client.upsert_small([d.key for d in dirs], [d.value for d in dirs])
+        if rc != 0:
+            self._count(f"failures:save_dirs_{cause_of(rc)}")
 
     def close(self) -> None:
         self._stop.set()

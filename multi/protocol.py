@@ -16,6 +16,9 @@ class TieredMetadata(KVConnectorMetadata):
     # req_id -> {tier name: block ids that tier's planned load fills}; the request may run
     # once every listed tier ended its load
     loads: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    # requests among ``loads`` whose load ends before this step's forward (synchronous): the
+    # tiers report their failed blocks in this step and never report them finished-receiving
+    sync: list[str] = field(default_factory=list)
     # req_id -> tiers that hold the request's blocks after it finished
     sends: dict[str, list[str]] = field(default_factory=dict)
     # This step's forward: (new tokens, context before them) per scheduled request,

@@ -8,7 +8,11 @@ and pick one (its own compute weighed by the other requests the engine holds,
 ``Inputs.busy``: the requests it has planned and vLLM has not finished), and drives
 each tier the plan uses with its token range:
 ``tier.plan_load(request, start, end, block_ids, expected_s)`` (the plan's estimate of
-that load, which sets its deadline: ``kvcore.tier.load_deadline_s``). A tier that had
+that load, which sets its deadline: ``kvcore.tier.load_deadline_s``). A plan that loads from
+one tier, not a remote prefill, is synchronous when that tier grants it
+(``tier.reserve_sync``: the store within its ``sync_load_max`` budget): vLLM is answered
+``load_async=False``, schedules the request in the same step, and the tier's worker ends the
+load before that step's forward, as the tier alone would. A tier that had
 something for the request but is not used gets ``tier.release(request)`` (a prefill
 instance must not hold blocks for nobody). It uses the tiers only through
 ``kvcore.tier`` (the contract methods and the vLLM hooks it forwards).
@@ -43,6 +47,7 @@ class _Decision:
     busy: int = 0  # other requests the engine held when the plan was made (Inputs.busy)
     loads: list[str] = field(default_factory=list)  # tiers whose load was planned
     counted: bool = False
+    sync: bool = False  # its load ends inside the step that schedules it (reserve_sync, this step)
 
     @property
     def end(self) -> int:
@@ -60,6 +65,7 @@ class TieredScheduler:
         self.stats = TieredStats()
         self._decisions: dict[str, _Decision] = {}
         self._loads: dict[str, dict[str, list[int]]] = {}
+        self._sync: list[str] = []  # requests whose loads planned in this step are synchronous
         self._sends: dict[str, list[str]] = {}
         # Loads in flight: request -> tier -> (when the load was planned, the plan's estimate
         # of a prefill instance's compute for it, 0 for a tier with none), see load_seconds.
@@ -85,7 +91,20 @@ class TieredScheduler:
                 return None, False  # a tier's lookup is out (the store's, non-blocking): ask again later
             d = self._decisions[rid] = self._decide(request, num_computed_tokens, reach)
         ext = d.end - num_computed_tokens
-        return (ext, True) if ext > 0 else (0, False)
+        if ext <= 0:
+            return 0, False
+        d.sync = self._reserve_sync(request, d)
+        return ext, not d.sync
+
+    def _reserve_sync(self, request, d: _Decision) -> bool:
+        """Whether the plan's load may end inside the step that schedules the request: it loads
+        from one tier (a grant cannot be taken back from one tier when another refuses), not a
+        remote prefill, and that tier grants it for this step (``Tier.reserve_sync``)."""
+        if len(d.ranges) != 1:
+            return False
+        ((name, (start, end)),) = d.ranges.items()
+        tier = self.tiers[name]
+        return not tier.remote_prefill and tier.reserve_sync(request, start, end)
 
     def _decide(self, request, local: int, reach: dict[str, int]) -> _Decision:
         n = request.num_prompt_tokens
@@ -125,9 +144,12 @@ class TieredScheduler:
                 self.tiers[name].plan_load(request, start, end, ids, expected_s=d.plan.parts.get(f"{name}_s"))
                 loads[name] = blocks_of(start, end, self.block_size, ids)
                 remote = d.plan.parts.get(f"{name}_remote_s", 0.0) if self.tiers[name].remote_prefill else 0.0
-                self._planned.setdefault(rid, {})[name] = (time.monotonic(), remote)
+                if not d.sync:  # a synchronous load is learned from the worker's timing: nothing waits beyond it
+                    self._planned.setdefault(rid, {})[name] = (time.monotonic(), remote)
                 d.loads.append(name)
             self._loads[rid] = loads
+            if d.sync:
+                self._sync.append(rid)
         for name, tier in self.tiers.items():
             if name not in loads and d.reach[name] > 0:
                 tier.release(request)
@@ -139,8 +161,8 @@ class TieredScheduler:
         cached = scheduler_output.scheduled_cached_reqs
         ctx.update(zip(cached.req_ids, cached.num_computed_tokens))
         step = [(n, ctx.get(rid, 0)) for rid, n in scheduler_output.num_scheduled_tokens.items()]
-        meta = TieredMetadata(metas, loads=self._loads, sends=self._sends, step_tokens=step)
-        self._loads, self._sends = {}, {}
+        meta = TieredMetadata(metas, loads=self._loads, sends=self._sends, step_tokens=step, sync=self._sync)
+        self._loads, self._sends, self._sync = {}, {}, []
         return meta
 
     # -- results -----------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """Composite, worker side: fan the hooks out to every tier and join their results.
 
 A request planned over several tiers is reported finished-receiving once every
-one of them ended its load. When some tiers' loads fail, the blocks those tiers
+one of them ended its load. A synchronous load (``TieredMetadata.sync``) ends inside the
+step's ``start_load_kv``: vLLM expects no finished-receiving for it, and the blocks it could
+not fill are that step's load errors. When some tiers' loads fail, the blocks those tiers
 were to fill are reported invalid (vLLM then recomputes from the first invalid
 block) and the request finished, keeping what the others delivered; a failed
 tier whose blocks are unknown fails the whole request (``failed_recving``). A
@@ -63,6 +65,8 @@ class TieredWorker:
         for name, tier in self.tiers.items():
             tier.bind_connector_metadata(meta.tiers.get(name))
         for rid, per_tier in meta.loads.items():
+            if rid in meta.sync:
+                continue  # ends in this step's start_load_kv; its failed blocks come as load errors
             self._loading[rid] = set(per_tier)
             self._load_start[rid] = {k: now for k in per_tier}
             self._load_blocks[rid] = per_tier

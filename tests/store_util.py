@@ -81,9 +81,16 @@ def wait_saved(cluster, before: set[str], want: int, timeout: float = 20) -> set
 
 
 def all_keys(cluster) -> set[str]:
+    """Our keys in the store but directory entries (``mct/<fp16>/d/...``, ``mcstore.keys``): the
+    objects of stored KV (whole chunks, part objects) and the published metadata."""
+    return {k for k in every_key(cluster) if k.startswith("mct/") and k.split("/")[2:3] != ["d"]}
+
+
+def every_key(cluster) -> set[str]:
+    """Every key the master lists."""
     r = requests.get(f"http://127.0.0.1:{cluster.metrics_port}/get_all_keys", timeout=5)
     r.raise_for_status()
-    return {k for k in r.text.split() if k.startswith("mct/")}
+    return set(r.text.split())
 
 
 def kill_mid_put(master: str, keys: list[str], sizes: list[int], timeout: float = 30) -> None:

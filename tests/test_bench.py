@@ -3,7 +3,7 @@
 The tests marked ``bench_harness`` run the benchmark programs' reduced versions for real
 (``bench.suite --quick``, ``bench.router_bench --quick``, ``bench.trace_replay --quick``,
 ``bench.tiered_bench --quick``, ``bench.store_streams --quick``, ``bench.no_reuse --quick``,
-``bench.lookup_stall --quick``): a Mooncake master, the
+``bench.lookup_stall --quick``, ``bench.store_divergence --quick``): a Mooncake master, the
 store tier's writer and reader engines, LMCache's server and engines from their own
 virtualenv, 1P1D pairs, the TieredConnector and stock MultiConnector pairs, routers, and the
 raw-API benchmarks. They assert what the harness promises (every section and configuration
@@ -223,6 +223,37 @@ def test_store_streams_reads_with_each_load_kind_under_running_streams(tmp_path)
         assert x["hit_max_gap_s"] > 0 and x["hit_tpot_p50_s"] > 0, x  # the streams ran through the hit
     # 2 repetitions (warm-up included) x 2 readers x 3 checks (vs the writer, vs the own hit, cached tokens)
     assert r["token_checks"] == 12 and r["token_mismatches"] == [], r["token_mismatches"]
+    assert len(r["pids"]) == 2 + 3  # master, store server, writer, two readers
+    assert [p for p in r["pids"] if not _gone(p)] == []
+
+
+@pytest.mark.bench_harness
+def test_store_divergence_quick_measures_every_case_through_both_readers(tmp_path):
+    """``python -m bench.store_divergence --quick`` (one 1,024-token length, one repetition):
+    every case (a chunk-aligned prefix, one ending at a random offset inside a chunk, the next
+    turn of the writer's prompt) read by the store tier and by the composite, each reaching what
+    the floor's prefix cache reuses (its cached tokens, tokens equal), the raw get of the same
+    bytes and the lookup time measured, objects per prompt counted, every process gone. No
+    assertion on speed."""
+    proc = subprocess.run([sys.executable, "-m", "bench.store_divergence", "--quick", "--out", str(tmp_path)],
+                          cwd=str(ROOT), capture_output=True, text=True, timeout=900)
+    (tmp_path / "stdout.txt").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((tmp_path / "store_divergence.json").read_text())
+    assert [(x["prefix_tokens"], x["case"]) for x in r["rows"]] == [
+        (1024, "aligned"), (1024, "divergent"), (1024, "next_turn")]
+    for x in r["rows"]:
+        assert x["floor_cached"] == x["own_cached"] == x["store_cached"] == x["tiered_cached"] > 0, x
+        assert x["store_ttft_s"] > 0 and x["tiered_ttft_s"] > 0 and x["floor_ttft_s"] > 0 and x["writer_ttft_s"] > 0, x
+        assert x["raw_get_s"] > 0 and x["lookup_s"] > 0 and x["failures"] == 0, x
+        assert x["tiered_sync_loads"] == x["store_sync_loads"] == 1, x  # both readers' loads in-step
+        assert x["objects"]["chunks"] == 4 and x["objects"]["directories"] >= 4, x
+    aligned, divergent, turn = r["rows"]
+    assert aligned["partial_tokens"] == 0 and divergent["partial_tokens"] > 0 and turn["partial_tokens"] > 0
+    # 2 repetitions (warm-up included) x 3 cases x (2 readers x 2 checks (tokens, cached tokens)
+    # + the cached tokens of the reader's own prefix-cache hit)
+    assert r["token_checks"] == 30 and r["token_mismatches"] == [], r["token_mismatches"]
+    assert (tmp_path / "store_divergence.md").read_text().count("\n| 1024 |") == 3
     assert len(r["pids"]) == 2 + 3  # master, store server, writer, two readers
     assert [p for p in r["pids"] if not _gone(p)] == []
 

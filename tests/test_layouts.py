@@ -60,17 +60,24 @@ def _scheduler(ks: KeySpace, client):
 
 @pytest.mark.unit
 def test_single_stage_keys_are_unchanged():
-    """pp_size 1, mctier's own token chain: byte for byte the keys of key version 3
+    """pp_size 1, mctier's own token chain: byte for byte the keys of key version 4
     (``mcstore.keys.KEY_VERSION``, which a change of key bytes must bump; version 1 digested
-    tokens as int64, version 3 took the default key space's links from vLLM's block hashes)."""
+    tokens as int64, version 3 took the default key space's links from vLLM's block hashes,
+    version 4 made every link ``H(fingerprint, the chain's hash of the chunk's last block)``)."""
+    import hashlib
+
+    from mcstore.keys import chain, seed
+
     ks = KeySpace(fingerprint(FIELDS), CHUNK, 2)
     assert ks.pp_size == 1 and ks.parts == 2
     assert ks.all_rank_keys(ks.links(TOKENS)[:2]) == [
-        "mct/b7bdd436c46fc0cd/91584185a65ac3e4ebf403d62b991ae3a95af726ca67cb0da6c823a77ffe4777/tp0",
-        "mct/b7bdd436c46fc0cd/91584185a65ac3e4ebf403d62b991ae3a95af726ca67cb0da6c823a77ffe4777/tp1",
-        "mct/b7bdd436c46fc0cd/4bdbdf94c903d15ea331d0e3ba409e75006f4b27737737fde01eb6e0fdf11ae4/tp0",
-        "mct/b7bdd436c46fc0cd/4bdbdf94c903d15ea331d0e3ba409e75006f4b27737737fde01eb6e0fdf11ae4/tp1",
+        "mct/b3f154eabec4211e/722a8b96530c20634d0499665478dcfd86c5083e2474b8e03d16fc66b39678e9/tp0",
+        "mct/b3f154eabec4211e/722a8b96530c20634d0499665478dcfd86c5083e2474b8e03d16fc66b39678e9/tp1",
+        "mct/b3f154eabec4211e/099deaa441d0227bc9cf62ba88b631bf5befdbd3638f19479d4c3ad984dc5496/tp0",
+        "mct/b3f154eabec4211e/099deaa441d0227bc9cf62ba88b631bf5befdbd3638f19479d4c3ad984dc5496/tp1",
     ]
+    blocks = chain(seed(ks.fp), TOKENS, CHUNK)  # no block_tokens: one block hash per chunk
+    assert ks.links(TOKENS) == [f"{ks.prefix}/{hashlib.sha256(ks.fp.encode() + h).hexdigest()}" for h in blocks]
     assert ks.stage(0).key("L", 1) == "L/tp1"
 
 

@@ -346,6 +346,28 @@ def test_loads_within_sync_load_max_per_step_are_synchronous_and_others_in_the_b
     assert s.get_num_new_matched_tokens(f, 64) == (128, False)  # 4 MiB
 
 
+def test_a_composites_sync_grant_lasts_one_step_and_makes_the_planned_load_synchronous():
+    """``reserve_sync`` (the composite's question) takes from the same per-step budget as the
+    tier's own hook; the load planned in that step is synchronous, and a grant not used before
+    the step's metadata is built is gone: a later plan_load runs in the background."""
+    from mcstore.scheduler import StoreScheduler
+
+    cfg = load_config({"master": "h:1", "chunk_tokens": 64, "sync_load_max": "6MB"}, env={})
+    s = StoreScheduler(cfg, _ks(), 32, load=True, save=False, client=_AllStored(), block_bytes=1 << 20)
+    a, b = (_request(64 * 3 + 5, rid) for rid in "ab")
+    assert s.lookup(a) == s.lookup(b) == 192
+    assert s.reserve_sync(a, 0, 192) is True
+    assert s.reserve_sync(b, 0, 192) is False  # the step's 6 MiB are taken
+    s.plan_load(a, 0, 192, list(range(7)))
+    meta = s.build_connector_meta(_step("a"))
+    assert [(j.req_id, j.sync) for j in meta.loads] == [("a", True)]
+    assert s.reserve_sync(b, 0, 192) is True
+    s.build_connector_meta(_step())  # b was not scheduled in that step
+    s.plan_load(b, 0, 192, list(range(10, 17)))
+    assert [(j.req_id, j.sync) for j in s.build_connector_meta(_step("b")).loads] == [("b", False)]
+    assert s.reserve_sync(_request(64 * 3 + 5, "c"), 0, 0) is False  # nothing to load
+
+
 def test_sync_load_max_defaults_by_platform_and_names_itself_when_bad():
     cfg = load_config({"master": "h:1"}, env={})
     assert cfg.sync_load_bytes("cpu") == 32 << 20 and cfg.sync_load_bytes("cuda") == 0

@@ -376,3 +376,51 @@ def test_store_worker_reports_each_load(store_cluster, monkeypatch):
         assert not miss.ok and miss.bytes == 0
     finally:
         w.close()
+
+
+class SyncTier(FakeTier):
+    """A fake tier that grants synchronous loads while ``grant`` says so, recording what it was asked."""
+
+    def __init__(self, name: str, reach: int, grant: bool):
+        super().__init__(name, reach)
+        self.grant, self.asked = grant, []
+
+    def reserve_sync(self, request, start_token, end_token):
+        self.asked.append((request.request_id, start_token, end_token))
+        return self.grant
+
+
+@pytest.mark.parametrize("grant", [True, False])
+def test_a_single_tier_plan_is_synchronous_when_that_tier_grants_it(grant):
+    """The composite answers vLLM ``load_async=False`` for a plan that loads from one tier
+    that granted it, asking again at every step vLLM asks (a grant lasts one step); the
+    worker then expects no finished-receiving for the request, and its failed blocks still
+    come as that step's load errors."""
+    store = SyncTier("store", 1024, grant)
+    s = TieredScheduler({"store": store}, PolicyConfig(), BS, 8192.0)
+    req = request("r1", 2048, kv_source="store")
+    assert s.get_num_new_matched_tokens(req, 0) == (1024, not grant)
+    assert s.get_num_new_matched_tokens(req, 0) == (1024, not grant)  # not scheduled, asked again
+    assert store.asked == [("r1", 0, 1024)] * 2
+    s.update_state_after_alloc(req, blocks(2048), 1024)
+    meta = s.build_connector_meta(step("r1", 1024))
+    assert meta.sync == (["r1"] if grant else []) and set(meta.loads["r1"]) == {"store"}
+    w_store = FakeTier("store", 0)
+    w = TieredWorker({"store": w_store})
+    w.bind(meta)
+    w_store.errors = {105}
+    if not grant:
+        w_store.results = KVConnectorTransferResults(finished_recving={"r1"})
+    out = w.transfer_results(set())
+    assert out.finished_recving == (set() if grant else {"r1"})
+    assert w.block_ids_with_load_errors() == {105}
+    assert "r1" not in w._loading
+
+
+def test_a_plan_over_two_tiers_or_a_remote_prefill_is_never_synchronous():
+    store, p2p = SyncTier("store", 1024, True), SyncTier("p2p", 4096, True)
+    p2p.remote_prefill = True
+    s = TieredScheduler({"store": store, "p2p": p2p}, PolicyConfig(), BS, 8192.0)
+    assert s.get_num_new_matched_tokens(request("both", 4096), 0)[1] is True
+    assert s.get_num_new_matched_tokens(request("p2p", 4096, kv_source="p2p"), 0)[1] is True
+    assert store.asked == [] and p2p.asked == []

@@ -34,6 +34,15 @@ from tests.support import wait_for
 pytestmark = pytest.mark.e2e
 
 CHUNK = 64
+BLOCK = 32
+
+
+def stored(t) -> int:
+    """The tokens of a prefix the engine stores (key version 4): its full blocks, in whole
+    chunks and, past them, the part object of its tail."""
+    return len(t) // BLOCK * BLOCK
+
+
 CHUNK_BYTES = CHUNK * kv_bytes_per_token(model_dir("tiny"))  # 64 tokens of KV, every layer
 TOKEN = "s3cret-token"
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
@@ -164,14 +173,14 @@ def test_engine_publishes_its_key_space_and_warmup_needs_only_its_url(env, tmp_p
     rep = json.loads(r.stdout)
     assert rep["fingerprint"] == env.meta.fingerprint[:16] and rep["failed"] == 0
     toks = [env.renderer.text(p) for p in paras]
-    assert [p["hit_tokens"] for p in rep["prefixes"]] == [len(t) // CHUNK * CHUNK for t in toks]
+    assert [p["hit_tokens"] for p in rep["prefixes"]] == [stored(t) for t in toks]
     env.stored.extend(toks)
     # The admin API found from the master (the store server published it), no --admin.
     out = cli("inspect", "lookup", "--master", env.cluster.master_addr, "--fingerprint", env.meta.fingerprint[:16],
               "--tokens", "-", "--json", timeout=120, input=json.dumps(toks[0]))
     assert out.returncode == 0, out.stderr[-2000:]
     lk = json.loads(out.stdout)
-    assert lk["hit_tokens"] == len(toks[0]) // CHUNK * CHUNK and {c["tier"] for c in lk["chunks"]} == {"memory"}
+    assert lk["hit_tokens"] == stored(toks[0]) and {c["tier"] for c in lk["chunks"]} == {"memory"}
 
 
 def test_warmup_server_cli_stores_verifies_and_is_idempotent(env, baseline, tmp_path):
@@ -192,7 +201,7 @@ def test_warmup_server_cli_stores_verifies_and_is_idempotent(env, baseline, tmp_
         n = len(t) // CHUNK
         assert n >= 2, "test paragraphs must span several chunks"
         assert (p["status"], p["chunks"], p["present_before"], p["stored"], p["hit_tokens"]) == (
-            "ok", n, 0, n, n * CHUNK)
+            "ok", n, 0, n, stored(t))
     env.stored.extend(toks)
     assert rep["fingerprint"] == env.meta.fingerprint[:16]
 
@@ -272,14 +281,14 @@ def test_tools_from_the_model_name_alone(env, baseline, tmp_path):
     n = len(toks) // CHUNK
     assert n >= 2, "the test paragraph must span several chunks"
     assert (rep["mode"], rep["fingerprint"], rep["failed"]) == ("offline", fp16, 0)
-    assert [(p["status"], p["stored"], p["hit_tokens"]) for p in rep["prefixes"]] == [("ok", n, n * CHUNK)]
+    assert [(p["status"], p["stored"], p["hit_tokens"]) for p in rep["prefixes"]] == [("ok", n, stored(toks))]
     env.stored.append(toks)
 
     for named in (["--model", env.model], ["--engine", env.engine.url]):
         out = cli("inspect", "lookup", "--master", master, *named, "--prompt", para, "--json")
         assert out.returncode == 0, (named, out.stderr[-2000:])
         lk = json.loads(out.stdout)
-        assert (lk["fingerprint"], lk["prompt_tokens"], lk["hit_tokens"]) == (fp16, len(toks), n * CHUNK), named
+        assert (lk["fingerprint"], lk["prompt_tokens"], lk["hit_tokens"]) == (fp16, len(toks), stored(toks)), named
 
     out = cli("inspect", "keys", "--master", master, "--model", env.model, "--limit", "100000", "--json")
     assert out.returncode == 0, out.stderr[-2000:]
@@ -371,8 +380,12 @@ def test_inspection_faces(env, face):
     summ = face_call(env, face, "summary")
     rows = {r["fingerprint"]: r for r in summ["fingerprints"]}
     mine = rows[env.meta.fingerprint[:16]]
-    assert mine["chunks"] == mine["objects"] == len(want)
-    assert mine["bytes"] == len(want) * env.obj_bytes == mine["memory"]["bytes"]
+    # Besides whole chunks, the saved tails (part objects) and a directory entry per saved object.
+    parts, dirs = mine["parts"], mine["directories"]
+    assert mine["chunks"] == mine["objects"] - parts["objects"] - dirs["objects"] == len(want)
+    assert mine["bytes"] - parts["bytes"] - dirs["bytes"] == len(want) * env.obj_bytes
+    assert mine["bytes"] == mine["memory"]["bytes"]
+    assert parts["objects"] >= 1 and dirs["objects"] >= len(want) // 2
     assert mine["disk"]["objects"] == 0
     assert mine["chunk_tokens"] == CHUNK and mine["model"] == env.model  # from the published metadata object
     assert (rows[fp[:16]]["objects"], rows[fp[:16]]["bytes"]) == (3, 3 * 4096)
@@ -383,7 +396,7 @@ def test_inspection_faces(env, face):
     toks = env.stored[1] + prompt_ids(2 * CHUNK, 900)
     lk = face_call(env, face, "lookup", tokens=toks, fingerprint=env.meta.fingerprint[:16])
     n = len(env.stored[1]) // CHUNK
-    assert lk["prompt_tokens"] == len(toks) and lk["hit_tokens"] == n * CHUNK
+    assert lk["prompt_tokens"] == len(toks) and lk["hit_tokens"] == stored(env.stored[1])
     assert [c["present"] for c in lk["chunks"]] == [True] * n + [False] * (len(toks) // CHUNK - n)
     assert [c["tier"] for c in lk["chunks"][:n]] == ["memory"] * n
     assert [(c["start"], c["end"]) for c in lk["chunks"][:2]] == [(0, CHUNK), (CHUNK, 2 * CHUNK)]
@@ -437,17 +450,17 @@ def test_http_refuses_and_rejects(env):
     text = paragraph(10)
     r = requests.post(url + "/lookup", json={"prompt": text}, timeout=30)
     assert r.status_code == 200 and r.json()["prompt_tokens"] == len(env.renderer.text(text))
-    assert r.json()["hit_tokens"] == len(env.renderer.text(text)) // CHUNK * CHUNK
+    assert r.json()["hit_tokens"] == stored(env.renderer.text(text))
     # Chat messages rendered with the model's template (as warmed by the offline test): HTTP and CLI.
     chat = env.renderer.messages(env.messages, add_generation_prompt=False)
     r = requests.post(url + "/lookup", json={"messages": env.messages, "add_generation_prompt": False}, timeout=30)
-    assert r.status_code == 200 and r.json()["hit_tokens"] == len(chat) // CHUNK * CHUNK > 0
+    assert r.status_code == 200 and r.json()["hit_tokens"] == stored(chat) > 0
     f = LOGS / "tools-messages.json"
     f.write_text(json.dumps(env.messages))
     out = cli("inspect", "lookup", "--master", env.cluster.master_addr, "--admin", env.admin, "--model", env.model,
               "--fingerprint", env.meta.fingerprint[:16], "--messages", str(f), "--no-generation-prompt", "--json")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout)["hit_tokens"] == len(chat) // CHUNK * CHUNK
+    assert json.loads(out.stdout)["hit_tokens"] == stored(chat)
 
 
 def test_warmup_replicas(env):

@@ -4,6 +4,7 @@
   rank) and gives the greedy ids of a no-connector TP 2 engine that computed the same split.
 * Negative control: noise written over rank 1's objects only changes the tokens, so the
   second rank's half of the heads really comes from the store.
+* The next turn of a TP 2 writer's prompt loads its saved tail (a part object per rank).
 * A TP 1 engine on the same store misses the TP 2 prefix (its fingerprint holds the TP
   size, so its keys differ) and computes it, with the TP 1 reference's ids.
 
@@ -115,6 +116,23 @@ def test_tp2_negative_control_noise_in_rank1_objects_changes_tokens(tp2, cluster
     assert cached_tokens(r) == PREFIX
     want = reference_tokens(ref, q, MAX_TOKENS, cached_prefix=PREFIX, writers=[p])
     assert r["choices"][0]["token_ids"] != want
+
+
+def test_tp2_next_turn_loads_the_writers_tail_from_both_ranks(tp2, cluster):
+    """A saves a prompt of 8 whole chunks and one more full block: each rank writes its part of
+    the tail (a one-block part object), and B, whose prompt extends A's, loads the chunks and
+    the tail from both ranks: the ids of the TP 2 reference with that split."""
+    a, b, ref = tp2
+    p = prompt_ids(PREFIX + 40, 71)
+    before = all_keys(cluster)
+    a.complete(p, 4)
+    new = wait_saved(cluster, before, 2 * (len(p) // CHUNK) + 2, timeout=30)
+    assert sorted(k.rsplit("/", 1)[1] for k in new if k.split("/")[2].endswith("-b1")) == ["tp0", "tp1"]
+    q = p + prompt_ids(60, 72)
+    r = b.complete(q, MAX_TOKENS)
+    assert cached_tokens(r) == PREFIX + 32
+    want = reference_tokens(ref, q, MAX_TOKENS, cached_prefix=PREFIX + 32, writers=[p])
+    assert r["choices"][0]["token_ids"] == want
 
 
 def test_tp1_engine_never_reads_tp2_objects(stored, cluster, baseline):

@@ -40,7 +40,9 @@ from kvcore.procs import port_open
 from mcstore.admin import MasterAdmin, Unavailable
 from mcstore.client import StoreClient
 from mcstore.keys import KEY_VERSION, META_SUFFIX, EngineMeta, KeySpace
+from mcstore.lookup import Probe
 from mcstore.tools.engine import Renderer, meta_from_args, query_from_args, read_kv_config, store_config
+from mcstore.tools.keynames import DIR, parse_key
 from mcstore.tools.published import KeySpaceQuery, ServerModel, find_all, find_meta, tokenizer_path
 from mcstore.tools.results import (
     ChunkInfo,
@@ -49,6 +51,7 @@ from mcstore.tools.results import (
     KeyList,
     Lookup,
     NotFound,
+    PartialInfo,
     RemoveResult,
     Replicas,
     SegmentInfo,
@@ -59,19 +62,6 @@ from mcstore.tools.results import (
 __all__ = ["Inspector", "NotFound", "Unavailable", "parse_key"]
 
 _HEX16 = re.compile(r"^[0-9a-f]{16}([0-9a-f]{48})?$")
-_PART = re.compile(r"^(pp\d+)?tp\d+$")  # mcstore.keys.KeySpace.key: tp{r}, or pp{s}tp{r} with stages
-
-
-def parse_key(key: str) -> tuple[str, str, str] | None:
-    """``(prefix, fp16, link|'meta')`` for a key of ours, None otherwise."""
-    parts = key.split("/")
-    if len(parts) == 4 and len(parts[1]) == 16 and len(parts[2]) == 64 and _PART.match(parts[3]):
-        return parts[0], parts[1], parts[2]
-    if len(parts) == 3 and len(parts[1]) == 16 and parts[2] == META_SUFFIX:
-        return parts[0], parts[1], META_SUFFIX
-    return None
-
-
 def _prom_samples(text: str, keep) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -258,7 +248,12 @@ class Inspector:
                 continue
             fs.objects += 1
             fs.bytes += r.bytes
-            links.setdefault(parsed[1], set()).add(parsed[2])
+            kind = fs.directories if parsed[2] == DIR else fs.parts if "-" in parsed[2] else None
+            if kind is None:  # a whole chunk's object
+                links.setdefault(parsed[1], set()).add(parsed[2])
+            else:
+                kind.objects += 1
+                kind.bytes += r.bytes
             for tier in r.tiers:
                 usage = getattr(fs, tier)
                 usage.objects += 1
@@ -308,8 +303,8 @@ class Inspector:
     def lookup(self, tokens: Sequence[int], *, fingerprint: str | None = None, cache_salt: str | None = None,
                lora: str | None = None) -> Lookup:
         ks = self.key_space(fingerprint)
-        links = ks.links(tokens, cache_salt=cache_salt, lora=lora)
-        rank_keys = ks.all_rank_keys(links)
+        probe = Probe(ks, ks.hashes(tokens, cache_salt=cache_salt, lora=lora), len(tokens))
+        links, rank_keys = probe.links, probe.chunk_keys
         reps, note = self._presence(rank_keys)
         chunks, hit, leading = [], 0, True
         for i in range(len(links)):
@@ -323,8 +318,31 @@ class Inspector:
             leading = leading and present
             chunks.append(ChunkInfo(index=i, start=i * ks.chunk_tokens, end=(i + 1) * ks.chunk_tokens,
                                     present=present, tier=tier, bytes=sum(r.bytes for r in rs), keys=keys))
+        partial = self._partial(probe, hit // ks.chunk_tokens)
+        if partial is not None and partial.present:
+            hit = partial.end
         return Lookup(fingerprint=ks.fp[:16], chunk_tokens=ks.chunk_tokens, prompt_tokens=len(tokens),
-                      hit_tokens=hit, loadable_tokens=max(0, min(hit, len(tokens) - 1)), chunks=chunks, note=note)
+                      hit_tokens=hit, loadable_tokens=max(0, min(hit, len(tokens) - 1)), chunks=chunks, note=note,
+                      partial=partial)
+
+    def _partial(self, probe: Probe, present: int) -> PartialInfo | None:
+        """The object past ``present`` whole chunks that the engine's lookup would use (its
+        directory entry, then its parts; :mod:`mcstore.lookup`)."""
+        ks = probe.ks
+        key = probe.directory_key(present, None, probe.num_tokens)
+        p = probe.match(present, self.client.fetch(key, 64 + ks.chunk_blocks * 40)) if key else None
+        if p is None:
+            return None
+        keys = probe.part_keys(p)
+        reps, _ = self._presence(keys)
+        rs = [reps[k] for k in keys]
+        tiers = {"+".join(r.tiers) for r in rs if r.ok}
+        present_all = all(r.ok for r in rs)
+        start = present * ks.chunk_tokens
+        return PartialInfo(index=p.index, start=start, end=start + p.matched * ks.block_tokens, blocks=p.blocks,
+                           matched=p.matched, present=present_all,
+                           tier="missing" if not present_all else (tiers.pop() if len(tiers) == 1 else "mixed"),
+                           bytes=sum(r.bytes for r in rs), keys=keys)
 
     def fingerprint_prefix(self, fingerprint: str) -> str:
         """``{key_prefix}/{fp16}/``: every key of that fingerprint (its metadata object included)."""

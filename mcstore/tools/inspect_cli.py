@@ -39,9 +39,11 @@ def render(obj) -> str:
     if isinstance(obj, Summary):
         rows = [[f.fingerprint, f.model or "?", f.chunk_tokens or "?", _version(f.key_version), f.chunks, f.objects,
                  fmt_bytes(f.bytes), f"{f.memory.objects} / {fmt_bytes(f.memory.bytes)}",
-                 f"{f.disk.objects} / {fmt_bytes(f.disk.bytes)}"]
+                 f"{f.disk.objects} / {fmt_bytes(f.disk.bytes)}", f"{f.parts.objects} / {fmt_bytes(f.parts.bytes)}",
+                 f.directories.objects]
                 for f in obj.fingerprints]
-        out = [table(["fingerprint", "model", "chunk", "keys", "chunks", "objects", "bytes", "memory", "disk"], rows)]
+        out = [table(["fingerprint", "model", "chunk", "keys", "chunks", "objects", "bytes", "memory", "disk",
+                      "tails", "directories"], rows)]
         old = [f.fingerprint for f in obj.fingerprints if foreign_version(f.key_version)]
         if old:
             out.append(f"\n{len(old)} key space(s) of another mctier key version (this one: {KEY_VERSION}); their "
@@ -55,6 +57,10 @@ def render(obj) -> str:
     if isinstance(obj, Lookup):
         rows = [[c.index, f"[{c.start}, {c.end})", "yes" if c.present else "no", c.tier, fmt_bytes(c.bytes)]
                 for c in obj.chunks]
+        p = obj.partial
+        if p is not None:  # leading blocks of another stored object, past the whole chunks
+            rows.append([f"{p.index} ({p.matched} of {p.blocks} blocks)", f"[{p.start}, {p.end})",
+                         "yes" if p.present else "no", p.tier, fmt_bytes(p.bytes)])
         head = (f"fingerprint {obj.fingerprint}: {obj.hit_tokens}/{obj.prompt_tokens} prompt tokens stored "
                 f"({obj.loadable_tokens} loadable), {obj.chunk_tokens}-token chunks")
         tail = f"\n({obj.note})" if obj.note else ""

@@ -19,11 +19,13 @@ class FingerprintSummary(msgspec.Struct, kw_only=True):
     model: str | None = None
     chunk_tokens: int | None = None
     key_version: str | None = None  # EngineMeta.key_version (None: not published, or before the field)
-    objects: int = 0
-    chunks: int = 0
+    objects: int = 0  # every object of the key space (its metadata aside)
+    chunks: int = 0  # whole chunks stored (all their parts or some)
     bytes: int = 0
     memory: TierUsage = msgspec.field(default_factory=TierUsage)
     disk: TierUsage = msgspec.field(default_factory=TierUsage)
+    parts: TierUsage = msgspec.field(default_factory=TierUsage)  # of those objects: part objects (saved tails)
+    directories: TierUsage = msgspec.field(default_factory=TierUsage)  # of those objects: directory entries
 
 
 class SegmentInfo(msgspec.Struct):
@@ -53,14 +55,31 @@ class ChunkInfo(msgspec.Struct, kw_only=True):
     keys: list[str]
 
 
+class PartialInfo(msgspec.Struct, kw_only=True):
+    """Past the leading whole chunks: the stored object (another prompt's chunk, or a saved
+    prompt's tail) whose leading ``matched`` of ``blocks`` blocks are this prompt's
+    (:mod:`mcstore.lookup`); ``present`` when all its parts exist."""
+
+    index: int
+    start: int
+    end: int  # start + matched blocks
+    blocks: int
+    matched: int
+    present: bool
+    tier: str
+    bytes: int
+    keys: list[str]
+
+
 class Lookup(msgspec.Struct, kw_only=True):
     fingerprint: str
     chunk_tokens: int
     prompt_tokens: int
-    hit_tokens: int
+    hit_tokens: int  # whole chunks, then partial's blocks when present (the engine's reach)
     loadable_tokens: int
     chunks: list[ChunkInfo]
     note: str | None = None  # set when part of the answer is unknown
+    partial: PartialInfo | None = None
 
 
 class KeyInfo(msgspec.Struct):

@@ -20,8 +20,10 @@ chunks (and dedups them). The tool knows the engine's key space (the one it publ
 or derived from its settings: :mod:`mcstore.tools.published`, :mod:`mcstore.tools.engine`)
 so that it can
 
-* skip prefixes whose chunks are all present (re-running is cheap),
-* wait until the engine's asynchronous saves landed and verify the hit depth,
+* skip prefixes whose blocks are all stored (re-running is cheap),
+* wait until the engine's asynchronous saves landed and verify the hit depth (the engine's
+  own lookup, :mod:`mcstore.lookup`: whole chunks, then the full blocks past the last one,
+  which the engine saves as a part object),
 * publish ``{prefix}/{fp16}/meta`` (the key space, for ``mctier inspect``).
 
 Pinning (``--pin soft|hard``, ``--pin-ttl``, ``--replicas``): the store tier
@@ -48,6 +50,7 @@ from kvcore.errors import is_leased, is_no_space, is_not_found
 from kvcore.log import get_logger
 from mcstore.client import StoreClient, replicate_config
 from mcstore.keys import EngineMeta, KeySpace, meta_key
+from mcstore.lookup import Probe, Reach, reach
 from mcstore.tools.engine import Renderer
 from mcstore.tools.warmup_runners import OfflineRunner, Prefix, ServerRunner
 
@@ -145,6 +148,17 @@ def _present(client, ks: KeySpace, links: list[str]) -> list[bool]:
     return [all(rc == 1 for rc in rcs[i * n:(i + 1) * n]) for i in range(len(links))]
 
 
+def _reach(client, ks: KeySpace, p: Prefix) -> Reach:
+    return reach(client, Probe(ks, ks.hashes(p.tokens, cache_salt=p.cache_salt), len(p.tokens)))
+
+
+def _target(meta: EngineMeta, ks: KeySpace, p: Prefix) -> int:
+    """The tokens the engine stores of a prefix: its full blocks (whole chunks only where a
+    key space has no finer block or the engine keeps whole chunks only)."""
+    unit = ks.block_tokens if meta.partial_hits else ks.chunk_tokens
+    return len(p.tokens) // unit * unit
+
+
 def repin(client: StoreClient, keys: list[str], rc, lease_wait_s: float) -> dict[str, str | None]:
     """Re-write ``keys`` with replicate config ``rc``; per key None or why it failed."""
     import numpy as np
@@ -229,15 +243,18 @@ def warmup(prefixes: list[Prefix], meta: EngineMeta, master: str, runner, *, pin
     try:
         client.upsert(meta_key(ks), msgspec.json.encode(meta), replicate_config(hard_pin=True))
         links = [ks.links(p.tokens, cache_salt=p.cache_salt) for p in prefixes]
+        targets = [_target(meta, ks, p) for p in prefixes]
         results = []
         for i, (p, ls) in enumerate(zip(prefixes, links)):
             before = sum(_present(client, ks, ls)) if ls else 0
             results.append(PrefixResult(index=i, label=p.label, tokens=len(p.tokens), chunks=len(ls),
                                         present_before=before, stored=0, pinned=0, hit_tokens=0, status="pending"))
-        todo = [i for i, r in enumerate(results) if r.chunks and r.present_before < r.chunks]
-        for r in results:
-            if not r.chunks:
-                r.status, r.error = "failed", f"shorter than one {ks.chunk_tokens}-token chunk: nothing to store"
+        todo = [i for i, r in enumerate(results) if targets[i] and (
+            r.present_before < r.chunks or _reach(client, ks, prefixes[i]).tokens < targets[i])]
+        for i, r in enumerate(results):
+            if not targets[i]:
+                r.status, r.error = "failed", (f"shorter than one {ks.chunk_tokens}-token chunk and one "
+                                               f"{ks.block_tokens}-token block: nothing to store")
         bar = tqdm(total=len(todo), desc="warmup", unit="prefix", disable=not progress or not todo, file=sys.stderr)
         try:
             errors = runner.run([prefixes[i] for i in todo], bar) if todo else []
@@ -249,7 +266,7 @@ def warmup(prefixes: list[Prefix], meta: EngineMeta, master: str, runner, *, pin
             deadline = time.monotonic() + verify_timeout
             bar.set_postfix_str("verifying")
             while waiting:
-                waiting = [i for i in waiting if not all(_present(client, ks, links[i]))]
+                waiting = [i for i in waiting if _reach(client, ks, prefixes[i]).tokens < targets[i]]
                 if not waiting or time.monotonic() > deadline:
                     break
                 time.sleep(0.2)
@@ -264,6 +281,9 @@ def warmup(prefixes: list[Prefix], meta: EngineMeta, master: str, runner, *, pin
                 if r.status != "failed":
                     keys += [k for link, ok in zip(links[i], _present(client, ks, links[i])) if ok
                              for k in ks.all_rank_keys([link])]
+                    part = _reach(client, ks, prefixes[i]).partial  # the tail past the whole chunks
+                    if part is not None:
+                        keys += ks.all_rank_keys([part.link])
             outcome = repin(client, list(dict.fromkeys(keys)), rc, lease_wait_s)
         else:
             outcome = {}
@@ -271,15 +291,15 @@ def warmup(prefixes: list[Prefix], meta: EngineMeta, master: str, runner, *, pin
             if r.status == "failed":
                 continue
             ok = _present(client, ks, links[i])
-            r.hit_tokens = (ok.index(False) if False in ok else len(ok)) * ks.chunk_tokens
+            r.hit_tokens = _reach(client, ks, prefixes[i]).tokens
             r.stored = max(0, sum(ok) - r.present_before) if i in todo else 0
             if pin or replicas > 1:
                 r.pinned = sum(all(outcome.get(k, "missing") is None for k in ks.all_rank_keys([link]))
                                for link in links[i])
             bad = [outcome.get(k, "missing") for k in ks.all_rank_keys(links[i]) if outcome.get(k, "missing")]
-            if r.hit_tokens < r.chunks * ks.chunk_tokens:
+            if r.hit_tokens < targets[i]:
                 r.status = "failed"
-                r.error = (f"only {r.hit_tokens} of {r.chunks * ks.chunk_tokens} tokens stored after "
+                r.error = (f"only {r.hit_tokens} of {targets[i]} tokens stored after "
                            f"{verify_timeout:.0f}s: the engine saved elsewhere or not at all (check that it "
                            f"uses master {master}, that --model/--block-size/--dtype match its settings "
                            f"(fingerprint {ks.fp[:16]}, see `mctier inspect summary`), and its "

@@ -2,9 +2,11 @@
 
 ``StoreView(master, engine_url)`` finds the key space the engines of ``engine_url``'s
 model published in the store when they started (:func:`mcstore.tools.published.meta_for_server`),
-then answers :meth:`StoreView.reach`: how many leading prompt tokens the store holds,
-in whole chunks, from one ``batch_is_exist`` over the chunk keys of every TP rank and
-pipeline stage (a chunk counts only when all its parts are present, as for the tier).
+then answers :meth:`StoreView.reach`: how many leading prompt tokens the store holds, by
+the engine's own lookup (:mod:`mcstore.lookup`): whole chunks from one ``batch_is_exist``
+over the chunk keys of every TP rank and pipeline stage (a chunk counts only when all its
+parts are present, as for the tier), then the leading blocks of a stored object past them
+found through its directory entry (two more round trips, only when one may add blocks).
 
 Blocking: the router runs it in a thread under a deadline and uses its approximate store
 view when the answer is late or the store is unreachable. The lookup itself goes the store
@@ -24,6 +26,7 @@ from collections.abc import Sequence
 
 from mcstore.batchlookup import LookupQueue
 from mcstore.keys import KeySpace
+from mcstore.lookup import Probe, finish
 
 logger = logging.getLogger("mctier.router.store")
 
@@ -63,20 +66,20 @@ class StoreView:
         return self._ks
 
     def reach(self, tokens: Sequence[int], cache_salt: str | None = None) -> int:
-        """Leading prompt tokens the store holds (a multiple of the chunk size); 0 when the
-        master did not answer within ``timeout_s``."""
+        """Leading prompt tokens the store holds (a multiple of the block size), as the engine's
+        lookup finds them; 0 when the master did not answer within ``timeout_s``."""
         with self._lock:
             ks = self._key_space()
             if ks is None or not tokens:
                 return 0
-            links = ks.links(tokens, cache_salt=cache_salt)
-            if not links:
+            probe = Probe(ks, ks.hashes(tokens, cache_salt=cache_salt), len(tokens))
+            if not probe.hashes:
                 return 0
             self.lookups += 1
             if self._queue is None:
                 self._queue = LookupQueue(self._client.exists, "router")
-            lk = self._queue.submit(ks.all_rank_keys(links), lambda rcs: _chunks_held(ks, len(links), rcs),
-                                    self.timeout_s)
+            client = self._client
+            lk = self._queue.submit(probe.first_keys(), lambda rcs: finish(client, probe, rcs).tokens, self.timeout_s)
             self._queue.flush()
             queue = self._queue
         if not queue.wait(lk, self.timeout_s) or lk.result is None:
@@ -93,14 +96,3 @@ class StoreView:
                 self._client.close()
                 self._client = None
 
-
-def _chunks_held(ks: KeySpace, chunks: int, rcs: Sequence[int]) -> int:
-    """What the answers to a lookup of ``chunks`` chunks' keys mean: the leading tokens whose
-    chunks have every part (as the store tier counts them)."""
-    hit = 0
-    for i in range(chunks):
-        if all(rc == 1 for rc in rcs[i * ks.parts:(i + 1) * ks.parts]):
-            hit = (i + 1) * ks.chunk_tokens
-        else:
-            break
-    return hit
