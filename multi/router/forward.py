@@ -63,6 +63,7 @@ class Forwarder(Proxy):
         self._first_output_at: dict[str, float] = {}  # monotonic time of its first output
         self._prefill_s: dict[str, float] = {}  # a handoff's prefill request, sent to answered
         self._alone_after: dict[str, bool] = {}  # a handoff: nothing else in flight on P when its prefill ended
+        self._jobs: dict[str, Dispatch] = {}  # running requests (for the first-token hook)
         # One JSON line per routed request (see _log_decision); line-buffered, so a reader
         # (bench/trace_replay) sees every answered request without a flush.
         self.decision_log = open(decision_log, "a", buffering=1) if decision_log else None
@@ -104,9 +105,11 @@ class Forwarder(Proxy):
         inst, route = job.instance, job.route
         rid = str(uuid.uuid4())
         alone = self.chooser.begin(route, inst, job.tokens, job.cached, rid, time.monotonic())
+        self._jobs[rid] = job
         try:
             resp = await call(rid)
         finally:
+            self._jobs.pop(rid, None)
             self.chooser.end(route, inst, rid)
             first, prefill_s = self._first_output_at.pop(rid, None), self._prefill_s.pop(rid, None)
             alone_after = self._alone_after.pop(rid, not inst.inflight)
@@ -137,17 +140,23 @@ class Forwarder(Proxy):
                                    None if first is None else first - job.t0, prefill_s if pd else None)
         if first is not None:
             actual = first - job.t0
-            self.metrics.ttft.labels("predicted").observe(route.seconds)
+            self.metrics.ttft.labels("predicted").observe(route.predicted)
             self.metrics.ttft.labels("actual").observe(actual)
-            if route.seconds > 0:
-                self.metrics.ttft_ratio.observe(actual / route.seconds)
+            if route.predicted > 0:
+                self.metrics.ttft_ratio.observe(actual / route.predicted)
+                self.metrics.ttft_kind_ratio.labels(route.kind).observe(actual / route.predicted)
+            self.metrics.set_honesty(self.chooser.honesty.state())
 
     def _log_decision(self, t0: float, n: int, route: Route, status: int, ttft_s: float | None,
                       prefill_s: float | None = None) -> None:
         """``--decision-log``: what the router knew, chose and weighed for one request, and
         how it came out (``ttft_s``: from arrival to the first streamed token, None when the
         answer was not streamed or failed; ``prefill_s``: a handoff's prefill request from
-        sent to answered). Times in seconds, ``t`` on the monotonic clock."""
+        sent to answered). ``predicted_s`` is the chosen route's score (what the choice
+        compared with ``candidates``), ``ttft_predicted_s`` its predicted time to first token
+        (unweighted), ``mode`` the policy that chose (``kv``, or ``fallback POLICY`` while
+        the honesty check falls back), ``drift`` the window's median |ln(actual/predicted)|
+        per route kind. Times in seconds, ``t`` on the monotonic clock."""
         if self.decision_log is None:
             return
         rec = {"t": round(t0, 6), "n": n, "kind": route.kind, "plan": route.plan, "reason": route.reason,
@@ -155,6 +164,8 @@ class Forwarder(Proxy):
                "target": route.target.url if route.target else None,
                "cached_prefill": route.cached_prefill, "cached_target": route.cached_target, "store": route.store,
                "predicted_s": round(route.seconds, 6), "wait_s": round(route.seconds - route.base_s, 6),
+               "ttft_predicted_s": round(route.predicted, 6), "mode": route.mode,
+               "drift": {k: round(v, 4) for k, v in self.chooser.honesty.state()["drift"].items()},
                "candidates": {k: round(v, 6) for k, v in route.candidates.items()},
                "status": status, "ttft_s": None if ttft_s is None else round(ttft_s, 6),
                "prefill_s": None if prefill_s is None else round(prefill_s, 6)}
@@ -175,6 +186,9 @@ class Forwarder(Proxy):
 
     def _first_output(self, rid: str) -> None:
         self._first_output_at[rid] = time.monotonic()
+        job = self._jobs.get(rid)
+        if job is not None:
+            self.chooser.first_token(job.route, job.instance, rid)
 
     def _prefill_done(self, p, rid: str, seconds: float) -> None:
         self._prefill_s[rid] = seconds
