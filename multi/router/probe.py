@@ -34,15 +34,11 @@ import random
 import statistics
 import time
 import uuid
-from typing import TYPE_CHECKING
 
 import aiohttp
 
 from multi.router.fits import probe_compute
 from multi.router.instances import Instance
-
-if TYPE_CHECKING:
-    from multi.router.app import Router
 
 logger = logging.getLogger("mctier.router")
 
@@ -50,6 +46,9 @@ SHORT, LONG = 32, 1024  # prompt tokens of the two probe lengths
 REPEATS = 3  # timed requests per length (after one warm-up)
 HANDOFFS = 2  # per prefill instance; the first also sets up the pair's transfer connection
 IDS = (100, 1000)  # token ids drawn from this range (within any real vocabulary)
+
+
+# ``router`` below is the :class:`multi.router.app.Router` (not imported: it imports this module).
 
 
 class _NoClient:
@@ -66,7 +65,7 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(*IDS) for _ in range(n)]
 
 
-async def _card(router: Router, inst: Instance, deadline: float) -> tuple[str, int | None]:
+async def _card(router, inst: Instance, deadline: float) -> tuple[str, int | None]:
     """The served model's name and ``max_model_len`` from the instance's ``/v1/models``."""
     t = aiohttp.ClientTimeout(total=max(0.1, deadline - time.monotonic()))
     try:
@@ -78,7 +77,7 @@ async def _card(router: Router, inst: Instance, deadline: float) -> tuple[str, i
     return str(card["id"]), limit if isinstance(limit, int) and limit > 0 else None
 
 
-async def _time_one(router: Router, inst: Instance, body: dict, deadline: float) -> float:
+async def _time_one(router, inst: Instance, body: dict, deadline: float) -> float:
     t = aiohttp.ClientTimeout(total=max(0.1, deadline - time.monotonic()))
     t0 = time.monotonic()
     try:
@@ -95,7 +94,7 @@ def _busy(inst: Instance) -> bool:
     return bool(inst.inflight or inst.decoding)
 
 
-async def probe_compute_of(router: Router, inst: Instance, deadline: float) -> list[float]:
+async def probe_compute_of(router, inst: Instance, deadline: float) -> list[float]:
     """Time the two lengths on ``inst`` and seed its fit; returns ``[step, token, attn]``."""
     model, limit = await _card(router, inst, deadline)
     rng = random.Random(f"{inst.url}-{time.time_ns()}")
@@ -118,7 +117,7 @@ async def probe_compute_of(router: Router, inst: Instance, deadline: float) -> l
     return compute
 
 
-async def probe_handoff(router: Router, p: Instance, deadline: float) -> float | None:
+async def probe_handoff(router, p: Instance, deadline: float) -> float | None:
     """Real handoffs through ``p`` (module docstring); seeds its ``p2p`` fit, returns the
     handoff's fixed cost in seconds (None without a healthy decode instance)."""
     decodes = router.pool.role("decode")
@@ -153,7 +152,7 @@ async def probe_handoff(router: Router, p: Instance, deadline: float) -> float |
     return best
 
 
-async def probe(router: Router, instances: list[Instance], timeout: float) -> dict[str, dict]:
+async def probe(router, instances: list[Instance], timeout: float) -> dict[str, dict]:
     """Probe ``instances`` one after the other within ``timeout`` seconds in all: the
     compute of each, then the handoff of each prefill instance. Returns, per URL, what was
     measured (``step``, ``token``, ``handoff``) or ``error``; never raises."""
