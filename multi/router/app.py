@@ -302,8 +302,9 @@ class Router(Forwarder):
             self._log_decision(t0, len(tokens), route, resp.status, None)
             return self._answer(resp)
         ttft: dict[str, float] = {}
+        booked = self.reserve(route, tokens, hashes, t0, body)
         try:
-            resp = await asyncio.wait_for(self._execute(request, path, body, route, tokens, hashes, t0, ttft),
+            resp = await asyncio.wait_for(self._execute(request, path, body, route, tokens, hashes, t0, ttft, booked),
                                           self.timeout)
         except ProxyError as e:
             logger.warning("%s: %s", path, e.message)
@@ -313,5 +314,7 @@ class Router(Forwarder):
         except asyncio.CancelledError:  # the client went away: logged with nginx's 499
             self._log_decision(t0, len(tokens), route, 499, ttft.get("s"), ttft.get("prefill_s"))
             raise
+        finally:
+            self.release(booked)  # a request cancelled before its run started
         self._log_decision(t0, len(tokens), route, resp.status, ttft.get("s"), ttft.get("prefill_s"))
         return self._answer(resp)

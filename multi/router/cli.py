@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-size", type=int, default=32, help="the engines' --block-size (tokens)")
     ap.add_argument("--tokenizer", help="tokenizer path (default: the served model's path when it exists here, "
                                         "else the instances' /tokenize)")
-    ap.add_argument("--policy-config", help="JSON of multi.policy.PolicyConfig fields")
+    ap.add_argument("--policy-config", help="JSON of multi.policy.PolicyConfig fields (the router's default "
+                                            "local_compute_weight is 1: it chooses by time to first token)")
     ap.add_argument("--probe-timeout", type=float,
                     help="deadline in seconds of the start-up probe, which times a few tiny requests on every "
                          "instance (and a handoff through every prefill instance) to seed the cost model "
@@ -153,13 +154,28 @@ def _served_root(pool: Pool, timeout: float) -> str | None:
     return None
 
 
+ROUTER_DEFAULTS = {"local_compute_weight": 1.0}
+
+
+def policy_config(raw: str | None) -> PolicyConfig:
+    """``--policy-config``: :class:`multi.policy.PolicyConfig` fields, over the router's own
+    defaults (:data:`ROUTER_DEFAULTS`): the router chooses by time to first token, so a decode
+    instance's own compute counts at its seconds (``local_compute_weight`` 1; the connector's
+    1.5 protects its decode batch, and made the router hand off requests that a direct route
+    answered sooner: docs/benchmarks/router.md). Raises ``msgspec`` errors on bad input."""
+    fields = msgspec.json.decode(raw) if raw else {}
+    if not isinstance(fields, dict):
+        raise ValueError(f"--policy-config must be a JSON object, got {raw!r}")
+    return msgspec.convert({**ROUTER_DEFAULTS, **fields}, type=PolicyConfig)
+
+
 def build_app(a: argparse.Namespace) -> web.Application:
     pool = Pool(_instances(a))
     try:
         pool.validate()
         if a.policy == "handoff" and not pool.disaggregated:
             raise ValueError("--policy handoff needs --prefill and --decode instances")
-        cfg = msgspec.json.decode(a.policy_config, type=PolicyConfig) if a.policy_config else PolicyConfig()
+        cfg = policy_config(a.policy_config)
     except (ValueError, msgspec.ValidationError, msgspec.DecodeError) as e:
         raise SystemExit(f"mctier proxy: {e}") from None
     root = None if a.kv_bytes_per_token is not None else _served_root(pool, a.connect_timeout)

@@ -19,9 +19,11 @@ as well as the wait instead of being discarded: the queue ahead is in the featur
 sample's error counts relative to the wait it had (its seconds less its predicted
 compute, at least :data:`MIN_WAIT_S`), and absolutely below ``floor`` seconds: weighted
 relatively, near-0 waits drove the queue's coefficients to 0
-(docs/benchmarks/sim-cluster.md, ``tests/test_sim.py``). Under a steady load the wait's features barely move and
-are collinear with the compute's; a ridge that never fades (``ridge``, on the compute terms
-and ``a``) keeps the split near the prior or the probe's measurement there.
+(docs/benchmarks/sim-cluster.md, ``tests/test_sim.py``). Under a steady load the wait's
+features barely move and are collinear with the compute's: the solve keeps every coefficient
+within its bounds (``bounded``; clipping the free solution undid half of a trade between
+collinear coefficients), and a ridge that never fades (:data:`RIDGE` samples' worth, on
+every coefficient) keeps the split near the anchor (the prior or the probe's measurement).
 
 Priors: the compute terms from :class:`multi.policy.PolicyConfig` (``prefill_*``), the wait
 ``(a, b, c_w, d) = (0, 1, 1, 0)``: each request in flight delays this one by about its own
@@ -52,7 +54,7 @@ WAIT_PRIOR = [0.0, 1.0, 1.0, 0.0]
 PROBED_WAIT = [0.0, 0.0, 1.0, 0.0]
 WAIT_LOWER, WAIT_UPPER, WAIT_SCALE = [0.0, 0.0, 0.0, 0.0], [30.0, 30.0, 10.0, 1.0], [1.0, 0.1, 0.1, 10.0]
 MIN_WAIT_S = 0.005  # the smallest wait a sample's error counts relative to
-RIDGE = 0.3  # samples' worth, on the compute terms and the busy constant (module docstring)
+RIDGE = 0.3  # samples' worth, on every coefficient (module docstring)
 
 
 class InstanceFit:

@@ -49,6 +49,16 @@ class Dispatch:
     stream: bool  # the client asked for a streamed answer (only then is a first token seen)
 
 
+@dataclass
+class Reservation:
+    """A route's first run booked at choice time (:meth:`Forwarder.reserve`)."""
+
+    job: Dispatch
+    rid: str
+    alone: bool
+    taken: bool = False
+
+
 class Forwarder(Proxy):
     """Runs routes and keeps their books; :class:`multi.router.app.Router` adds the views,
     the health checks and the handlers."""
@@ -68,22 +78,43 @@ class Forwarder(Proxy):
         # (bench/trace_replay) sees every answered request without a flush.
         self.decision_log = open(decision_log, "a", buffering=1) if decision_log else None
 
-    async def _execute(self, request, path, body, route: Route, tokens, hashes, t0, ttft: dict) -> web.StreamResponse:
-        n, stream = len(tokens), bool(body.get("stream"))
+    def _dispatch(self, route: Route, p, tokens, hashes, t0, stream: bool) -> Dispatch:
+        n = len(tokens)
         if route.kind == "direct":
-            job = Dispatch(route.target, route, n, max(route.cached_target, route.store), hashes, t0,
-                           handoff=False, stream=stream)
+            return Dispatch(route.target, route, n, max(route.cached_target, route.store), hashes, t0,
+                            handoff=False, stream=stream)
+        return Dispatch(p, route, n, max(route.cached_prefill, route.store), hashes, t0, handoff=True, stream=stream)
+
+    def reserve(self, route: Route, tokens, hashes, t0, body: dict) -> Reservation:
+        """Book the chosen route's first run on its instance at once, in the same step as the
+        choice (:meth:`Chooser.begin`): the next request's choice sees it queued, even before
+        this one's task runs. :meth:`_execute` takes the booking over; :meth:`release` undoes
+        one it never took (a request cancelled before it ran)."""
+        job = self._dispatch(route, route.prefill, tokens, hashes, t0, bool(body.get("stream")))
+        rid = str(uuid.uuid4())
+        return Reservation(job, rid, self.chooser.begin(route, job.instance, job.tokens, job.cached, rid,
+                                                        time.monotonic()))
+
+    def release(self, res: Reservation) -> None:
+        if not res.taken:
+            res.taken = True
+            self.chooser.end(res.job.route, res.job.instance, res.rid)
+
+    async def _execute(self, request, path, body, route: Route, tokens, hashes, t0, ttft: dict,
+                       booked: Reservation | None = None) -> web.StreamResponse:
+        stream = bool(body.get("stream"))
+        if route.kind == "direct":
+            job = self._dispatch(route, None, tokens, hashes, t0, stream)
             return await self._run_tracked(job, lambda rid: self._direct(request, path, body, route.target, rid),
-                                           ttft=ttft)
+                                           ttft=ttft, booked=booked)
         tried: set[str] = set()
         p = route.prefill
         while True:
             tried.add(p.url)
-            job = Dispatch(p, route, n, max(route.cached_prefill, route.store), hashes, t0, handoff=True,
-                           stream=stream)
+            job = self._dispatch(route, p, tokens, hashes, t0, stream)
             try:
                 return await self._run_tracked(job, lambda rid: self._run(request, path, body, p, route.target, rid),
-                                               ttft=ttft)
+                                               ttft=ttft, booked=booked)
             except ProxyError as e:
                 if not e.prefill_failed:
                     raise
@@ -97,14 +128,23 @@ class Forwarder(Proxy):
                 p = min(others, key=lambda i: i.queue_s())
                 # The estimate was made for the first instance: teach no wait fit with this one.
                 route.prefill, route.wait_features = p, []
+                booked = None
 
-    async def _run_tracked(self, job: Dispatch, call, ttft: dict | None = None) -> web.StreamResponse:
+    async def _run_tracked(self, job: Dispatch, call, ttft: dict | None = None,
+                           booked: Reservation | None = None) -> web.StreamResponse:
         """Run ``call(rid)`` with ``job.instance``'s bookkeeping: outstanding counts, queued
-        work, then what it teaches the index and the cost model; a streamed answer's time to
-        first token goes into ``ttft["s"]`` (a handoff's prefill time into ``ttft["prefill_s"]``)."""
+        work (booked by :meth:`reserve` when ``booked`` is given), then what it teaches the
+        index and the cost model; a streamed answer's time to first token goes into
+        ``ttft["s"]`` (a handoff's prefill time into ``ttft["prefill_s"]``)."""
         inst, route = job.instance, job.route
-        rid = str(uuid.uuid4())
-        alone = self.chooser.begin(route, inst, job.tokens, job.cached, rid, time.monotonic())
+        if booked is not None and not booked.taken and booked.job.instance is inst:
+            booked.taken = True
+            rid, alone = booked.rid, booked.alone
+        else:
+            if booked is not None:
+                self.release(booked)
+            rid = str(uuid.uuid4())
+            alone = self.chooser.begin(route, inst, job.tokens, job.cached, rid, time.monotonic())
         self._jobs[rid] = job
         try:
             resp = await call(rid)

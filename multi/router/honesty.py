@@ -7,11 +7,15 @@ last :attr:`Honesty.window` answers (``kind``: ``direct`` or ``pd``; ``alternati
 best predicted TTFT of each route kind the router weighed for that request). For a kind
 with at least ``min_samples`` answers in the window:
 
-    drift_k = median over the kind's answers of |ln(actual / predicted)|
+    drift_k = |median over the kind's answers of ln(actual / predicted)|
     ratio_k = median of actual / predicted
 
+The drift is the estimates' bias, not their spread: on a shared host single answers spread
+by +-30% around unbiased estimates (docs/benchmarks/router.md), which says nothing about
+which policy serves better, while a bias makes the router weigh routes wrongly.
+
 **Fallback.** While the ``kv`` policy decides, a kind whose drift exceeds ``enter``
-(ln 1.5 by default: half its answers off by more than 1.5x) switches it to the better
+(ln 1.5 by default: its estimates off by more than 1.5x, one way) switches it to the better
 fixed policy: in a pool of plain instances ``least-outstanding``; in a P/D pool
 ``direct`` or ``handoff``, whichever the window says serves sooner, the kind ``k``
 minimising
@@ -27,7 +31,7 @@ enough answers drifts less than ``leave`` (ln 1.25: the target). The hysteresis 
 ``enter`` and ``leave`` and the growing hold stop it from flapping.
 
 **Admission margin.** :meth:`Honesty.margin` is the 0.9-quantile of actual / predicted of
-a kind over the window (1 with too few answers), clamped to [0.8, 3]: admission
+a kind over the window (1 with fewer than ``min_samples`` answers), clamped to [0.8, 3]: admission
 (:mod:`multi.router.admission`) compares ``predicted * margin`` with the target, so that
 about 90% of what it admits meets it even when the estimates err.
 """
@@ -59,7 +63,7 @@ class Answer:
 
 
 class Honesty:
-    def __init__(self, disaggregated: bool = True, window: int = 64, min_samples: int = 8,
+    def __init__(self, disaggregated: bool = True, window: int = 64, min_samples: int = 16,
                  enter: float = ENTER, leave: float = LEAVE, hold: int = 32, enabled: bool = True):
         self.disaggregated = disaggregated
         self.window = deque(maxlen=window)
@@ -77,9 +81,9 @@ class Honesty:
         return [a.actual / a.predicted for a in self.window if a.kind == kind and a.predicted > 0]
 
     def drift(self, kind: str) -> float | None:
-        """Median |ln(actual / predicted)| of ``kind`` over the window; None with too few."""
+        """|Median ln(actual / predicted)| of ``kind`` over the window; None with too few."""
         r = self._ratios(kind)
-        return _quantile([abs(math.log(x)) for x in r], 0.5) if len(r) >= self.min_samples else None
+        return abs(math.log(_quantile(r, 0.5))) if len(r) >= self.min_samples else None
 
     def ratio(self, kind: str) -> float | None:
         r = self._ratios(kind)

@@ -14,9 +14,9 @@ rotation, :meth:`multi.router.app.Router.start` and its health loop):
   many samples as were timed) and its cost model;
 - for each prefill instance, :data:`HANDOFFS` real handoffs of a :data:`LONG`-token prompt
   through it to the least loaded decode instance (the P2P tier's proxy contract,
-  :meth:`p2p.proxy.Proxy._run`); the fastest one's time from the prefill's answer to the
-  decode instance's, less the decode instance's compute of the last token, is the handoff's
-  fixed cost: it seeds the prefill instance's ``p2p`` load fit (latency; the bandwidth stays
+  :mod:`p2p.proxy`), the decode request sent once the prefill answered; the fastest one's
+  time from the prefill's answer to the decode instance's, less the decode instance's compute
+  of the last token, is the handoff's fixed cost: it seeds the prefill instance's ``p2p`` load fit (latency; the bandwidth stays
   the prior's).
 
 Every request has a deadline (what is left of ``timeout``); a failed or late probe leaves
@@ -39,6 +39,7 @@ import aiohttp
 
 from multi.router.fits import probe_compute
 from multi.router.instances import Instance
+from p2p.proxy import ProxyError, decode_body, prefill_body
 
 logger = logging.getLogger("mctier.router")
 
@@ -49,12 +50,6 @@ IDS = (100, 1000)  # token ids drawn from this range (within any real vocabulary
 
 
 # ``router`` below is the :class:`multi.router.app.Router` (not imported: it imports this module).
-
-
-class _NoClient:
-    """What :meth:`p2p.proxy.Proxy._run` reads of a client request when there is none."""
-
-    headers: dict[str, str] = {}
 
 
 class ProbeFailed(Exception):
@@ -118,8 +113,10 @@ async def probe_compute_of(router, inst: Instance, deadline: float) -> list[floa
 
 
 async def probe_handoff(router, p: Instance, deadline: float) -> float | None:
-    """Real handoffs through ``p`` (module docstring); seeds its ``p2p`` fit, returns the
-    handoff's fixed cost in seconds (None without a healthy decode instance)."""
+    """Real handoffs through ``p`` (module docstring): the prefill request, then the decode
+    request once the prefill answered, so that the decode's time is the handoff's alone.
+    Seeds ``p``'s ``p2p`` fit; returns the handoff's fixed cost in seconds (None without a
+    healthy decode instance)."""
     decodes = router.pool.role("decode")
     if not decodes:
         return None
@@ -127,24 +124,34 @@ async def probe_handoff(router, p: Instance, deadline: float) -> float | None:
     model, limit = await _card(router, d, deadline)
     n = LONG if limit is None else max(SHORT + 1, min(LONG, limit - 8))
     rng = random.Random(f"{p.url}-handoff-{time.time_ns()}")
-    best = None
+    path, best = "/v1/completions", None
     for _ in range(HANDOFFS):
         rid = f"probe-{uuid.uuid4()}"
+        tid, headers = f"xfer-{rid}", {"X-Request-Id": rid}
         body = {"model": model, "prompt": _prompt(rng, n), "max_tokens": 1, "temperature": 0}
-        t0 = time.monotonic()
+        prefilled = False
         try:
-            resp = await asyncio.wait_for(router._run(_NoClient(), "/v1/completions", body, p, d, rid),
-                                          max(0.1, deadline - time.monotonic()))
-        except Exception as e:  # noqa: BLE001 - ProxyError, a timeout: the priors stay
-            raise ProbeFailed(f"handoff to {d.url}: {e!r}") from None
+            engine_id = await asyncio.wait_for(router._engine_id(p), max(0.1, deadline - time.monotonic()))
+            await asyncio.wait_for(router._prefill(p, path, prefill_body(body, tid), headers, rid),
+                                   max(0.1, deadline - time.monotonic()))
+            prefilled = True
+            t1 = time.monotonic()
+            resp, data = await asyncio.wait_for(
+                router._decode_first(d, path, decode_body(body, {}, p.bootstrap, engine_id, tid), headers, False),
+                max(0.1, deadline - time.monotonic()))
+            resp.release()
+            seconds = time.monotonic() - t1
+            if resp.status != 200:
+                raise ProbeFailed(f"decode {d.url}: HTTP {resp.status}: {data[:200].decode(errors='replace')}")
+            prefilled = False  # pulled: nothing held
+        except (ProxyError, asyncio.TimeoutError, aiohttp.ClientError) as e:
+            raise ProbeFailed(f"handoff {p.url} -> {d.url}: {e!r}") from None
         finally:
-            prefill_s = router._prefill_s.pop(rid, None)
+            router._prefill_s.pop(rid, None)
             router._alone_after.pop(rid, None)
-            router._first_output_at.pop(rid, None)
-        total = time.monotonic() - t0
-        if resp.status != 200 or prefill_s is None:
-            raise ProbeFailed(f"handoff to {d.url}: HTTP {resp.status}")
-        seconds = total - prefill_s - router.chooser.model(d).compute_s(n - 1, n)
+            if prefilled:  # the prefill holds its blocks for a pull that did not come
+                router._release_later(p, p.engine_id or "", tid)
+        seconds -= router.chooser.model(d).compute_s(n - 1, n)
         best = seconds if best is None else min(best, seconds)
     best = max(best, 0.0)
     router.chooser.seed_handoff(p, best, n - 1)
