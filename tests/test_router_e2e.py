@@ -5,9 +5,11 @@ with ``TieredConnector`` (the tiny model, store chunks of 256 tokens), each publ
 vLLM's KV events over ZMQ; the router with the exact store view (``--store``) and
 the events (``--kv-events``), its cost model on its priors (``calibrate: false``, so
 the routes do not depend on this machine's speed) with the decode instance's compute
-always weighed (``idle_compute_s: 0``); and the session's no-connector reference
-engine (``conftest.baseline``). Every answer's greedy ids equal the reference's for the same computation
-(``reference_tokens``: the passes that produced the KV it reused, then the prompt).
+always weighed (``idle_compute_s: 0``) and prefill instances only prefilling
+(``--no-direct-to-prefill``: the routes under test are the handoff and the decode
+instance); and the session's no-connector reference engine (``conftest.baseline``). Every
+answer's greedy ids equal the reference's for the same computation (``reference_tokens``:
+the passes that produced the KV it reused, then the prompt).
 
 One more router, ``test_start_up_probe_seeds_estimates_that_match_this_machine``, learns
 (the default ``PolicyConfig``) and starts with its probe (``multi.router.probe``).
@@ -87,7 +89,7 @@ class Routed:
 
     def router(self, name: str, health_interval: float = 1.0, extra: list[str] | None = None):
         return start_proxy(name, self.prefill_specs(), self.d.url, 120, policy="kv", wait_s=60,
-                           extra=["--store", self.master, "--policy-config", POLICY,
+                           extra=["--store", self.master, "--policy-config", POLICY, "--no-direct-to-prefill",
                                   "--health-interval", str(health_interval), *(extra or [])])
 
     def complete(self, prompt, max_tokens=8, url=None, headers=None, **body) -> requests.Response:

@@ -239,3 +239,31 @@ def test_handoff_needs_prefill_instances():
 
     with pytest.raises(SystemExit, match="--policy handoff needs --prefill and --decode"):
         build_app(parse_args(["--plain", "http://127.0.0.1:9", "--policy", "handoff", "--kv-bytes-per-token", "1"]))
+
+
+def test_kv_serves_a_request_whole_on_a_prefill_instance_when_that_is_sooner():
+    # Measured: the prefill instance answers a whole request in 10 ms + 50 us a token, the
+    # decode instance (its connector's cost per request) in 30 ms + 55 us. A short prompt:
+    # whole on the prefill instance beats both the decode instance and a handoff.
+    pool = Pool([make("prefill", "http://127.0.0.1:8100"), make("decode", "http://127.0.0.1:8200")])
+    p, d = pool.role("prefill")[0], pool.role("decode")[0]
+    c = Chooser("kv", BPT, PolicyConfig(local_compute_weight=1.0), direct_to_prefill=True)
+    c.seed(p, [0.010, 5e-5, 0.0], weight=6)
+    c.seed(d, [0.030, 5.5e-5, 0.0], weight=6)
+    r = c.choose(pool, 300, lambda i: 0, 0, None)
+    assert (r.kind, r.target, r.reason) == ("direct", p, "prefill instance serves it whole")
+    assert set(r.candidates) == {f"direct {d.url}", f"direct {p.url}", f"pd {p.url}"}
+    assert r.alternatives["direct"] == pytest.approx(r.predicted)
+    # Busy with prefill work queued, the prefill instance is not: the decode instance takes it.
+    p.inflight["x"] = (1.0, 0.0)
+    p.outstanding = 1
+    r = c.choose(pool, 300, lambda i: 0, 0, None, now=0.0)
+    assert (r.kind, r.target) == ("direct", d)
+    # Without it (or with another policy) a prefill instance only prefills.
+    p.inflight.clear()
+    p.outstanding = 0
+    off = Chooser("kv", BPT, PolicyConfig(local_compute_weight=1.0))
+    off.seed(p, [0.010, 5e-5, 0.0], weight=6)
+    off.seed(d, [0.030, 5.5e-5, 0.0], weight=6)
+    r = off.choose(pool, 300, lambda i: 0, 0, None)
+    assert r.target is d and set(r.candidates) == {f"direct {d.url}", f"pd {p.url}"}

@@ -34,6 +34,10 @@ Disaggregated (prefill and decode instances):
   recomputes the rest): ``queue_d`` plus the cheapest plan of ``d``'s model without the
   handoff, whose recomputation is weighted as the connector weighs it
   (:meth:`multi.policy.CostModel.weighted`, with ``busy = k_d``);
+- with ``direct_to_prefill`` (``mctier proxy``'s default), also direct on each prefill
+  instance ``p``, as on a plain one: ``queue_p`` plus the cheapest plan of ``p``'s model
+  from ``C_p`` (an idle prefill instance answers a short request as soon as an engine
+  alone would; a decode instance's connector may cost more per request);
 - the route is the cheapest of these (``Route.seconds``, the score); ``Route.predicted``
   is the same route's time to first token with the weighting left out (what admission,
   the metrics and :mod:`multi.router.honesty` compare with the answer).
@@ -95,11 +99,13 @@ class Candidate:
 class Chooser(Ledger):
     """The estimates and the choice; the books and the learning are :class:`Ledger`'s."""
 
-    def __init__(self, policy: str, bytes_per_token: float, cfg: PolicyConfig | None = None):
+    def __init__(self, policy: str, bytes_per_token: float, cfg: PolicyConfig | None = None,
+                 direct_to_prefill: bool = False):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
         super().__init__(bytes_per_token, cfg)
         self.policy = policy
+        self.direct_to_prefill = direct_to_prefill  # kv may serve a request whole on a prefill instance
         # The honesty check: the kv policy's fallback only while it calibrates (frozen priors
         # are a request for decisions that depend on the inputs alone).
         self.honesty.enabled = policy == "kv" and self.cfg.calibrate
@@ -260,6 +266,12 @@ class Chooser(Ledger):
                 cands.append((plan.seconds, p.outstanding, j + 1,
                               self._route("pd", p, d, plan, why, cached_prefill=c_p, cached_target=l_d, store=store)))
                 alternatives["pd"] = min(alternatives.get("pd", float("inf")), plan.parts["ttft_s"])
+            if self.direct_to_prefill:  # the whole request on the prefill instance, as on a plain one
+                whole = self.direct_estimate(prompt, Candidate(p, c_p), now)
+                cands.append((whole.seconds, p.outstanding, len(prefills) + j + 1,
+                              self._route("direct", None, p, whole, "prefill instance serves it whole",
+                                          cached_target=c_p, store=store)))
+                alternatives["direct"] = min(alternatives["direct"], whole.parts["ttft_s"])
         return cands, alternatives
 
     def _choose_plain(self, pool: Pool, prompt: Prompt, match, now: float, policy: str) -> Route | None:

@@ -14,6 +14,8 @@ get the ``kv`` policy. New:
   by default the router reads them from each engine's ``/kv_event_sources``;
 - ``--policy kv|least-outstanding|round-robin|direct|handoff``;
 - ``--probe-timeout SECONDS``: the start-up probe's deadline (:mod:`multi.router.probe`);
+- ``--[no-]direct-to-prefill``: whether the kv policy may serve a request whole on a
+  prefill instance (default yes);
 - ``--ttft-slo SECONDS``: admission (off by default); per request, the ``X-TTFT-SLO``
   header or ``kv_transfer_params.ttft_slo_s``;
 - ``--store MASTER`` (exact store view through the store tier's lookup) or
@@ -64,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "fixed policy while its estimates drift); the fixed ones: round-robin, least-outstanding, "
                          "direct (every request whole on a decode or plain instance), handoff (every request "
                          "through a prefill instance)")
+    ap.add_argument("--direct-to-prefill", action=argparse.BooleanOptionalAction, default=True,
+                    help="the kv policy may serve a request whole on a prefill instance when that is predicted "
+                         "sooner than a handoff or the decode instance")
     ap.add_argument("--ttft-slo", type=float, help="TTFT target in seconds: 429 when the estimate misses it")
     ap.add_argument("--store", metavar="MASTER|approx", help="the store view: a master HOST:PORT or 'approx'")
     ap.add_argument("--kv-bytes-per-token", type=float,
@@ -186,7 +191,7 @@ def build_app(a: argparse.Namespace) -> web.Application:
         url = (pool.role("decode", False) or pool.role("plain", False) or pool.all)[0].url
         store_view = StoreView(a.store, url)
     try:
-        router = Router(pool, Chooser(a.policy, bytes_per_token(a, root), cfg),
+        router = Router(pool, Chooser(a.policy, bytes_per_token(a, root), cfg, direct_to_prefill=a.direct_to_prefill),
                         BlockIndex(a.block_size, a.index_blocks), Prompts(a.tokenizer, a.connect_timeout),
                         timeout=a.timeout, connect_timeout=a.connect_timeout, slo=a.ttft_slo, store_view=store_view,
                         store_approx=bool(a.store), health_interval=a.health_interval, instances_file=a.instances,

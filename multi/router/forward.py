@@ -172,9 +172,9 @@ class Forwarder(Proxy):
         self.index.record(inst.url, job.hashes)
         if pd:
             self.index.record(route.target.url, job.hashes)  # the decode's prefix cache keeps what it pulled
-        if self.store_approx and (pd or inst.role == "plain"):
-            # A prefill instance's (or a plain engine's) store tier saved the prompt; a decode
-            # instance saves only with write_back, which the router cannot see.
+        if self.store_approx and (pd or inst.role in ("plain", "prefill")):
+            # A prefill instance's (or a plain engine's) store tier saved the prompt, handoff or whole
+            # request; a decode instance saves only with write_back, which the router cannot see.
             self.index.record(STORE, job.hashes)
         self.chooser.learn_request(route, inst, job.tokens, job.cached, alone,
                                    None if first is None else first - job.t0, prefill_s if pd else None)
