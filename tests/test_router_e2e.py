@@ -392,12 +392,17 @@ def test_start_up_probe_seeds_estimates_that_match_this_machine(rt):
                             extra=["--store", rt.master, "--probe-timeout", "60", "--decision-log", log])
     try:
         assert wait_for(lambda: requests.get(url + "/health", timeout=10).status_code == 200, 90, 0.5)
-        assert requests.get(url + "/health", timeout=10).json()["probe"] == "done"
-        for e in rt.engines():
+        health = requests.get(url + "/health", timeout=10).json()
+        assert health["probe"] == "done"
+        # Every instance in rotation (an earlier test of this module may have killed P2) was probed.
+        up = [e for e in rt.engines() if health["instances"][e.url]["healthy"]]
+        assert rt.p1 in up and rt.d in up
+        for e in up:
             assert rt.router_metric("mctier_router_probe_seconds", url=url, instance=e.url, what="token") > 0
             assert rt.router_metric("mctier_router_probe_seconds", url=url, instance=e.url, what="step") >= 0
         for e in (rt.p1, rt.p2):
-            assert rt.router_metric("mctier_router_probe_seconds", url=url, instance=e.url, what="handoff") >= 0
+            if e in up:
+                assert rt.router_metric("mctier_router_probe_seconds", url=url, instance=e.url, what="handoff") >= 0
         rt.assert_idle()  # the probe's requests and handoffs left nothing behind
         ratios = []
         for i in range(3):

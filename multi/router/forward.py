@@ -87,10 +87,14 @@ class Forwarder(Proxy):
 
     def reserve(self, route: Route, tokens, hashes, t0, body: dict) -> Reservation:
         """Book the chosen route's first run on its instance at once, in the same step as the
-        choice (:meth:`Chooser.begin`): the next request's choice sees it queued, even before
-        this one's task runs. :meth:`_execute` takes the booking over; :meth:`release` undoes
+        choice (:meth:`Chooser.begin`, and the approximate index): the next request's choice
+        sees it queued, even before this one's task runs. :meth:`_execute` takes the booking over; :meth:`release` undoes
         one it never took (a request cancelled before it ran)."""
         job = self._dispatch(route, route.prefill, tokens, hashes, t0, bool(body.get("stream")))
+        # The approximate index records what was sent where at once: a request with the same
+        # prefix arriving while this one computes it then follows it and queues behind it (its
+        # wait is modelled) rather than computing the prefix a second time elsewhere.
+        self.index.record(job.instance.url, hashes)
         rid = str(uuid.uuid4())
         return Reservation(job, rid, self.chooser.begin(route, job.instance, job.tokens, job.cached, rid,
                                                         time.monotonic()))
