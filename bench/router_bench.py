@@ -17,8 +17,9 @@ engine holds):
   ``least-outstanding``, ``direct``;
 - S, the issue's comparison (``tiny`` model, default cache): ``vllm bench serve
   --dataset-name prefix_repetition`` (1,024-token prefixes, 64-token suffixes, 4 prefixes,
-  16 output tokens, concurrency 4) against one plain engine (core 1), then through
-  ``mctier proxy`` over a ``TieredConnector`` 1P1D pair (core 0, core 1) with each policy.
+  16 output tokens, concurrency 4) against one plain engine (core 1), the same engine behind
+  ``mctier proxy --plain`` (the router's own share), then through ``mctier proxy`` over a
+  ``TieredConnector`` 1P1D pair (core 0, core 1) with each policy.
 
 Workloads: :mod:`bench.router_workloads` (prefix, multi-turn chat, short prompts, no reuse,
 a scaled window of Mooncake's conversation trace; ``--quick``: prefix only, fewer prompts),
@@ -262,6 +263,9 @@ class Bench:
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {e}"[:3000]
         self.serve_rows.append(row)
+        # The router's own share: the same engine behind mctier proxy (one instance, kv).
+        self.run("serve", "plain", "kv", ["--plain", url, "--policy", "kv"], rows=self.serve_rows, model=self.tiny,
+                 data=data)
         self.dep.stop(self.dep.procs[n0:])
         spec, d, master = self.pd_pair(self.tiny, extra, "serve")
         for pol in self.policies("pd"):

@@ -146,7 +146,8 @@ def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         body = []
         for x in serve:
             v, e = x.get("router_view") or {}, _est(x)
-            body.append(["one plain engine, no router" if x["deployment"] == "engine" else "mctier proxy, 1P1D",
+            through = {"engine": "one plain engine, no router", "plain": "mctier proxy, that plain engine"}
+            body.append([through.get(x["deployment"], "mctier proxy, TieredConnector 1P1D"),
                          x["policy"], f"{x['completed']}/{x['requests']}" if "completed" in x else "-",
                          _f(x.get("mean_ttft_ms"), "{:.1f}"), _f(x.get("median_ttft_ms"), "{:.1f}"),
                          _f(x.get("p90_ttft_ms"), "{:.1f}"), _f(x.get("output_throughput")),
@@ -190,7 +191,7 @@ def verdicts(r: dict) -> list[str]:
                                                                                      if misses else "")))
     serve = r.get("serve_rows") or []
     engine = next((x for x in serve if x["deployment"] == "engine" and x.get("mean_ttft_ms")), None)
-    skv = next((x for x in serve if x["policy"] == "kv" and x.get("mean_ttft_ms")), None)
+    skv = next((x for x in serve if x["policy"] == "kv" and x["deployment"] == "pd" and x.get("mean_ttft_ms")), None)
     if engine and skv:
         x = skv["mean_ttft_ms"] / engine["mean_ttft_ms"]
         lines.append(f"vllm bench serve through the kv router over 1P1D at most 1.1x one plain engine's mean TTFT: "

@@ -267,3 +267,16 @@ def test_kv_serves_a_request_whole_on_a_prefill_instance_when_that_is_sooner():
     off.seed(d, [0.030, 5.5e-5, 0.0], weight=6)
     r = off.choose(pool, 300, lambda i: 0, 0, None)
     assert r.target is d and set(r.candidates) == {f"direct {d.url}", f"pd {p.url}"}
+
+
+def test_kv_s_direct_fallback_serves_where_kv_may():
+    pool = Pool([make("prefill", "http://127.0.0.1:8100"), make("decode", "http://127.0.0.1:8200")])
+    p, d = pool.role("prefill")[0], pool.role("decode")[0]
+    c = Chooser("kv", BPT, PolicyConfig(), direct_to_prefill=True)
+    c.honesty.fallback = "direct"
+    d.outstanding = 2
+    r = c.choose(pool, 300, lambda i: 0, 0, None)
+    assert (r.kind, r.target, r.mode) == ("direct", p, "fallback direct")
+    # The fixed policy itself stays on the decode instance.
+    assert Chooser("direct", BPT, PolicyConfig(), direct_to_prefill=True).choose(pool, 300, lambda i: 0, 0,
+                                                                                 None).target is d

@@ -54,7 +54,8 @@ instance (in a plain pool: the instance with the fewest requests in flight, ties
 longest cached prefix, then in turn); ``handoff``: every request through the prefill
 instance with the fewest in flight (ties to the longest cached prefix, then in turn) to the
 least loaded decode instance. ``kv`` falls back to one of them while its estimates drift
-(:mod:`multi.router.honesty`).
+(:mod:`multi.router.honesty`); with ``direct_to_prefill`` its ``direct`` fallback serves a
+request whole on the decode or prefill instance with the fewest requests in flight.
 
 Admission (:mod:`multi.router.admission`): with a TTFT target ``T``, a route whose
 ``predicted * margin`` exceeds ``T`` is rejected before any engine works on it
@@ -234,8 +235,14 @@ class Chooser(Ledger):
                 route.alternatives = self._weigh_pd(prompt, prefills, d, l_d, match, now)[1]
             return route
         if policy == "direct":
-            plan = self.direct_estimate(prompt, Candidate(d, l_d), now)
-            route = self._route("direct", None, d, plan, "direct", cached_target=l_d, store=store)
+            target = d
+            if self.policy == "kv" and self.direct_to_prefill and prefills:
+                # kv's fallback serves whole requests where kv itself may: the least loaded of the
+                # decode and the prefill instances (ties to the longest cached prefix).
+                target = min([d, *prefills], key=lambda i: (i.outstanding, -match(i)))
+            cached = l_d if target is d else match(target)
+            plan = self.direct_estimate(prompt, Candidate(target, cached), now)
+            route = self._route("direct", None, target, plan, "direct", cached_target=cached, store=store)
             if self.policy == "kv":
                 route.alternatives = self._weigh_pd(prompt, prefills, d, l_d, match, now)[1]
             return route
