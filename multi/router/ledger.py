@@ -60,6 +60,9 @@ class Route:
 
 
 class Ledger:
+    """Per instance: its cost model, its fit, the requests in flight; and the honesty window
+    (module docstring)."""
+
     def __init__(self, bytes_per_token: float, cfg: PolicyConfig | None = None):
         self.bytes_per_token = bytes_per_token
         self.cfg = cfg or PolicyConfig()
@@ -108,7 +111,7 @@ class Ledger:
     # -- estimates -----------------------------------------------------------------------
 
     def wait_features(self, inst: Instance, now: float, own_s: float) -> list[float]:
-        """``[busy, k_i * own_i, w_i, decoding_i]`` of the module's wait formula."""
+        """``[busy, k_i * own_i, w_i, decoding_i]`` of the wait (:mod:`multi.router.choose`)."""
         k = inst.outstanding
         return [1.0 if k > 0 else 0.0, k * own_s, inst.queue_s(now), float(len(inst.decoding))]
 
