@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import machine, model_dir, output_dir, run_deployments, start_engines, start_router, term_as_interrupt  # noqa: E402
 from bench.router_report import plot, render_markdown, render_table, router_view, summarize  # noqa: E402
-from bench.router_workloads import FULL, HASH_SEED, OUTPUT, QUICK, SUFFIX, WORKLOADS, dataset_args, estimates, serve_args  # noqa: E402
+from bench.router_workloads import FULL, OUTPUT, QUICK, SUFFIX, WORKLOADS, dataset_args, estimates, serve_args  # noqa: E402
 from kvcore.procs import Proc, free_port  # noqa: E402
 from mcstore.server import StoreCluster, client_env  # noqa: E402
 from multi.cli.deploy import Deployment, tiered_config  # noqa: E402
@@ -160,7 +160,7 @@ class Bench:
             timed = workload == "trace"
             res = bench_serve(url, name, self.runs, model or self.model, seed, data,
                               rate=float("inf") if timed else rate, goodput_ms=slo * 1e3 if slo else None,
-                              env={"PYTHONHASHSEED": HASH_SEED} if timed else None)
+                              env={"PYTHONHASHSEED": str(seed)} if timed else None)
             row.update(summarize(res, slo))
             time.sleep(0.5)  # the router writes a streamed answer's record just after its last chunk
             row["estimates"] = estimates(log, skip, self.sc.settle, policy)

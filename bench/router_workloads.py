@@ -14,7 +14,9 @@ Workloads (16 output tokens, ``--ignore-eos``; all but ``trace`` and admission c
 - ``trace``: a scaled window of Mooncake's conversation trace (:mod:`bench.trace`: one in
   80 sharing groups, lengths and outputs / 8, 64-token blocks, arrivals rescaled to
   ``Scale.trace_rate`` requests per second), sent at its timestamps
-  (``--dataset-name timed_trace``, fixed ``PYTHONHASHSEED`` so every run gets the same prompts).
+  (``--dataset-name timed_trace``; the client draws a block's tokens from its hash id with
+  Python's ``hash()``, so each run's ``PYTHONHASHSEED`` is its seed: the same sharing
+  structure, other tokens, nothing left in the store by an earlier run).
 
 Estimates (:func:`estimates`): from the decision log of a run, the routed requests in the
 order they arrived (the warm-up's left out) with a first token seen; ``ratio_after`` is the
@@ -33,7 +35,6 @@ from pathlib import Path
 from bench import trace
 
 SUFFIX, OUTPUT = 32, 16
-HASH_SEED = "0"  # the trace client's PYTHONHASHSEED: the same prompts in every run
 TRACE_LEN_FACTOR = 8
 WORKLOADS = ("prefix", "chat", "short", "noreuse", "trace")
 
