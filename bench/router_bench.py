@@ -1,51 +1,43 @@
-"""The KV-aware router's benchmark: ``mctier proxy --policy kv`` against round-robin and
-least-outstanding routing, and P/D behind the router against plain engines, measured by
-vLLM's own client (``vllm bench serve``), side by side in one run (not a test).
+"""The KV-aware router's benchmark: ``mctier proxy --policy kv`` against every fixed policy
+(round-robin, least-outstanding, direct, handoff) on the same deployment, P/D and plain
+engines, measured by vLLM's own client (``vllm bench serve``), side by side in one run, plus
+vLLM's client through the router over a 1P1D pair against one plain engine (not a test).
 
-    .venv/bin/python -m bench.router_bench [--quick] [--policies kv,...] [--out DIR]    (``make bench`` runs it too)
+    .venv/bin/python -m bench.router_bench [--quick] [--policies kv,...] [--workloads ...] [--out DIR]
 
-Deployments, one after the other on the same two cores (``small`` model, block size 32):
+``make bench`` runs it. Deployments, one after the other on the same two cores (``small``
+model, block size 32, every engine's prefix cache cut to ``Scale.cache_blocks`` blocks with
+``--num-gpu-blocks-override`` so that the prefix workload's prefixes are ~1.5x what one
+engine holds):
 
-- A, P/D: a Mooncake master + store server, prefill P1 (core 0), prefill P2 (core 1) and
-  decode D, all with ``TieredConnector``. D is pinned to core 1 beside P2: there is no
-  third core, and sharing one makes P2 the slower prefill instance, a load imbalance that
-  round-robin cannot see and the load-aware policies can. Routers, each its own
-  ``mctier proxy`` process started fresh for its run: ``--policy kv`` (with ``--store``,
-  the store view), ``round-robin``, ``least-outstanding``.
-- B, plain: two engines without a connector, one per core, behind
-  ``mctier proxy --plain U1 U2 --policy round-robin`` and ``--policy kv``.
+- A, P/D: a Mooncake master + store server, prefill P (core 0) and decode D (core 1), both
+  with ``TieredConnector``; routers ``--policy kv``, ``round-robin``, ``least-outstanding``,
+  ``direct``, ``handoff``, each with the store view (``--store``);
+- B, plain: two engines without a connector, one per core; routers ``kv``, ``round-robin``,
+  ``least-outstanding``, ``direct``;
+- S, the issue's comparison (``tiny`` model, default cache): ``vllm bench serve
+  --dataset-name prefix_repetition`` (1,024-token prefixes, 64-token suffixes, 4 prefixes,
+  16 output tokens, concurrency 4) against one plain engine (core 1), the same engine behind
+  ``mctier proxy --plain`` (the router's own share), then through ``mctier proxy`` over a
+  ``TieredConnector`` 1P1D pair (core 0, core 1) with each policy.
 
-``--policies`` keeps some of the routers (the admission pair always runs the kv one).
+Workloads: :mod:`bench.router_workloads` (prefix, multi-turn chat, short prompts, no reuse,
+a scaled window of Mooncake's conversation trace; ``--quick``: prefix only, fewer prompts),
+and admission: the prefix workload open loop at twice the throughput the kv router reached
+on A unthrottled, kv router without and with ``--ttft-slo T`` (T: ``--ttft-slo`` or the p90
+TTFT of that unthrottled run), ``--goodput``.
 
-Workloads (``--max-concurrency 4`` closed loop, 16 output tokens, ``--ignore-eos``):
-
-- prefix: ``--dataset-name prefix_repetition``, 1024-token prefixes (512 in ``--quick``),
-  32-token suffixes. Every engine's prefix cache is cut to ``Scale.cache_blocks`` blocks
-  (``--num-gpu-blocks-override``; ``VLLM_CPU_KVCACHE_SPACE`` cannot go below 1 GiB, which on
-  ``small`` holds ~87K tokens at 12 KiB per token), so that all prefixes together are ~1.5x
-  what one instance holds and half of them ~0.75x: round-robin makes both instances cycle
-  through every prefix, affinity lets each keep its half. The report states the sizes.
-- chat (full run only): ``--dataset-name sharegpt`` from a generated file, 12 conversations
-  of 5 turns whose prompt k is the text of turns 1..k (up to ~800 tokens), turn-major so
-  that conversations interleave (``--disable-shuffle``: the loader shuffles otherwise; no
-  chat template on that path). ``custom`` (JSONL) would need pandas, absent from the venv.
-- short (full run only): ``--dataset-name random``, 256-token prompts: the P/D overhead case.
-- admission: the prefix workload open loop at twice the throughput the kv router reached
-  unthrottled, kv router without and with ``--ttft-slo T`` (T: ``--ttft-slo`` or the p90
-  TTFT of that unthrottled run), ``--save-detailed`` for per-request TTFTs, ``--goodput``.
-
-Every run uses its own ``--seed`` (so its own prefixes and conversations); the engines and
-the store are not reset between runs, so a run starts with caches full of the previous
-run's prefixes, which it cannot hit. Not timed: each P -> D pair hands off once and each
-plain engine serves once after start, and each router serves one unrelated text request
-before its run (it loads its tokenizer and store client on first use). Routers and the
-client run unpinned. Each run's row also shows the router's own view from its /metrics
-(where it sent requests, its predicted against actual mean TTFT, which admission uses).
+Every router is its own ``mctier proxy`` process started fresh for its run, with the start-up
+probe (``--probe-timeout 60``, the fixed policies too, so their estimates mean the same) and
+a decision log, from which each row gets the median predicted / actual TTFT after the first
+``Scale.settle`` requests (:func:`bench.router_workloads.estimates`). Every run uses its own
+``--seed`` (its own prefixes and conversations; the trace is the same for all); engines and
+the store are not reset between runs. Not timed: each engine (and the P -> D pair) serves
+once after start, each router once before its run. Routers and the client run unpinned.
 Writes ``router.json``, ``router.md``, ``router.png`` and each run's raw result (``runs/``)
-to ``--out`` (default ``bench/results/router/``), prints the table and the verdicts against
-the issue's targets. Everything started is stopped
-at the end, also on failure and Ctrl-C. Exit status 1 if a run failed or a request failed
-other than with a 429 from admission.
+to ``--out`` (default ``bench/results/router/``), prints the tables and the verdicts against
+the issue's targets. Everything started is stopped at the end, also on failure and Ctrl-C.
+Exit status 1 if a run failed or a request failed other than with a 429 from admission.
 """
 
 from __future__ import annotations
@@ -57,7 +49,7 @@ import random
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import requests
@@ -67,76 +59,18 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import machine, model_dir, output_dir, run_deployments, start_engines, start_router, term_as_interrupt  # noqa: E402
 from bench.router_report import plot, render_markdown, render_table, router_view, summarize  # noqa: E402
+from bench.router_workloads import FULL, OUTPUT, QUICK, SUFFIX, WORKLOADS, dataset_args, estimates, serve_args  # noqa: E402
 from kvcore.procs import Proc, free_port  # noqa: E402
 from mcstore.server import StoreCluster, client_env  # noqa: E402
 from multi.cli.deploy import Deployment, tiered_config  # noqa: E402
 
 BLOCK = 32
-SUFFIX, OUTPUT = 32, 16     # short suffixes, short outputs
-CONCURRENCY = 4             # closed loop: two requests in flight per prefill core
+CONCURRENCY = 4             # closed loop: two requests in flight per core
 MODEL_NAME = "demo"         # Deployment.engine's --served-model-name
 BENCH_TIMEOUT_S = 1200      # one `vllm bench serve` run
-POLICIES = {"pd": ("kv", "round-robin", "least-outstanding"), "plain": ("round-robin", "kv")}
-
-
-@dataclass(frozen=True)
-class Scale:
-    cache_blocks: int  # every engine's prefix cache (--num-gpu-blocks-override)
-    max_model_len: int  # below cache_blocks * BLOCK: vLLM needs room for one longest request
-    prefix_len: int
-    num_prefixes: int
-    prefix_prompts: int
-    admission_prompts: int
-    chat: tuple[int, int, int, int] | None  # conversations, turns, user tokens, assistant tokens per turn
-    short_prompts: int
-
-
-# All prefixes (with their suffix block) ~1.4-1.5x one engine's cache, each engine's half ~0.7x.
-QUICK = Scale(cache_blocks=96, max_model_len=2048, prefix_len=512, num_prefixes=8, prefix_prompts=16,
-              admission_prompts=16, chat=None, short_prompts=0)
-FULL = Scale(cache_blocks=192, max_model_len=4096, prefix_len=1024, num_prefixes=9, prefix_prompts=72,
-             admission_prompts=54, chat=(12, 5, 80, 40), short_prompts=48)
-
-
-def chat_dataset(path: Path, model: str, seed: int, conversations: int, turns: int, user: int, assistant: int) -> int:
-    """Synthetic conversations in ShareGPT's format, one entry per turn: turn k of conversation
-    c asks with the text of turns 1..k (user and assistant text from random token ids),
-    turn-major so that turns of different conversations interleave. Returns the entry count.
-    (``--dataset-name custom`` would take JSONL but needs pandas, which the venv lacks.)"""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
-    rng = random.Random(seed)
-    text = lambda n: tok.decode([rng.randrange(4, tok.get_vocab_size()) for _ in range(n)])  # noqa: E731
-    history = [""] * conversations
-    entries = []
-    for _ in range(turns):
-        for c in range(conversations):
-            history[c] += f"user: {text(user)}\n"
-            reply = f"assistant: {text(assistant)}\n"  # what "the model said", fixed in advance
-            entries.append({"id": f"c{c}t{len(entries)}", "conversations": [
-                {"from": "human", "value": history[c] + "assistant:"}, {"from": "gpt", "value": reply}]})
-            history[c] += reply
-    longest = max(len(tok.encode(e["conversations"][0]["value"]).ids) for e in entries)
-    if longest > 1000:  # bench serve drops ShareGPT prompts over 1024 tokens
-        raise ValueError(f"chat prompts reach {longest} tokens; ShareGPT sampling keeps <= 1024")
-    path.write_text(json.dumps(entries))
-    return len(entries)
-
-
-def dataset_args(workload: str, sc: Scale, model: str, seed: int, runs: Path, name: str) -> list[str]:
-    if workload in ("prefix", "admission"):
-        n = sc.prefix_prompts if workload == "prefix" else sc.admission_prompts
-        return ["--dataset-name", "prefix_repetition", "--num-prompts", str(n),
-                "--prefix-repetition-prefix-len", str(sc.prefix_len), "--prefix-repetition-suffix-len", str(SUFFIX),
-                "--prefix-repetition-num-prefixes", str(sc.num_prefixes), "--prefix-repetition-output-len", str(OUTPUT)]
-    if workload == "chat":
-        path = runs / f"{name}.sharegpt.json"
-        n = chat_dataset(path, model, seed, *sc.chat)
-        return ["--dataset-name", "sharegpt", "--dataset-path", str(path), "--num-prompts", str(n),
-                "--sharegpt-output-len", str(OUTPUT), "--disable-shuffle"]
-    return ["--dataset-name", "random", "--num-prompts", str(sc.short_prompts), "--random-input-len", "256",
-            "--random-output-len", str(OUTPUT), "--random-range-ratio", "0"]
+POLICIES = {"pd": ("kv", "round-robin", "least-outstanding", "direct", "handoff"),
+            "plain": ("kv", "round-robin", "least-outstanding", "direct")}
+FIXED = ("round-robin", "least-outstanding", "direct", "handoff")
 
 
 def bench_serve(url: str, name: str, runs: Path, model: str, seed: int, data: list[str], *,
@@ -167,28 +101,32 @@ def bench_serve(url: str, name: str, runs: Path, model: str, seed: int, data: li
 
 
 class Bench:
-    def __init__(self, a: argparse.Namespace, model: str, out: Path):
-        self.a, self.model, self.out = a, model, out
+    def __init__(self, a: argparse.Namespace, model: str, out: Path, tiny: str | None = None):
+        self.a, self.model, self.tiny, self.out = a, model, tiny or model, out
         self.sc = QUICK if a.quick else FULL
         self.runs = out / "runs"
         self.runs.mkdir(parents=True, exist_ok=True)
         self.dep = Deployment(out / "logs")
         self.rows: list[dict] = []
+        self.serve_rows: list[dict] = []
         self.n = 0
         # Every engine's flags: the small prefix cache.
         self.extra = ["--num-gpu-blocks-override", str(self.sc.cache_blocks), "--max-model-len",
                       str(self.sc.max_model_len)]
 
     # ---- processes
-    def start_engines(self, specs: list[tuple[str, int, dict | None]]) -> list[str]:
-        """Engines started together (name, core, kv config), each with :attr:`extra`: their URLs."""
-        return [url for url, _ in start_engines(self.dep, self.model, specs, self.extra)]
+    def start_engines(self, specs: list[tuple[str, int, dict | None]], model: str | None = None,
+                      extra: list[str] | None = None) -> list[str]:
+        """Engines started together (name, core, kv config): their URLs."""
+        return [url for url, _ in start_engines(self.dep, model or self.model, specs,
+                                                self.extra if extra is None else extra)]
 
-    def router(self, name: str, args: list[str]) -> tuple[str, Proc]:
+    def router(self, name: str, args: list[str], model: str | None = None) -> tuple[str, Proc]:
         # The router hashes text prompts with the served model's tokenizer; the store view's
-        # Mooncake client binds loopback, as the engines' do.
-        return start_router(self.dep, name, ["--connect-timeout", "5", *args, "--tokenizer", self.model],
-                            env={**client_env("127.0.0.1"), "VLLM_HOST_IP": "127.0.0.1"})
+        # Mooncake client binds loopback, as the engines' do. The probe for every policy.
+        return start_router(self.dep, name, ["--connect-timeout", "5", "--probe-timeout", "60", *args,
+                                             "--tokenizer", model or self.model],
+                            env={**client_env("127.0.0.1"), "VLLM_HOST_IP": "127.0.0.1"}, timeout=120)
 
     def warm(self, url: str, tag: str) -> None:
         """One text request with a prompt no run shares: an engine's or a P -> D pair's first
@@ -202,20 +140,30 @@ class Bench:
 
     # ---- one row
     def run(self, workload: str, deployment: str, policy: str, router_args: list[str], *,
-            slo: float | None = None, admission: bool = False, rate: float | None = None) -> dict:
+            slo: float | None = None, admission: bool = False, rate: float | None = None,
+            rows: list[dict] | None = None, model: str | None = None, data: list[str] | None = None) -> dict:
         self.n += 1
         seed = self.a.seed + 1000 * self.n  # a fresh dataset per run: no run warms the next
         name = f"{self.n:02d}-{workload}-{deployment}-{policy}" + ("-slo" if admission else "")
         row = {"workload": workload, "deployment": deployment, "policy": policy, "admission": admission,
                "slo_s": slo, "rate": rate, "seed": seed, "name": name}
         n0 = len(self.dep.procs)
+        log = self.runs / f"{name}.decisions.jsonl"
+        log.unlink(missing_ok=True)
         try:
-            url, _ = self.router(name, router_args + (["--ttft-slo", f"{slo:.3f}"] if admission else []))
+            url, _ = self.router(name, router_args + ["--decision-log", str(log)]
+                                 + (["--ttft-slo", f"{slo:.3f}"] if admission else []), model)
             self.warm(url, name)
-            data = dataset_args(workload, self.sc, self.model, seed, self.runs, name)
-            res = bench_serve(url, name, self.runs, self.model, seed, data, rate=rate,
-                              goodput_ms=slo * 1e3 if slo else None)
+            skip = len(log.read_text().splitlines()) if log.exists() else 0
+            if data is None:
+                data = dataset_args(workload, self.sc, model or self.model, seed, self.runs, name)
+            timed = workload == "trace"
+            res = bench_serve(url, name, self.runs, model or self.model, seed, data,
+                              rate=float("inf") if timed else rate, goodput_ms=slo * 1e3 if slo else None,
+                              env={"PYTHONHASHSEED": str(seed)} if timed else None)
             row.update(summarize(res, slo))
+            time.sleep(0.5)  # the router writes a streamed answer's record just after its last chunk
+            row["estimates"] = estimates(log, skip, self.sc.settle, policy)
             try:  # the router's own view of the run (its warm-up request included)
                 m = requests.get(url + "/metrics", timeout=5)
                 if m.status_code == 200:
@@ -223,15 +171,17 @@ class Bench:
                     row["router_view"] = router_view(m.text)
             except (requests.RequestException, ValueError):
                 pass
+            e = row["estimates"]
             print(f"[router] {name}: {row['completed']}/{row['requests']} ok ({row['rejected_429']} rejected), "
                   f"TTFT mean {row['mean_ttft_ms']:.0f} ms p90 {row['p90_ttft_ms']:.0f} ms, "
-                  f"{row['request_throughput']:.2f} req/s", flush=True)
+                  f"{row['request_throughput']:.2f} req/s; predicted/actual "
+                  f"{e.get('ratio_after') or float('nan'):.2f} after {e.get('settle')}", flush=True)
         except Exception as e:  # noqa: BLE001 - one broken run must not lose the others
             row["error"] = f"{type(e).__name__}: {e}"[:3000]
             print(f"[router] {name} FAILED: {row['error']}", flush=True)
         finally:
             self.dep.stop(self.dep.procs[n0:])
-        self.rows.append(row)
+        (self.rows if rows is None else rows).append(row)
         return row
 
     # ---- deployments
@@ -239,36 +189,35 @@ class Bench:
         return [p for p in POLICIES[deployment] if not self.a.policies or p in self.a.policies]
 
     def workloads(self) -> list[str]:
-        every = ["prefix"] + (["chat"] if self.sc.chat else []) + (["short"] if self.sc.short_prompts else [])
-        return [w for w in every if not self.a.workloads or w in self.a.workloads]
+        return [w for w in self.sc.workloads if not self.a.workloads or w in self.a.workloads]
 
-    def deployment_pd(self) -> None:
-        print("[router] A: master + store server, prefill P1 (core 0), P2 (core 1), decode D (core 1)", flush=True)
+    def pd_pair(self, model: str, extra: list[str], tag: str) -> tuple[str, str, str]:
+        """A store, P (core 0) and D (core 1) with TieredConnector, one handoff done: the
+        prefill spec, D's URL and the master."""
         self.dep.cluster = StoreCluster(log_dir=self.out / "logs", segment_size=4 << 30).start()
         master = self.dep.cluster.master_addr
-        b1, b2 = free_port(), free_port()
-        while b2 == b1:
-            b2 = free_port()
-        p1, p2, d_url = self.start_engines([("pd-prefill1", 0, tiered_config("kv_producer", master, b1)),
-                                            ("pd-prefill2", 1, tiered_config("kv_producer", master, b2)),
-                                            ("pd-decode", 1, tiered_config("kv_consumer", master, free_port()))])
-        prefills = [f"{p1}@http://127.0.0.1:{b1}", f"{p2}@http://127.0.0.1:{b2}"]
-        # Every P -> D pair hands off once before timing (round-robin always hands off; the kv
-        # policy may serve a request whole on D).
-        handoff = ["--policy", "round-robin"]
-        for i, p in enumerate(prefills):
-            n0 = len(self.dep.procs)
-            try:
-                self.warm(self.router(f"warm-pd-{i}", ["--prefill", p, "--decode", d_url, *handoff])[0], f"pd-{i}")
-            finally:
-                self.dep.stop(self.dep.procs[n0:])
-        base = ["--prefill", *prefills, "--decode", d_url]
+        b = free_port()
+        p, d = self.start_engines([(f"{tag}-prefill", 0, tiered_config("kv_producer", master, b)),
+                                   (f"{tag}-decode", 1, tiered_config("kv_consumer", master, free_port()))],
+                                  model, extra)
+        spec = f"{p}@http://127.0.0.1:{b}"
+        n0 = len(self.dep.procs)
+        try:  # P -> D hands off once before timing (the kv policy may serve a request whole on D)
+            self.warm(self.router(f"warm-{tag}", ["--prefill", spec, "--decode", d, "--policy", "handoff"],
+                                  model)[0], tag)
+        finally:
+            self.dep.stop(self.dep.procs[n0:])
+        return spec, d, master
+
+    def deployment_pd(self) -> None:
+        print("[router] A: master + store server, prefill P (core 0), decode D (core 1)", flush=True)
+        spec, d, master = self.pd_pair(self.model, self.extra, "pd")
+        base = ["--prefill", spec, "--decode", d, "--store", master]
         for w in self.workloads():
             for pol in self.policies("pd"):
-                extra = ["--store", master] if pol == "kv" else []
-                self.run(w, "pd", pol, base + ["--policy", pol] + extra)
+                self.run(w, "pd", pol, base + ["--policy", pol])
         if not self.a.workloads or "admission" in self.a.workloads:
-            self.admission(base + ["--policy", "kv", "--store", master])
+            self.admission(base + ["--policy", "kv"])
 
     def admission(self, kv_args: list[str]) -> None:
         ref = next((r for r in self.rows if r["workload"] == "prefix" and r["deployment"] == "pd"
@@ -283,8 +232,7 @@ class Bench:
         rate = 2.0 * ref["request_throughput"]
         slo = self.a.ttft_slo or max(0.5, ref["p90_ttft_ms"] / 1e3)
         print(f"[router] admission: {rate:.2f} req/s (2x the {ref['policy']} router's "
-              f"{ref['request_throughput']:.2f}), "
-              f"TTFT target {slo:.2f} s", flush=True)
+              f"{ref['request_throughput']:.2f}), TTFT target {slo:.2f} s", flush=True)
         self.run("admission", "pd", "kv", kv_args, slo=slo, rate=rate)
         self.run("admission", "pd", "kv", kv_args, slo=slo, admission=True, rate=rate)
 
@@ -297,33 +245,65 @@ class Bench:
             for pol in self.policies("plain"):
                 self.run(w, "plain", pol, ["--plain", *urls, "--policy", pol])
 
+    def deployment_serve(self) -> None:
+        """S: the issue's comparison on the tiny model (module docstring)."""
+        if self.a.workloads and "serve" not in self.a.workloads:
+            return
+        print("[router] S: tiny model, one plain engine (core 1), then a TieredConnector 1P1D pair", flush=True)
+        data = serve_args(self.sc.serve_prompts)
+        extra = ["--max-model-len", "4096"]
+        n0 = len(self.dep.procs)
+        [url] = self.start_engines([("serve-plain", 1, None)], self.tiny, extra)
+        self.warm(url, "serve-plain")
+        self.n += 1
+        name = f"{self.n:02d}-serve-engine"
+        row = {"workload": "serve", "deployment": "engine", "policy": "none", "name": name, "seed": self.a.seed}
+        try:
+            row.update(summarize(bench_serve(url, name, self.runs, self.tiny, self.a.seed, data), None))
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {e}"[:3000]
+        self.serve_rows.append(row)
+        # The router's own share: the same engine behind mctier proxy (one instance, kv).
+        self.run("serve", "plain", "kv", ["--plain", url, "--policy", "kv"], rows=self.serve_rows, model=self.tiny,
+                 data=data)
+        self.dep.stop(self.dep.procs[n0:])
+        spec, d, master = self.pd_pair(self.tiny, extra, "serve")
+        for pol in self.policies("pd"):
+            # Each run its own seed, so its own four prefixes, cold at its start as the plain engine's were.
+            self.run("serve", "pd", pol, ["--prefill", spec, "--decode", d, "--store", master, "--policy", pol],
+                     rows=self.serve_rows, model=self.tiny, data=data)
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.router_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="prefix workload and the admission pair, few prompts")
+    ap.add_argument("--quick", action="store_true", help="prefix workload, the admission pair and the serve "
+                                                         "comparison, few prompts")
     ap.add_argument("--model", default="small", help="built-in preset (as bench/suite.py: small) or a model directory")
-    ap.add_argument("--workloads", type=lambda v: v.split(","), help="some of prefix,chat,short,admission")
+    ap.add_argument("--serve-model", default="tiny", help="the model of the comparison against one plain engine")
+    ap.add_argument("--workloads", type=lambda v: v.split(","),
+                    help=f"some of {','.join(WORKLOADS)},admission,serve")
     ap.add_argument("--policies", type=lambda v: v.split(","),
-                    help="some of kv,round-robin,least-outstanding (default all; plain has no least-outstanding run)")
+                    help="some of kv,round-robin,least-outstanding,direct,handoff (default all; plain has no handoff)")
     ap.add_argument("--ttft-slo", type=float, help="admission target in seconds (default: p90 TTFT of the kv run)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "router"))
     a = ap.parse_args(argv)
-    known = set(POLICIES["pd"]) | set(POLICIES["plain"])
+    known = set(POLICIES["pd"])
     if a.policies and not set(a.policies) <= known:
         ap.error(f"--policies: unknown {sorted(set(a.policies) - known)}; known: {sorted(known)}")
 
     from kvcore.platform import engine_dtype, kv_bytes_per_token
 
     out = output_dir(a.out)
-    model = model_dir(a.model)
-    dtype, b = engine_dtype(), Bench(a, model, out)
+    model, tiny = model_dir(a.model), model_dir(a.serve_model)
+    dtype, b = engine_dtype(), Bench(a, model, out, tiny)
     sc, per_token = b.sc, kv_bytes_per_token(model, dtype)
     cap = sc.cache_blocks * BLOCK
     working = sc.num_prefixes * (sc.prefix_len + SUFFIX)
     result = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(model), "model": a.model,
-              "quick": a.quick, "scale": asdict(sc), "concurrency": CONCURRENCY, "output_tokens": OUTPUT,
+              "serve_model": a.serve_model, "quick": a.quick, "scale": asdict(sc), "concurrency": CONCURRENCY,
+              "output_tokens": OUTPUT, "fixed": list(FIXED),
               "cache": {"blocks_per_engine": sc.cache_blocks, "max_model_len": sc.max_model_len,
                         "tokens_per_engine": cap, "kv_bytes_per_token": per_token,
                         "bytes_per_engine": cap * per_token, "dtype": dtype,
@@ -335,10 +315,12 @@ def main(argv: list[str] | None = None) -> int:
 
     term_as_interrupt()
     t0 = time.monotonic()
-    errors = run_deployments(b.dep, {"pd": b.deployment_pd, "plain": b.deployment_plain}, "router")
+    errors = run_deployments(b.dep, {"pd": b.deployment_pd, "plain": b.deployment_plain,
+                                     "serve": b.deployment_serve}, "router")
     if errors:
         result["error"] = "; ".join(f"deployment {k}: {v}" for k, v in errors.items())
-    result.update(rows=b.rows, seconds=round(time.monotonic() - t0), pids=sorted(set(b.dep.started)))
+    result.update(rows=b.rows, serve_rows=b.serve_rows, seconds=round(time.monotonic() - t0),
+                  pids=sorted(set(b.dep.started)))
     result["machine"]["loadavg_end"] = os.getloadavg()[0]
     (out / "router.json").write_text(json.dumps(result, indent=1))
     (out / "router.md").write_text(render_markdown(result))
@@ -346,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + render_table(result))
     print(f"\n[router] wrote {out / 'router.json'}, {out / 'router.md'}, {out / 'router.png'} ({result['seconds']} s)")
     bad = result.get("error") or any(r.get("error") or r.get("other_failures") or
-                                     (r.get("rejected_429") and not r.get("admission")) for r in b.rows)
+                                     (r.get("rejected_429") and not r.get("admission")) for r in b.rows + b.serve_rows)
     return 130 if "interrupted" in errors else 1 if bad else 0
 
 

@@ -7,9 +7,12 @@ from pathlib import Path
 
 from bench.report import as_markdown, as_text, pyplot
 
-DEPLOYMENTS = {"pd": "P/D (A)", "plain": "plain (B)"}
+DEPLOYMENTS = {"pd": "P/D (A)", "plain": "plain (B)", "engine": "one plain engine"}
 REJECTED = "Too Many Requests"  # aiohttp's reason for a 429, which `vllm bench serve` records as the error
-SHORT = {"kv": "kv", "round-robin": "rr", "least-outstanding": "lo"}
+SHORT = {"kv": "kv", "round-robin": "rr", "least-outstanding": "lo", "direct": "direct", "handoff": "handoff"}
+FIXED = ("round-robin", "least-outstanding", "direct", "handoff")
+WITHIN = 1.05  # kv's mean and p90 TTFT within 5% of the best fixed policy's
+ESTIMATE_BAND = 1.25  # median predicted / actual TTFT within +-25%
 
 
 def summarize(res: dict, slo: float | None) -> dict:
@@ -77,33 +80,54 @@ def _note(x: dict) -> str:
     return "; ".join(notes)
 
 
-def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
-    rows = r.get("rows") or []
-    out = []
-    head = ["workload", "deployment", "policy", "ok/requests", "429", "mean TTFT ms", "p90 TTFT ms", "req/s",
-            "output tok/s", "router: routes", "router: TTFT predicted/actual ms", "note"]
+def _best_fixed(r: dict, workload: str, deployment: str, key: str = "mean_ttft_ms") -> dict | None:
+    fixed = [x for p in FIXED if (x := _find(r, workload, deployment, p))]
+    return min(fixed, key=lambda x: x[key]) if fixed else None
+
+
+def _est(x: dict) -> dict:
+    return x.get("estimates") or {}
+
+
+def _run_rows(r: dict, rows: list[dict]) -> list[list[str]]:
     body = []
     for x in rows:
-        v = x.get("router_view") or {}
+        v, e = x.get("router_view") or {}, _est(x)
         body.append([x["workload"], DEPLOYMENTS[x["deployment"]],
                      x["policy"] + (f" --ttft-slo {x['slo_s']:.2f}" if x.get("admission") else ""),
                      f"{x['completed']}/{x['requests']}" if "completed" in x else "-", _f(x.get("rejected_429")),
-                     _f(x.get("mean_ttft_ms")), _f(x.get("p90_ttft_ms")), _f(x.get("request_throughput"), "{:.2f}"),
-                     _f(x.get("output_throughput"), "{:.1f}"),
+                     _f(x.get("mean_ttft_ms")), _f(x.get("median_ttft_ms")), _f(x.get("p90_ttft_ms")),
+                     _f(x.get("request_throughput"), "{:.2f}"),
                      ", ".join(f"{k} {n}" for k, n in sorted((v.get("routes") or {}).items())) or "-",
-                     f"{_f(v.get('predicted_ttft_ms'))}/{_f(v.get('actual_ttft_ms'))}" if v else "-", _note(x)])
+                     _f(e.get("ratio_after"), "{:.2f}") + (f" ({e['after_n']})" if e.get("after_n") else ""),
+                     _f(e.get("ratio_all"), "{:.2f}"), _f(e.get("fallback_share"), "{:.0%}"), _note(x)])
+    return body
+
+
+def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    rows = r.get("rows") or []
+    settle = (r.get("scale") or {}).get("settle", 50)
+    out = []
+    head = ["workload", "deployment", "policy", "ok/requests", "429", "mean TTFT ms", "p50 TTFT ms", "p90 TTFT ms",
+            "req/s", "router: routes", f"predicted/actual TTFT, median after {settle} (n)", "same, all",
+            "kv fallback share", "note"]
     out.append((f"1. Every run (vllm bench serve, {r['output_tokens']} output tokens; closed loop at "
-                f"--max-concurrency {r['concurrency']} except admission)", head, body))
-    head = ["workload", "P/D: rr/kv mean TTFT", "P/D: lo/kv mean TTFT", "plain: rr/kv mean TTFT",
-            "plain rr / P/D kv mean TTFT", "P/D kv / plain rr req/s"]
+                f"--max-concurrency {r['concurrency']} except trace and admission)", head, _run_rows(r, rows)))
+    pols = ("kv",) + FIXED
+    head = ["workload", "deployment", "best fixed policy (mean TTFT)", "kv / best fixed: mean TTFT",
+            "kv / best fixed: p90 TTFT"] + [f"{SHORT[p]} / best fixed mean" for p in pols]
     body = []
     for w in dict.fromkeys(x["workload"] for x in rows if x["workload"] != "admission"):
-        kv, rr, lo = (_find(r, w, "pd", p) for p in ("kv", "round-robin", "least-outstanding"))
-        bkv, brr = _find(r, w, "plain", "kv"), _find(r, w, "plain", "round-robin")
-        body.append([w, _f(_ratio(rr, kv, "mean_ttft_ms"), "{:.2f}"), _f(_ratio(lo, kv, "mean_ttft_ms"), "{:.2f}"),
-                     _f(_ratio(brr, bkv, "mean_ttft_ms"), "{:.2f}"), _f(_ratio(brr, kv, "mean_ttft_ms"), "{:.2f}"),
-                     _f(_ratio(kv, brr, "request_throughput"), "{:.2f}")])
-    out.append(("2. Side by side (TTFT ratios > 1 and throughput ratios > 1: the kv router is better)", head, body))
+        for dep in ("pd", "plain"):
+            best, best90 = _best_fixed(r, w, dep), _best_fixed(r, w, dep, "p90_ttft_ms")
+            if best is None:
+                continue
+            kv = _find(r, w, dep, "kv")
+            body.append([w, DEPLOYMENTS[dep], f"{best['policy']} ({best['mean_ttft_ms']:.0f} ms)",
+                         _f(_ratio(kv, best, "mean_ttft_ms"), "{:.2f}"), _f(_ratio(kv, best90, "p90_ttft_ms"), "{:.2f}")]
+                        + [_f(_ratio(_find(r, w, dep, p), best, "mean_ttft_ms"), "{:.2f}") for p in pols])
+    out.append(("2. Side by side: each policy's mean TTFT over the best fixed policy's on the same deployment "
+                "(< 1: better than the best fixed policy)", head, body))
     adm = [x for x in rows if x["workload"] == "admission"]
     if adm:
         head = ["admission", "rate req/s", "TTFT target s", "admitted", "rejected (429)", "other failures",
@@ -114,43 +138,86 @@ def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                  _f(x.get("request_goodput"), "{:.2f}"), _f(x.get("mean_ttft_ms")), _f(x.get("p90_ttft_ms"))]
                 for x in adm]
         out.append(("3. Admission above capacity: P/D kv router without and with --ttft-slo", head, body))
+    serve = r.get("serve_rows") or []
+    if serve:
+        engine = next((x for x in serve if x["deployment"] == "engine" and x.get("mean_ttft_ms")), None)
+        head = ["through", "policy", "ok/requests", "mean TTFT ms", "p50 TTFT ms", "p90 TTFT ms", "output tok/s",
+                "mean TTFT / one plain engine's", "router: routes", "predicted/actual TTFT, median (all)", "note"]
+        body = []
+        for x in serve:
+            v, e = x.get("router_view") or {}, _est(x)
+            through = {"engine": "one plain engine, no router", "plain": "mctier proxy, that plain engine"}
+            body.append([through.get(x["deployment"], "mctier proxy, TieredConnector 1P1D"),
+                         x["policy"], f"{x['completed']}/{x['requests']}" if "completed" in x else "-",
+                         _f(x.get("mean_ttft_ms"), "{:.1f}"), _f(x.get("median_ttft_ms"), "{:.1f}"),
+                         _f(x.get("p90_ttft_ms"), "{:.1f}"), _f(x.get("output_throughput")),
+                         _f(_ratio(x, engine, "mean_ttft_ms"), "{:.2f}"),
+                         ", ".join(f"{k} {n}" for k, n in sorted((v.get("routes") or {}).items())) or "-",
+                         _f(e.get("ratio_all"), "{:.2f}"), _note(x)])
+        out.append((f"4. vllm bench serve prefix_repetition (1,024-token prefixes, 64-token suffixes, 4 prefixes, "
+                    f"{r['output_tokens']} output tokens, concurrency {r['concurrency']}, {r.get('serve_model')} "
+                    "model): through the router over a TieredConnector 1P1D pair against one plain engine",
+                    head, body))
     return out
 
 
 def verdicts(r: dict) -> list[str]:
     """The issue's targets, each with the figures that decide it; reached or not, never assumed."""
     lines = []
-    for dep in ("pd", "plain"):
-        kv, rr = _find(r, "prefix", dep, "kv"), _find(r, "prefix", dep, "round-robin")
-        x = _ratio(rr, kv, "mean_ttft_ms")
-        lines.append(f"{DEPLOYMENTS[dep]} prefix workload, mean TTFT >= 2x lower with kv than round-robin: " + (
-            "not measured" if x is None else
-            f"{'reached' if x >= 2 else 'NOT reached'} ({kv['mean_ttft_ms']:.0f} vs {rr['mean_ttft_ms']:.0f} ms, "
-            f"x{x:.2f})"))
-    kv, brr = _find(r, "short", "pd", "kv"), _find(r, "short", "plain", "round-robin")
-    if kv and brr:
-        t, q = kv["mean_ttft_ms"] / brr["mean_ttft_ms"], kv["request_throughput"] / brr["request_throughput"]
-        ok = t <= 1.10 and q >= 1 / 1.10
-        lines.append(f"short prompts, P/D kv no worse than plain round-robin by >10% (mean TTFT and req/s): "
-                     f"{'reached' if ok else 'NOT reached'} (TTFT {kv['mean_ttft_ms']:.0f} vs "
-                     f"{brr['mean_ttft_ms']:.0f} ms, x{t:.2f}; {kv['request_throughput']:.2f} vs "
-                     f"{brr['request_throughput']:.2f} req/s, x{q:.2f})")
+    rows = r.get("rows") or []
+    settle = (r.get("scale") or {}).get("settle", 50)
+    kv = [x for x in rows if x["policy"] == "kv" and _est(x).get("ratio_after")]
+    if kv:
+        off = [x for x in kv if not 1 / ESTIMATE_BAND <= _est(x)["ratio_after"] <= ESTIMATE_BAND]
+        lines.append(f"median predicted/actual TTFT within +-25% after the first {settle} requests, kv router: "
+                     f"{'reached' if not off else 'NOT reached'} in {len(kv) - len(off)} of {len(kv)} runs"
+                     + (" (off: " + ", ".join(f"{x['name']} {_est(x)['ratio_after']:.2f}" for x in off) + ")"
+                        if off else ""))
     else:
-        lines.append("short prompts, P/D kv vs plain round-robin: not measured"
-                     + (" (--quick has no short workload)" if r.get("quick") else ""))
+        lines.append(f"median predicted/actual TTFT after the first {settle} requests: not measured")
+    misses, checked = [], 0
+    for w in dict.fromkeys(x["workload"] for x in rows if x["workload"] != "admission"):
+        for dep in ("pd", "plain"):
+            best, best90, k = _best_fixed(r, w, dep), _best_fixed(r, w, dep, "p90_ttft_ms"), _find(r, w, dep, "kv")
+            if best and k:
+                checked += 1
+                m, p = k["mean_ttft_ms"] / best["mean_ttft_ms"], k["p90_ttft_ms"] / best90["p90_ttft_ms"]
+                if m > WITHIN or p > WITHIN:
+                    misses.append(f"{w} {DEPLOYMENTS[dep]}: mean x{m:.2f} of {best['policy']}, p90 x{p:.2f} "
+                                  f"of {best90['policy']}")
+    lines.append("kv mean and p90 TTFT within 5% of the best fixed policy: "
+                 + ("not measured" if not checked else f"{'reached' if not misses else 'NOT reached'} in "
+                    f"{checked - len(misses)} of {checked} workload-deployments" + (f" ({'; '.join(misses)})"
+                                                                                     if misses else "")))
+    serve = r.get("serve_rows") or []
+    engine = next((x for x in serve if x["deployment"] == "engine" and x.get("mean_ttft_ms")), None)
+    skv = next((x for x in serve if x["policy"] == "kv" and x["deployment"] == "pd" and x.get("mean_ttft_ms")), None)
+    if engine and skv:
+        x = skv["mean_ttft_ms"] / engine["mean_ttft_ms"]
+        lines.append(f"vllm bench serve through the kv router over 1P1D at most 1.1x one plain engine's mean TTFT: "
+                     f"{'reached' if x <= 1.1 else 'NOT reached'} ({skv['mean_ttft_ms']:.1f} vs "
+                     f"{engine['mean_ttft_ms']:.1f} ms, x{x:.2f})")
+    else:
+        lines.append("vllm bench serve through the kv router against one plain engine: not measured")
+    k, rr = _find(r, "prefix", "plain", "kv"), _find(r, "prefix", "plain", "round-robin")
+    x = _ratio(rr, k, "mean_ttft_ms")
+    lines.append("plain (B) prefix workload, kv at least 1.5x round-robin (mean TTFT): " + (
+        "not measured" if x is None else f"{'reached' if x >= 1.5 else 'NOT reached'} ({k['mean_ttft_ms']:.0f} vs "
+                                         f"{rr['mean_ttft_ms']:.0f} ms, x{x:.2f})"))
     on, off = _find(r, "admission", "pd", "kv", True), _find(r, "admission", "pd", "kv", False)
-    if on and off and on.get("within_slo_share") is not None and off.get("within_slo_share") is not None:
-        ok = on["within_slo_share"] >= 0.9 and off["within_slo_share"] < 0.5
-        lines.append(f"above capacity ({on['rate']:.2f} req/s), >= 90% of admitted within {on['slo_s']:.2f} s with "
-                     f"admission where < 50% without: {'reached' if ok else 'NOT reached'} (with "
-                     f"{on['within_slo_share']:.0%} of {on['completed']} admitted, {on['rejected_429']} rejected; "
-                     f"without {off['within_slo_share']:.0%} of {off['completed']})")
+    if on and off and on.get("within_slo_share") is not None:
+        ok = on["within_slo_share"] >= 0.9 and (on.get("request_goodput") or 0) > (off.get("request_goodput") or 0)
+        lines.append(f"above capacity ({on['rate']:.2f} req/s), >= 90% of admitted within {on['slo_s']:.2f} s and "
+                     f"goodput above no admission's: {'reached' if ok else 'NOT reached'} (with admission "
+                     f"{on['within_slo_share']:.0%} of {on['completed']} admitted, {on['rejected_429']} rejected, "
+                     f"goodput {on.get('request_goodput') or 0:.2f} req/s; without {off['within_slo_share']:.0%} of "
+                     f"{off['completed']}, goodput {off.get('request_goodput') or 0:.2f} req/s)")
     else:
         lines.append("admission above capacity: not measured")
-    skipped = [x.get("name") or x["workload"] for x in r.get("rows") or [] if x.get("skipped")]
+    skipped = [x.get("name") or x["workload"] for x in rows if x.get("skipped")]
     if skipped:
         lines.append(f"not run: {', '.join(skipped)} (no unthrottled prefix run to size the admission rate from)")
-    failed = [x["name"] for x in r.get("rows") or [] if x.get("error") or x.get("other_failures")]
+    failed = [x["name"] for x in rows + serve if x.get("error") or x.get("other_failures")]
     if failed or r.get("error"):
         first = (r.get("error") or "").splitlines()[0][:300] if r.get("error") else ""
         lines.append(f"FAILED: {', '.join(failed)} {first}".strip())
@@ -181,7 +248,7 @@ def plot(r: dict, path: Path) -> None:
     plt = pyplot()
     rows = [x for x in r.get("rows") or [] if x.get("mean_ttft_ms") is not None]
     work = list(dict.fromkeys(x["workload"] for x in rows if x["workload"] != "admission"))
-    configs = [(d, p) for d in ("pd", "plain") for p in ("kv", "round-robin", "least-outstanding")
+    configs = [(d, p) for d in ("pd", "plain") for p in ("kv",) + FIXED
                if any(x["deployment"] == d and x["policy"] == p for x in rows)]
     adm = [x for x in rows if x["workload"] == "admission"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))

@@ -5,9 +5,14 @@ with ``TieredConnector`` (the tiny model, store chunks of 256 tokens), each publ
 vLLM's KV events over ZMQ; the router with the exact store view (``--store``) and
 the events (``--kv-events``), its cost model on its priors (``calibrate: false``, so
 the routes do not depend on this machine's speed) with the decode instance's compute
-always weighed (``idle_compute_s: 0``); and the session's no-connector reference
-engine (``conftest.baseline``). Every answer's greedy ids equal the reference's for the same computation
-(``reference_tokens``: the passes that produced the KV it reused, then the prompt).
+always weighed (``idle_compute_s: 0``) and prefill instances only prefilling
+(``--no-direct-to-prefill``: the routes under test are the handoff and the decode
+instance); and the session's no-connector reference engine (``conftest.baseline``). Every
+answer's greedy ids equal the reference's for the same computation (``reference_tokens``:
+the passes that produced the KV it reused, then the prompt).
+
+One more router, ``test_start_up_probe_seeds_estimates_that_match_this_machine``, learns
+(the default ``PolicyConfig``) and starts with its probe (``multi.router.probe``).
 
 Prompts have ``N - 1`` a multiple of the block size: a handed-off request's decode
 instance computes exactly the last token, which the reference repeats.
@@ -34,9 +39,10 @@ pytestmark = pytest.mark.e2e
 
 CHUNK = 256
 # On its priors; and every compute on the decode instance weighed 1.5x, idle or not
-# (``idle_compute_s: 0``), as on a decode instance serving a batch: otherwise the idle decode
+# (``idle_compute_s: 0``; the connector's ``local_compute_weight``, named because the router's
+# own default is 1), as on a decode instance serving a batch: otherwise the idle decode
 # instance here would take these short prompts itself and no handoff route would be tested.
-POLICY_FIELDS = {"calibrate": False, "idle_compute_s": 0.0}
+POLICY_FIELDS = {"calibrate": False, "idle_compute_s": 0.0, "local_compute_weight": 1.5}
 POLICY = json.dumps(POLICY_FIELDS)
 IPC_DIR = tempfile.mkdtemp(prefix="mct-ipc-")
 
@@ -83,7 +89,7 @@ class Routed:
 
     def router(self, name: str, health_interval: float = 1.0, extra: list[str] | None = None):
         return start_proxy(name, self.prefill_specs(), self.d.url, 120, policy="kv", wait_s=60,
-                           extra=["--store", self.master, "--policy-config", POLICY,
+                           extra=["--store", self.master, "--policy-config", POLICY, "--no-direct-to-prefill",
                                   "--health-interval", str(health_interval), *(extra or [])])
 
     def complete(self, prompt, max_tokens=8, url=None, headers=None, **body) -> requests.Response:
@@ -371,5 +377,53 @@ def test_prefill_instance_killed_mid_run_is_dropped_and_requests_succeed(rt):
         for e in (rt.p1, rt.d):
             assert wait_for(lambda: e.metric("vllm:num_requests_running") + e.metric("vllm:num_requests_waiting") == 0
                             and e.metric("vllm:kv_cache_usage_perc") <= rt.idle[e.name] + 1e-9, 15, 0.25)
+    finally:
+        proc.stop()
+
+
+def test_start_up_probe_seeds_estimates_that_match_this_machine(rt):
+    """A router that calibrates probes every instance before it reports healthy: each
+    instance's step and per-token cost, and the handoff through each prefill instance, are
+    in its /metrics; then its predicted time to first token of a short prompt is within a
+    factor of 3 of the actual (the priors are another machine's). Not a speed assertion: the
+    ratio of two measurements of the same request."""
+    log = os.path.join(IPC_DIR, "decisions-probed.jsonl")
+    proc, url = start_proxy("router-probed", rt.prefill_specs(), rt.d.url, 120, policy="kv", wait_s=60,
+                            extra=["--store", rt.master, "--probe-timeout", "60", "--decision-log", log])
+    try:
+        assert wait_for(lambda: requests.get(url + "/health", timeout=10).status_code == 200, 90, 0.5)
+        health = requests.get(url + "/health", timeout=10).json()
+        assert health["probe"] == "done"
+        # Every instance in rotation (an earlier test of this module may have killed P2) was probed.
+        up = [e for e in rt.engines() if health["instances"][e.url]["healthy"]]
+        assert rt.p1 in up and rt.d in up
+        for e in up:
+            assert rt.router_metric("mctier_router_probe_seconds", url=url, instance=e.url, what="token") > 0
+            assert rt.router_metric("mctier_router_probe_seconds", url=url, instance=e.url, what="step") >= 0
+        for e in (rt.p1, rt.p2):
+            if e in up:
+                assert rt.router_metric("mctier_router_probe_seconds", url=url, instance=e.url, what="handoff") >= 0
+        for e in up:  # the probe's requests and handoffs left nothing behind
+            assert wait_for(lambda: e.metric("vllm:num_requests_running") + e.metric("vllm:num_requests_waiting") == 0
+                            and e.metric("vllm:kv_cache_usage_perc") <= rt.idle[e.name] + 1e-9, 15, 0.25), e.name
+        ratios = []
+        for i in range(3):
+            prompt = prompt_ids(64 + 1, 9801 + i)
+            body = {"model": "m", "prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "return_token_ids": True}
+            with requests.post(url + "/v1/completions", json=body, stream=True, timeout=60) as r:
+                assert r.status_code == 200
+                chunks = [json.loads(x.removeprefix(b"data: ")) for x in r.iter_lines()
+                          if x.startswith(b"data:") and x != b"data: [DONE]"]
+            assert wait_for(lambda: os.path.exists(log) and len(open(log).read().splitlines()) > i, 10)
+            with open(log) as f:
+                d = [json.loads(x) for x in f][-1]
+            assert d["n"] == len(prompt) and d["status"] == 200 and d["ttft_s"] > 0
+            ratios.append(d["ttft_predicted_s"] / d["ttft_s"])
+            got = [t for c in chunks for t in (c["choices"] or [{}])[0].get("token_ids") or []]
+            cached = len(prompt) - 1 if d["kind"] == "pd" else 0
+            assert got == reference_tokens(rt.base, prompt, 2, cached_prefix=cached,
+                                           writers=[prompt] if cached else None)
+        assert 1 / 3 <= sorted(ratios)[1] <= 3, ratios
     finally:
         proc.stop()

@@ -90,7 +90,8 @@ class Runner:
         rid = str(next(self._rid))
         alone = self.chooser.begin(route, inst, n, cached, rid, self.sim.now)
         # As multi.router.forward does: a handoff's prefill instance is done with it when its prefill
-        # ends (prefill_done), the request when its last token is out (end, then learning).
+        # ends (prefill_done), its prefill when its first token is out (first_token), the request when
+        # its last token is out (end, then learning).
         timing = {"t0": self.sim.now, "prefill_s": None, "rid": rid, "alone_after": None}
 
         def finish(t: float) -> None:
@@ -143,6 +144,7 @@ class Runner:
             if saves:
                 self.store.save(full)
             res.first = t
+            self.chooser.first_token(route, route.target, timing["rid"])
             self._decode_rest(eng, r, finish, t)
 
         self.sim.at(self.sim.now + load_s, lambda: eng.prefill(Job(start, n, prefilled)))
@@ -194,6 +196,7 @@ class Runner:
 
             def decoded(t2: float) -> None:
                 res.first = t2
+                self.chooser.first_token(route, route.prefill, timing["rid"])
                 self._decode_rest(de, r, finish, t2)
 
             self.sim.at(ready, join)

@@ -62,7 +62,7 @@ class Router(Forwarder):
     def __init__(self, pool: Pool, chooser: Chooser, index: BlockIndex, prompts: Prompts, *, timeout: float,
                  connect_timeout: float, slo: float | None = None, store_view=None, store_approx: bool = False,
                  health_interval: float = 2.0, instances_file: str | None = None, store_timeout: float = 0.5,
-                 decision_log: str | None = None, secret: bytes | None = None):
+                 decision_log: str | None = None, secret: bytes | None = None, probe_timeout: float = 60.0):
         super().__init__(pool, chooser, index, timeout=timeout, connect_timeout=connect_timeout,
                          store_approx=store_approx, decision_log=decision_log, secret=secret)
         self.prompts = prompts
@@ -75,6 +75,10 @@ class Router(Forwarder):
         self.health_interval, self.instances_file = health_interval, instances_file
         self.subscribers: dict[str, EventSubscriber] = {}
         self._tasks: list[asyncio.Task] = []
+        # The start-up probe (multi.router.probe): off with a 0 deadline or frozen priors.
+        self.probe_timeout = probe_timeout if chooser.cfg.calibrate else 0.0
+        self._probed: set[str] = set()  # instances probed since they (re)joined the rotation
+        self._probing: asyncio.Task | None = None
         # Store lookups get threads of their own: a slow master must not hold up the
         # default executor (tokenization, hold releases).
         self._store_pool = ThreadPoolExecutor(2, thread_name_prefix="store-view")
@@ -87,7 +91,9 @@ class Router(Forwarder):
         self._sync_subscribers()
         await asyncio.gather(*(check_health(self.session, i, self.connect_timeout) for i in self.pool.all))
         self.max_model_len = await max_model_len(self.session, self.pool, self.connect_timeout)
-        self._tasks.append(asyncio.create_task(self._health_loop()))
+        # The probe runs while the router already listens; /health answers 503 until it is done.
+        self._probing = asyncio.create_task(self._probe([i for i in self.pool.all if i.healthy]))
+        self._tasks += [self._probing, asyncio.create_task(self._health_loop())]
         # Load the tokenizer and connect to the store now, not on the first request.
         self._tasks.append(asyncio.create_task(self.prompts.load(self.session, self.pool)))
         if self.store_view is not None:
@@ -166,6 +172,29 @@ class Router(Forwarder):
         logger.warning("reloaded %s: added %s, removed %s", self.instances_file,
                        [i.url for i in added] or "none", [i.url for i in removed] or "none")
 
+    async def _probe(self, instances: list[Instance]) -> None:
+        """Probe ``instances`` (:mod:`multi.router.probe`) and remember which were done."""
+        if self.probe_timeout <= 0 or not instances:
+            return
+        from multi.router.probe import probe
+
+        got = await probe(self, instances, self.probe_timeout)
+        for url, m in got.items():
+            self._probed.add(url)  # a failed probe is not retried until the instance rejoins
+            for what in ("step", "token", "handoff"):
+                if what in m:
+                    self.metrics.probe.labels(url, what).set(m[what])
+
+    def _probe_joined(self) -> None:
+        """An instance that joined or came back into rotation, idle: probe it in the background."""
+        for i in self.pool.all:
+            if not i.healthy:
+                self._probed.discard(i.url)
+        todo = [i for i in self.pool.all if i.healthy and i.url not in self._probed and not (i.inflight or i.decoding)]
+        if todo and self.probe_timeout > 0 and (self._probing is None or self._probing.done()):
+            self._probing = asyncio.create_task(self._probe(todo))
+            self._tasks.append(self._probing)
+
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval)
@@ -174,6 +203,7 @@ class Router(Forwarder):
                 # A prefill that restarted between two rounds has another engine id: ask again.
                 await asyncio.gather(*(self.check_engine_id(i) for i in self.pool.role("prefill")))
                 self._refresh_gauges()
+                self._probe_joined()
             except Exception:  # noqa: BLE001 - the loop must survive anything one round throws
                 logger.exception("health round failed")
 
@@ -207,13 +237,19 @@ class Router(Forwarder):
     async def health(self, request: web.Request) -> web.Response:
         body = {i.url: {"role": i.role, "healthy": i.healthy} for i in self.pool.all}
         if self.pool.disaggregated:
-            # The kv policy serves on a decode instance alone when no prefill instance is up.
-            ok = bool(self.pool.role("decode")) and (bool(self.pool.role("prefill")) or self.chooser.policy == "kv")
+            # The kv and direct policies serve on a decode instance alone when no prefill instance is up.
+            ok = bool(self.pool.role("decode")) and (bool(self.pool.role("prefill"))
+                                                     or self.chooser.policy in ("kv", "direct"))
         else:
             ok = bool(self.pool.role("plain"))
         # "tokenizer" (multi.router.prompts.Prompts.state): a router still loading it routes token-id
-        # prompts as usual, but holds string prompts until it is loaded, and spends CPU on it.
-        return web.json_response({"healthy": ok, "tokenizer": self.prompts.state, "instances": body},
+        # prompts as usual, but holds string prompts until it is loaded, and spends CPU on it. "probe":
+        # the start-up probe's state (multi.router.probe); unhealthy while it runs (its requests share
+        # the engines with any routed meanwhile, which go on the priors).
+        running = self._probing is not None and not self._probing.done()
+        probe = "off" if self.probe_timeout <= 0 else "running" if running else "done"
+        ok = ok and not running
+        return web.json_response({"healthy": ok, "tokenizer": self.prompts.state, "probe": probe, "instances": body},
                                  status=200 if ok else 503)
 
     async def models(self, request: web.Request) -> web.Response:
@@ -270,8 +306,9 @@ class Router(Forwarder):
             self._log_decision(t0, len(tokens), route, resp.status, None)
             return self._answer(resp)
         ttft: dict[str, float] = {}
+        booked = self.reserve(route, tokens, hashes, t0, body)
         try:
-            resp = await asyncio.wait_for(self._execute(request, path, body, route, tokens, hashes, t0, ttft),
+            resp = await asyncio.wait_for(self._execute(request, path, body, route, tokens, hashes, t0, ttft, booked),
                                           self.timeout)
         except ProxyError as e:
             logger.warning("%s: %s", path, e.message)
@@ -281,5 +318,7 @@ class Router(Forwarder):
         except asyncio.CancelledError:  # the client went away: logged with nginx's 499
             self._log_decision(t0, len(tokens), route, 499, ttft.get("s"), ttft.get("prefill_s"))
             raise
+        finally:
+            self.release(booked)  # a request cancelled before its run started
         self._log_decision(t0, len(tokens), route, resp.status, ttft.get("s"), ttft.get("prefill_s"))
         return self._answer(resp)

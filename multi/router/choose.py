@@ -6,23 +6,17 @@ decode instance ``d``, and the store's reach ``S`` (0 without a store view). Eve
 instance has its own :class:`multi.policy.CostModel` (its own measured speed) and its own
 wait before a request's first token, ``queue_i``:
 
-    queue_i = a_i + b_i * k_i * own_i + c_i * w_i
+    queue_i = a_i * busy_i + b_i * k_i * own_i + c_i * w_i + d_i * decoding_i
 
 with ``k_i`` the requests the router has in flight on it (on a decode or plain instance,
-decoding ones included: their steps share the engine with a new prefill; a prefill
-instance counts a handoff until its prefill ends, :meth:`Chooser.prefill_done`),
-``own_i`` this request's own compute there (``compute_i(cached, N)``), and ``w_i`` the
-routed prefill work still ahead on it (the in-flight requests' predicted compute, worked
-through in the order sent, minus the time gone,
-:meth:`multi.router.instances.Instance.queue_s`). ``(a, b, c)`` start at ``(0, 1, 1)``: each
-request in flight delays this one by about its own prefill, since they share the
-engine's steps, plus the prefill work ahead. They are fitted online (:class:`multi.calibration.OnlineFit`) to
-the measured wait of every streamed answer: its time to first token minus the estimate
-without the wait. Under load the fit learns what a request in flight costs the next one;
-above capacity ``k`` grows and so does every estimate, which is what admission needs.
-The estimates (:meth:`Chooser.pd_estimate`, :meth:`Chooser.direct_estimate`) take these
-as records: a :class:`Prompt` (``N``, ``S``) and a :class:`Candidate` per instance (the
-instance and the prefix it holds, ``C_p``, ``L_d`` or ``L_e``).
+decoding ones included; a prefill instance counts a handoff until its prefill ends,
+:meth:`Chooser.prefill_done`), ``busy_i`` 1 when ``k_i > 0``, ``own_i`` this request's own
+compute there, ``w_i`` the routed prefill work still ahead on it (worked through in the
+order sent, :meth:`multi.router.instances.Instance.queue_s`; a request leaves it at its
+first token, :meth:`Chooser.first_token`) and ``decoding_i`` the requests past their first
+token there. The compute and the wait coefficients are one fit per instance
+(:mod:`multi.router.fits`), learned from every answer, those under concurrency included,
+and seeded by the start-up probe (:mod:`multi.router.probe`).
 
 Disaggregated (prefill and decode instances):
 
@@ -32,54 +26,56 @@ Disaggregated (prefill and decode instances):
   handoff, with the tiers ``store [L_d, S)`` and ``p2p [.., N-1)`` where the p2p tier
   carries ``remote_cached = C_p`` and ``remote_queue_s = queue_p``, so
   ``seconds = queue_p + own_p + transfer(bytes to decode)`` with ``own_p`` the cheaper
-  for ``p`` of ``load_p([C_p, S)) + compute_p(S, N)`` and ``compute_p(C_p, N)``
-  (:meth:`multi.policy.CostModel.remote_own_s`), and the decode instance's store load
-  ``[L_d, S)`` alongside, whichever is longer;
+  for ``p`` of ``load_p([C_p, S)) + compute_p(S, N)`` and ``compute_p(C_p, N)``, and the
+  decode instance's store load ``[L_d, S)`` alongside, whichever is longer; then the
+  decode instance computes the last token once the prefill work routed to it before has
+  cleared: ``+ max(0, w_d - (queue_p + own_p + transfer))``;
 - direct, no prefill instance (``d``'s connector loads ``[L_d, S)`` from the store and
   recomputes the rest): ``queue_d`` plus the cheapest plan of ``d``'s model without the
   handoff, whose recomputation is weighted as the connector weighs it
-  (:meth:`multi.policy.CostModel.weighted`, with ``busy = k_d``): compute on a decode
-  instance delays the decode batch it serves; an idle one's first ``idle_compute_s``
-  delay nobody;
-- the route is the cheapest of these.
+  (:meth:`multi.policy.CostModel.weighted`, with ``busy = k_d``);
+- with ``direct_to_prefill`` (``mctier proxy``'s default), also direct on each prefill
+  instance ``p``, as on a plain one: ``queue_p`` plus the cheapest plan of ``p``'s model
+  from ``C_p`` (an idle prefill instance answers a short request as soon as an engine
+  alone would; a decode instance's connector may cost more per request);
+- the route is the cheapest of these (``Route.seconds``, the score); ``Route.predicted``
+  is the same route's time to first token with the weighting left out (what admission,
+  the metrics and :mod:`multi.router.honesty` compare with the answer).
 
 Data-parallel (``plain`` instances): for each instance ``e``,
-``queue_e + min plan(N, L_e, store)`` with ``local_compute_weight = 1`` (a plain engine
-only serves whole requests); the cheapest wins.
+``queue_e + min plan(N, L_e, store)`` with ``local_compute_weight = 1``; the cheapest wins.
+Ties (equal estimates, e.g. an idle pool) go to the instance with fewer requests in flight,
+then in turn.
 
-``round-robin`` and ``least-outstanding`` pick the same way the old proxy did (P/D pair,
-or a plain instance) and still estimate, so predicted-against-actual metrics exist for
-them too.
+Fixed policies (they still estimate, so predicted-against-actual metrics exist for them):
+``round-robin`` and ``least-outstanding`` as the earlier proxy (a P/D pair always handing
+off, or a plain instance); ``direct``: every request whole on the least loaded decode
+instance (in a plain pool: the instance with the fewest requests in flight, ties to the
+longest cached prefix, then in turn); ``handoff``: every request through the prefill
+instance with the fewest in flight (ties to the longest cached prefix, then in turn) to the
+least loaded decode instance. ``kv`` falls back to one of them while its estimates drift
+(:mod:`multi.router.honesty`); with ``direct_to_prefill`` its ``direct`` fallback serves a
+request whole on the decode or prefill instance with the fewest requests in flight.
 
-Admission (:mod:`multi.router.admission`): with a TTFT target ``T`` (``--ttft-slo`` or per
-request), a route whose estimate exceeds ``T`` is rejected before any engine works on it,
-with ``Retry-After = ceil(estimate - T)`` seconds (at least 1). Ties (equal estimates,
-e.g. an idle pool) go to the instance with fewer requests in flight, then in turn.
-
-Learning (:meth:`Chooser.learn_prefill`, :meth:`Chooser.learn_transfer`): a prefill's
-time on a prefill instance, or a direct request's time to first token, measured while
-that instance had no other routed work in flight, is a forward sample for that instance
-(queued samples would teach it the queue, not its speed; the store load, when there is
-one, is inside it); the time from a prefill's end to the decode's first token is a
-``p2p`` load sample of the prefill instance's model.
+Admission (:mod:`multi.router.admission`): with a TTFT target ``T``, a route whose
+``predicted * margin`` exceeds ``T`` is rejected before any engine works on it
+(``margin``: :meth:`multi.router.honesty.Honesty.margin`).
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from mcstore.config import LOAD_PRIOR as STORE_PRIOR
-from multi.calibration import OnlineFit
-from multi.policy import CostModel, ForwardSample, Inputs, LoadSample, Plan, PolicyConfig, TierReach
+from multi.policy import Inputs, Plan, PolicyConfig, TierReach
 from multi.router.admission import rejection
 from multi.router.instances import Instance, Pool
+from multi.router.ledger import Ledger, Route
 from p2p.config import LOAD_PRIOR as P2P_PRIOR
 
-POLICIES = ("kv", "least-outstanding", "round-robin")
-WAIT_FLOOR_S = 1.0  # the wait fit's OnlineFit floor (see Chooser.wait_s)
+POLICIES = ("kv", "least-outstanding", "round-robin", "direct", "handoff")
+WAIT_FLOOR_S = 1.0  # the instance fits' OnlineFit floor (multi.router.fits), read when a fit is made
 
 
 @dataclass(frozen=True)
@@ -101,108 +97,75 @@ class Candidate:
     cached: int = 0
 
 
-@dataclass
-class Route:
-    kind: str  # "pd" (prefill + decode), "direct" (decode alone or a plain instance), "reject"
-    prefill: Instance | None
-    target: Instance | None  # decode or plain instance
-    seconds: float  # predicted TTFT
-    plan: str  # the cost model's plan name
-    reason: str
-    retry_after: int = 0
-    # What the index knew (tokens): for metrics and learning.
-    cached_prefill: int = 0
-    cached_target: int = 0
-    store: int = 0
-    # The estimate without the wait, and the wait's features on the instance that waits
-    # (the prefill instance of a handoff, else the target, Chooser.wait_features): what
-    # learn_wait needs.
-    base_s: float = 0.0
-    wait_features: list[float] = field(default_factory=list)
-    own_s: float = 0.0  # this request's compute on the waiting instance (a wait feature)
-    # The kv policy's estimate of every route it weighed (seconds), by "direct URL" or
-    # "pd PREFILL_URL": what the decision log (``mctier proxy --decision-log``) records.
-    candidates: dict[str, float] = field(default_factory=dict)
+class Chooser(Ledger):
+    """The estimates and the choice; the books and the learning are :class:`Ledger`'s."""
 
-
-class Chooser:
-    def __init__(self, policy: str, bytes_per_token: float, cfg: PolicyConfig | None = None):
+    def __init__(self, policy: str, bytes_per_token: float, cfg: PolicyConfig | None = None,
+                 direct_to_prefill: bool = False):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+        super().__init__(bytes_per_token, cfg)
         self.policy = policy
-        self.bytes_per_token = bytes_per_token
-        self.cfg = cfg or PolicyConfig()
-        self.models: dict[str, CostModel] = {}
-        self.waits: dict[str, OnlineFit] = {}
+        self.direct_to_prefill = direct_to_prefill  # kv may serve a request whole on a prefill instance
+        # The honesty check: the kv policy's fallback only while it calibrates (frozen priors
+        # are a request for decisions that depend on the inputs alone).
+        self.honesty.enabled = policy == "kv" and self.cfg.calibrate
         self._rr = itertools.count()
         self._turn = itertools.count()
 
-    def model(self, inst: Instance) -> CostModel:
-        m = self.models.get(inst.url)
-        if m is None:
-            cfg = self.cfg
-            if inst.role == "plain":
-                cfg = PolicyConfig(**{**{f: getattr(cfg, f) for f in cfg.__struct_fields__},
-                                      "local_compute_weight": 1.0})
-            # Weighted by the sample, not the prediction: it learns from whole requests, queueing
-            # included; weighted by the prediction, the simulated router reused less (docs/benchmarks/decisions.md).
-            m = self.models[inst.url] = CostModel(cfg, fit=functools.partial(OnlineFit, relative_to="sample"))
-        return m
+    def floor_s(self) -> float:
+        return WAIT_FLOOR_S
 
     # -- estimates -----------------------------------------------------------------------
-
-    def wait_features(self, inst: Instance, now: float, own_s: float) -> list[float]:
-        """``[1, k_i * own_i, w_i]`` of the module's wait formula, for the fit's ``(a, b, c)``."""
-        return [1.0, inst.outstanding * own_s, inst.queue_s(now)]
-
-    def wait_s(self, inst: Instance, now: float, own_s: float) -> float:
-        fit = self.waits.get(inst.url)
-        if fit is None:
-            # Not clipped and quick to forget: admission must follow waits that swing by orders of
-            # magnitude within seconds. Waits under WAIT_FLOOR_S count by their absolute error, above it
-            # relative to the sample: weighted relatively, near-0 waits drove the queue's coefficient
-            # to 0 (docs/benchmarks/sim-cluster.md).
-            fit = self.waits[inst.url] = OnlineFit([0.0, 1.0, 1.0], lower=[0.0, 0.0, 0.0],
-                                                   upper=[30.0, 30.0, 10.0], scale=[1.0, 1.0, 1.0],
-                                                   forget=0.9, clip=float("inf"), floor=WAIT_FLOOR_S,
-                                                   relative_to="sample")
-        return fit.predict(self.wait_features(inst, now, own_s))
-
-    def _store_tiers(self, s: int) -> list[TierReach]:
-        """The store as a tier reaching ``s`` tokens (none when it holds nothing)."""
-        return [TierReach("store", s, prior=STORE_PRIOR)] if s > 0 else []
 
     def pd_estimate(self, prompt: Prompt, prefill: Candidate, decode: Candidate, now: float,
                     wait: bool = True) -> Plan:
         """The cheapest handoff plan through ``prefill`` to ``decode`` (the module's formulas;
-        ``parts`` carries ``queue_s`` and ``own_s``), or, when ``decode`` already holds all
-        but the last token, :meth:`direct_estimate` on it. ``wait=False`` leaves the wait out."""
+        ``parts`` adds ``queue_s``, ``own_s``, ``ttft_s`` (unweighted), ``prefill_s`` (the
+        prefill request's time), ``fixed_s`` (its loads), ``tail_s`` (the decode instance's
+        part after the transfer) and ``compute_from``/``compute_to`` (the prefill instance's
+        compute)), or, when ``decode`` already holds all but the last token,
+        :meth:`direct_estimate` on it. ``wait=False`` leaves the waits out."""
         n, s = prompt.tokens, prompt.store
         p, c_p, d, l_d = prefill.instance, prefill.cached, decode.instance, decode.cached
-        own = self.model(p).compute_s(min(max(s, c_p), n - 1), n)
-        q = self.wait_s(p, now, own) if wait else 0.0
+        mp = self.model(p)
+        # The prefill instance's own part, as its chooser sees it (CostModel.remote_own_s).
+        mine = mp.choose(Inputs(prompt_tokens=n, local_tokens=min(c_p, n - 1), tiers=self._store_tiers(s),
+                                bytes_per_token=self.bytes_per_token))[0]
+        own, start = mine.parts["compute_s"], n - mine.tokens("recompute")
+        own_w = self.fit(p).anchor_compute_s(n - start, start)  # the wait's feature (multi.router.fits)
+        q = self.wait_s(p, now, own_w) if wait else 0.0
         tiers = self._store_tiers(s) + [TierReach("p2p", n - 1, remote_prefill=True, prior=P2P_PRIOR,
                                                   remote_cached=c_p, remote_queue_s=q)]
-        plans = [x for x in self.model(p).plans(Inputs(prompt_tokens=n, local_tokens=l_d, tiers=tiers,
-                                                       bytes_per_token=self.bytes_per_token, busy=d.outstanding))
+        plans = [x for x in mp.plans(Inputs(prompt_tokens=n, local_tokens=l_d, tiers=tiers,
+                                            bytes_per_token=self.bytes_per_token, busy=d.outstanding))
                  if x.tokens("p2p") > 0]
-        if plans:
-            best = min(plans, key=lambda x: x.seconds)
-            best.parts.update(queue_s=q, own_s=own)
-            return best
-        # The decode instance already holds all but the last token: nothing to hand off.
-        return self.direct_estimate(prompt, decode, now, wait)
+        if not plans:  # the decode instance already holds all but the last token: nothing to hand off
+            return self.direct_estimate(prompt, decode, now, wait)
+        best = min(plans, key=lambda x: x.seconds)
+        ready = best.seconds - best.parts["recompute_s"]  # the KV is on the decode instance
+        extra = max(0.0, d.queue_s(now) - ready) if wait else 0.0
+        ttft = ready + best.parts["compute_s"] + extra
+        loads = mine.seconds - mine.parts["recompute_s"]
+        best.seconds += extra
+        best.parts.update(queue_s=q, own_s=own_w, ttft_s=ttft, prefill_s=q + loads + own, fixed_s=loads,
+                          tail_s=best.parts["compute_s"] + extra, compute_from=start, compute_to=n)
+        return best
 
     def direct_estimate(self, prompt: Prompt, target: Candidate, now: float, wait: bool = True) -> Plan:
         """The cheapest plan of the whole request on ``target`` (a decode or plain instance,
-        no handoff) plus its wait (``parts``: ``queue_s``, ``own_s``)."""
+        no handoff) plus its wait (``parts`` as :meth:`pd_estimate`'s, without ``prefill_s``)."""
         n, s, e, l_e = prompt.tokens, prompt.store, target.instance, target.cached
         x = Inputs(prompt_tokens=n, local_tokens=min(l_e, n - 1), tiers=self._store_tiers(s),
                    bytes_per_token=self.bytes_per_token, busy=e.outstanding)
         best = min(self.model(e).plans(x), key=lambda p: p.seconds)
-        own = self.model(e).compute_s(min(max(l_e, s), n - 1), n)
-        q = self.wait_s(e, now, own) if wait else 0.0
-        return Plan(best.name, best.segments, best.seconds + q, {**best.parts, "queue_s": q, "own_s": own})
+        own, start = best.parts["compute_s"], n - best.tokens("recompute")
+        own_w = self.fit(e).anchor_compute_s(n - start, start)
+        q = self.wait_s(e, now, own_w) if wait else 0.0
+        loads = best.seconds - best.parts["recompute_s"]
+        return Plan(best.name, best.segments, best.seconds + q,
+                    {**best.parts, "queue_s": q, "own_s": own_w, "ttft_s": loads + own + q, "tail_s": 0.0,
+                     "fixed_s": loads, "compute_from": start, "compute_to": n})
 
     # -- the choice ----------------------------------------------------------------------
 
@@ -216,162 +179,130 @@ class Chooser:
         cluster simulator (``bench/sim``) passes its own."""
         now = time.monotonic() if now is None else now
         prompt = Prompt(max(n, 1), store)
+        self.honesty.disaggregated = pool.disaggregated
+        policy = self.policy if self.policy != "kv" else (self.honesty.fallback or "kv")
         if pool.disaggregated:
-            route = self._choose_pd(pool, prompt, match, now)
+            route = self._choose_pd(pool, prompt, match, now, policy)
         else:
-            route = self._choose_plain(pool, prompt, match, now)
+            route = self._choose_plain(pool, prompt, match, now, policy)
         if route is None:
             return None
+        route.mode = policy if policy == self.policy else f"fallback {policy}"
         waiter = route.prefill or route.target
         route.wait_features = self.wait_features(waiter, now, route.own_s)
         route.base_s = route.seconds - self.wait_s(waiter, now, route.own_s)
-        rejected = rejection(route.seconds, slo)
+        rejected = rejection(route.predicted * self.honesty.margin(route.kind), slo)
         if rejected is not None:
             reason, retry_after = rejected
             return Route("reject", route.prefill, route.target, route.seconds, route.plan, reason,
-                         retry_after=retry_after, store=store, candidates=route.candidates)
+                         retry_after=retry_after, store=store, candidates=route.candidates,
+                         predicted=route.predicted, mode=route.mode)
         return route
 
-    def _choose_pd(self, pool: Pool, prompt: Prompt, match, now: float) -> Route | None:
-        n, store = prompt.tokens, prompt.store
+    @staticmethod
+    def _route(kind: str, p: Instance | None, target: Instance, plan: Plan, reason: str, **kw) -> Route:
+        start, end = int(plan.parts["compute_from"]), int(plan.parts["compute_to"])
+        return Route(kind, p, target, plan.seconds, plan.name, reason, own_s=plan.parts["own_s"],
+                     predicted=plan.parts["ttft_s"], tail_s=plan.parts["tail_s"], fixed_s=plan.parts["fixed_s"],
+                     compute=(end - start, start), **kw)
+
+    def _choose_pd(self, pool: Pool, prompt: Prompt, match, now: float, policy: str) -> Route | None:
+        store = prompt.store
         prefills, decodes = pool.role("prefill"), pool.role("decode")
         if not decodes:
             return None
-        if self.policy == "round-robin":
+        p = None
+        if policy == "round-robin":
             k = next(self._rr)
             d = decodes[k % len(decodes)]
             p = prefills[k % len(prefills)] if prefills else None
-        elif self.policy == "least-outstanding":
+        elif policy == "least-outstanding":
             d = min(decodes, key=lambda i: i.outstanding)
             p = min(prefills, key=lambda i: i.outstanding) if prefills else None
         else:
             d = min(decodes, key=lambda i: (i.outstanding + i.waiting, round(i.kv_usage, 2), -match(i)))
-            p = None
+            if policy == "handoff" and prefills:
+                turn = next(self._turn)
+                order = [prefills[(turn + j) % len(prefills)] for j in range(len(prefills))]
+                p = min(order, key=lambda i: (i.outstanding, -match(i)))
         l_d = match(d)
-        if self.policy != "kv":
+        if policy in ("round-robin", "least-outstanding", "handoff"):
             if p is None:
                 return None
             plan = self.pd_estimate(prompt, Candidate(p, match(p)), Candidate(d, l_d), now)
-            return Route("pd", p, d, plan.seconds, plan.name, self.policy, cached_prefill=match(p),
-                         cached_target=l_d, store=store, own_s=plan.parts["own_s"])
+            route = self._route("pd", p, d, plan, policy, cached_prefill=match(p), cached_target=l_d, store=store)
+            if self.policy == "kv":  # a fallback: what kv would have weighed, for the honesty window
+                route.alternatives = self._weigh_pd(prompt, prefills, d, l_d, match, now)[1]
+            return route
+        if policy == "direct":
+            target = d
+            if self.policy == "kv" and self.direct_to_prefill and prefills:
+                # kv's fallback serves whole requests where kv itself may: the least loaded of the
+                # decode and the prefill instances (ties to the longest cached prefix).
+                target = min([d, *prefills], key=lambda i: (i.outstanding, -match(i)))
+            cached = l_d if target is d else match(target)
+            plan = self.direct_estimate(prompt, Candidate(target, cached), now)
+            route = self._route("direct", None, target, plan, "direct", cached_target=cached, store=store)
+            if self.policy == "kv":
+                route.alternatives = self._weigh_pd(prompt, prefills, d, l_d, match, now)[1]
+            return route
+        cands, alternatives = self._weigh_pd(prompt, prefills, d, l_d, match, now)
+        best = min(cands, key=lambda c: c[:3])[3]
+        best.candidates = {f"{c[3].kind} {(c[3].prefill or c[3].target).url}": c[0] for c in cands}
+        best.alternatives = alternatives
+        return best
+
+    def _weigh_pd(self, prompt: Prompt, prefills: list[Instance], d: Instance, l_d: int, match,
+                  now: float) -> tuple[list, dict[str, float]]:
+        """Every route the kv policy weighs in a P/D pool, as ``(score, requests in flight,
+        turn, Route)`` (equal scores go to the less busy, then in turn), and the best
+        predicted TTFT of each kind."""
+        n, store = prompt.tokens, prompt.store
         direct = self.direct_estimate(prompt, Candidate(d, l_d), now)
-        # (estimate, requests in flight, turn): equal estimates go to the less busy, then in turn.
+        reason = "decode instance and store cover the prompt" if max(l_d, store) >= n - 1 else "handoff does not pay"
         cands = [(direct.seconds, d.outstanding, 0,
-                  Route("direct", None, d, direct.seconds, direct.name,
-                        "decode instance and store cover the prompt" if max(l_d, store) >= n - 1
-                        else "handoff does not pay", cached_target=l_d, store=store,
-                        own_s=direct.parts["own_s"]))]
+                  self._route("direct", None, d, direct, reason, cached_target=l_d, store=store))]
+        alternatives = {"direct": direct.parts["ttft_s"]}
         turn = next(self._turn)
         for j in range(len(prefills)):
             p = prefills[(turn + j) % len(prefills)]
             c_p = match(p)
             plan = self.pd_estimate(prompt, Candidate(p, c_p), Candidate(d, l_d), now)
             if plan.tokens("p2p") > 0:
-                reason = "prefill instance's cache" if c_p > max(store, l_d) else "least queued prefill"
+                why = "prefill instance's cache" if c_p > max(store, l_d) else "least queued prefill"
                 cands.append((plan.seconds, p.outstanding, j + 1,
-                              Route("pd", p, d, plan.seconds, plan.name, reason, cached_prefill=c_p,
-                                    cached_target=l_d, store=store, own_s=plan.parts["own_s"])))
-        best = min(cands, key=lambda c: c[:3])[3]
-        best.candidates = {f"{c[3].kind} {(c[3].prefill or c[3].target).url}": c[0] for c in cands}
-        return best
+                              self._route("pd", p, d, plan, why, cached_prefill=c_p, cached_target=l_d, store=store)))
+                alternatives["pd"] = min(alternatives.get("pd", float("inf")), plan.parts["ttft_s"])
+            if self.direct_to_prefill:  # the whole request on the prefill instance, as on a plain one
+                whole = self.direct_estimate(prompt, Candidate(p, c_p), now)
+                cands.append((whole.seconds, p.outstanding, len(prefills) + j + 1,
+                              self._route("direct", None, p, whole, "prefill instance serves it whole",
+                                          cached_target=c_p, store=store)))
+                alternatives["direct"] = min(alternatives["direct"], whole.parts["ttft_s"])
+        return cands, alternatives
 
-    def _choose_plain(self, pool: Pool, prompt: Prompt, match, now: float) -> Route | None:
+    def _choose_plain(self, pool: Pool, prompt: Prompt, match, now: float, policy: str) -> Route | None:
         store = prompt.store
         plain = pool.role("plain")
         if not plain:
             return None
-        if self.policy == "round-robin":
+        est: dict[str, float] = {}
+        if policy == "round-robin":
             e = plain[next(self._rr) % len(plain)]
-        elif self.policy == "least-outstanding":
+        elif policy == "least-outstanding":
             e = min(plain, key=lambda i: i.outstanding)
         else:
             turn = next(self._turn)
             order = [plain[(turn + j) % len(plain)] for j in range(len(plain))]
-            est = {i.url: self.direct_estimate(prompt, Candidate(i, match(i)), now).seconds for i in order}
-            e = min(order, key=lambda i: (est[i.url], i.outstanding))
+            if policy == "kv":
+                est = {i.url: self.direct_estimate(prompt, Candidate(i, match(i)), now).seconds for i in order}
+                e = min(order, key=lambda i: (est[i.url], i.outstanding))
+            else:  # direct (and handoff, which a plain pool cannot do)
+                e = min(order, key=lambda i: (i.outstanding, -match(i)))
         l_e = match(e)
         plan = self.direct_estimate(prompt, Candidate(e, l_e), now)
-        reason = self.policy if self.policy != "kv" else (
-            "instance's cache" if l_e > 0 else "least queued")
-        route = Route("direct", None, e, plan.seconds, plan.name, reason, cached_target=l_e, store=store,
-                      own_s=plan.parts["own_s"])
-        if self.policy == "kv":
+        reason = policy if policy != "kv" else ("instance's cache" if l_e > 0 else "least queued")
+        route = self._route("direct", None, e, plan, reason, cached_target=l_e, store=store)
+        if est:
             route.candidates = {f"direct {u}": s for u, s in est.items()}
         return route
-
-    # -- bookkeeping (the router and bench/sim both call these) ---------------------------
-
-    def begin(self, route: Route, inst: Instance, n: int, cached: int, rid: str, now: float) -> bool:
-        """A routed request starts on ``inst`` (the prefill instance of a handoff, else the
-        target): its predicted work is queued there and it counts as outstanding on ``inst``
-        and, for a handoff, on the decode instance. Returns whether ``inst`` had nothing
-        else in flight (a sample taken alone teaches speed, not queueing)."""
-        alone = not inst.inflight
-        inst.inflight[rid] = (self.prefill_work(inst, n, cached), now)
-        inst.outstanding += 1
-        if route.kind == "pd":
-            route.target.outstanding += 1
-        return alone
-
-    def prefill_done(self, inst: Instance, rid: str) -> bool:
-        """A handoff's prefill on ``inst`` succeeded: its work there is over, so it leaves
-        ``inst``'s queue and outstanding count now, not when the decode instance's answer
-        ends (the decode runs elsewhere). Returns whether nothing else was in flight on
-        ``inst`` (with :meth:`begin`'s answer: the prefill ran alone)."""
-        if inst.inflight.pop(rid, None) is None:
-            return False
-        inst.outstanding -= 1
-        return not inst.inflight
-
-    def end(self, route: Route, inst: Instance, rid: str) -> None:
-        """The request's answer is over (its last token, or a failure)."""
-        if inst.inflight.pop(rid, None) is not None:
-            inst.outstanding -= 1
-        if route.kind == "pd":
-            route.target.outstanding -= 1
-
-    def learn_request(self, route: Route, inst: Instance, n: int, cached: int, alone: bool,
-                      ttft_s: float | None, prefill_s: float | None) -> None:
-        """What one answered request teaches: a handoff's prefill time (``prefill_s``, the
-        prefill request's own duration) is a forward sample of ``inst`` and the rest of its
-        time to first token a ``p2p`` load sample; a direct request's time to first token is
-        a forward sample; and the time to first token teaches the wait fit. ``ttft_s`` is
-        None for an answer that was not streamed (no first token seen)."""
-        # The store load ([its cache, S), before its compute) is inside the time it took: its
-        # predicted share is taken out, left in it skews the forward fit (docs/benchmarks/sim-cluster.md).
-        own = route.cached_prefill if route.kind == "pd" else route.cached_target
-        loaded = 0.0
-        if route.store > own and (route.kind == "pd" or "store" in route.plan):
-            loaded = self.model(inst).load_s(self._store_tiers(route.store)[0],
-                                             (route.store - own) * self.bytes_per_token)
-        if route.kind == "pd" and prefill_s is not None:
-            self.learn_prefill(inst, n, cached, prefill_s - loaded, alone)
-            if ttft_s is not None:
-                self.learn_transfer(inst, n - max(route.cached_target, route.store), ttft_s - prefill_s)
-        elif route.kind != "pd" and ttft_s is not None:
-            self.learn_prefill(inst, n, cached, ttft_s - loaded, alone)
-        if ttft_s is not None:
-            self.learn_wait(route, ttft_s)
-
-    # -- learning ------------------------------------------------------------------------
-
-    def prefill_work(self, inst: Instance, n: int, cached: int) -> float:
-        """Predicted compute seconds of a prefill of ``n`` tokens with ``cached`` of them
-        already there (what :meth:`Instance.queue_s` counts down)."""
-        return self.model(inst).compute_s(min(cached, n - 1), n)
-
-    def learn_prefill(self, inst: Instance, n: int, cached: int, seconds: float, alone: bool) -> None:
-        if alone and n > cached:
-            c = min(cached, n - 1)
-            self.model(inst).learn(ForwardSample([n - c], [c], seconds))
-
-    def learn_wait(self, route: Route, ttft_s: float) -> None:
-        """A streamed answer's time to first token teaches the waiting instance's wait fit."""
-        waited = ttft_s - route.base_s
-        fit = self.waits.get((route.prefill or route.target).url)
-        if self.cfg.calibrate and fit is not None and route.wait_features and waited > 0.005:
-            fit.update(route.wait_features, waited)
-
-    def learn_transfer(self, prefill: Instance, tokens: int, seconds: float) -> None:
-        if tokens > 0 and seconds > 0 and self.bytes_per_token > 0:
-            self.model(prefill).learn(LoadSample("p2p", int(tokens * self.bytes_per_token), seconds))

@@ -12,7 +12,10 @@ get the ``kv`` policy. New:
 - ``--kv-events URL=ENDPOINT[,REPLAY_ENDPOINT]``: an instance's vLLM KV event publisher,
   the strings of its ``--kv-events-config`` (``"publisher": "zmq"``), for an exact index;
   by default the router reads them from each engine's ``/kv_event_sources``;
-- ``--policy kv|least-outstanding|round-robin``;
+- ``--policy kv|least-outstanding|round-robin|direct|handoff``;
+- ``--probe-timeout SECONDS``: the start-up probe's deadline (:mod:`multi.router.probe`);
+- ``--[no-]direct-to-prefill``: whether the kv policy may serve a request whole on a
+  prefill instance (default yes);
 - ``--ttft-slo SECONDS``: admission (off by default); per request, the ``X-TTFT-SLO``
   header or ``kv_transfer_params.ttft_slo_s``;
 - ``--store MASTER`` (exact store view through the store tier's lookup) or
@@ -62,7 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="an instance's vLLM KV event publisher (its --kv-events-config endpoints); "
                          "default: read from the instance's /kv_event_sources")
     ap.add_argument("--policy", default="kv", choices=POLICIES,
-                    help="kv: the route with the lowest predicted time to first token; the others ignore KV")
+                    help="kv: the route with the lowest predicted time to first token (falling back to the better "
+                         "fixed policy while its estimates drift); the fixed ones: round-robin, least-outstanding, "
+                         "direct (every request whole on a decode or plain instance), handoff (every request "
+                         "through a prefill instance)")
+    ap.add_argument("--direct-to-prefill", action=argparse.BooleanOptionalAction, default=True,
+                    help="the kv policy may serve a request whole on a prefill instance when that is predicted "
+                         "sooner than a handoff or the decode instance")
     ap.add_argument("--ttft-slo", type=float, help="TTFT target in seconds: 429 when the estimate misses it")
     ap.add_argument("--store", metavar="MASTER|approx", help="the store view: a master HOST:PORT or 'approx'")
     ap.add_argument("--kv-bytes-per-token", type=float,
@@ -71,7 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-size", type=int, default=32, help="the engines' --block-size (tokens)")
     ap.add_argument("--tokenizer", help="tokenizer path (default: the served model's path when it exists here, "
                                         "else the instances' /tokenize)")
-    ap.add_argument("--policy-config", help="JSON of multi.policy.PolicyConfig fields")
+    ap.add_argument("--policy-config", help="JSON of multi.policy.PolicyConfig fields (the router's default "
+                                            "local_compute_weight is 1: it chooses by time to first token)")
+    ap.add_argument("--probe-timeout", type=float,
+                    help="deadline in seconds of the start-up probe, which times a few tiny requests on every "
+                         "instance (and a handoff through every prefill instance) to seed the cost model "
+                         "(default: 60 with the kv policy, 0 = no probe with the fixed ones, whose choices do "
+                         "not use the estimates; never with calibrate false)")
     ap.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
     ap.add_argument("--index-blocks", type=int, default=4096,
                     help="index capacity per instance until its cache size is known (blocks)")
@@ -153,11 +168,28 @@ def _served_root(pool: Pool, timeout: float) -> str | None:
     return None
 
 
+ROUTER_DEFAULTS = {"local_compute_weight": 1.0}
+
+
+def policy_config(raw: str | None) -> PolicyConfig:
+    """``--policy-config``: :class:`multi.policy.PolicyConfig` fields, over the router's own
+    defaults (:data:`ROUTER_DEFAULTS`): the router chooses by time to first token, so a decode
+    instance's own compute counts at its seconds (``local_compute_weight`` 1; the connector's
+    1.5 protects its decode batch, and made the router hand off requests that a direct route
+    answered sooner: docs/benchmarks/router.md). Raises ``msgspec`` errors on bad input."""
+    fields = msgspec.json.decode(raw) if raw else {}
+    if not isinstance(fields, dict):
+        raise ValueError(f"--policy-config must be a JSON object, got {raw!r}")
+    return msgspec.convert({**ROUTER_DEFAULTS, **fields}, type=PolicyConfig)
+
+
 def build_app(a: argparse.Namespace) -> web.Application:
     pool = Pool(_instances(a))
     try:
         pool.validate()
-        cfg = msgspec.json.decode(a.policy_config, type=PolicyConfig) if a.policy_config else PolicyConfig()
+        if a.policy == "handoff" and not pool.disaggregated:
+            raise ValueError("--policy handoff needs --prefill and --decode instances")
+        cfg = policy_config(a.policy_config)
     except (ValueError, msgspec.ValidationError, msgspec.DecodeError) as e:
         raise SystemExit(f"mctier proxy: {e}") from None
     root = None if a.kv_bytes_per_token is not None else _served_root(pool, a.connect_timeout)
@@ -176,11 +208,12 @@ def build_app(a: argparse.Namespace) -> web.Application:
     if not a.max_body_mb > 0:
         raise SystemExit("mctier proxy: --max-body-mb must be > 0")
     try:
-        router = Router(pool, Chooser(a.policy, bytes_per_token(a, root), cfg),
+        router = Router(pool, Chooser(a.policy, bytes_per_token(a, root), cfg, direct_to_prefill=a.direct_to_prefill),
                         BlockIndex(a.block_size, a.index_blocks), Prompts(a.tokenizer, a.connect_timeout),
                         timeout=a.timeout, connect_timeout=a.connect_timeout, slo=a.ttft_slo, store_view=store_view,
                         store_approx=bool(a.store), health_interval=a.health_interval, instances_file=a.instances,
-                        decision_log=a.decision_log, secret=secret)
+                        decision_log=a.decision_log, secret=secret,
+                        probe_timeout=a.probe_timeout if a.probe_timeout is not None else 60.0 * (a.policy == "kv"))
     except OSError as e:  # the decision log cannot be opened
         raise SystemExit(f"mctier proxy: --decision-log: {e}") from None
     app = web.Application(client_max_size=int(a.max_body_mb * (1 << 20)))

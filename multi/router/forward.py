@@ -49,6 +49,16 @@ class Dispatch:
     stream: bool  # the client asked for a streamed answer (only then is a first token seen)
 
 
+@dataclass
+class Reservation:
+    """A route's first run booked at choice time (:meth:`Forwarder.reserve`)."""
+
+    job: Dispatch
+    rid: str
+    alone: bool
+    taken: bool = False
+
+
 class Forwarder(Proxy):
     """Runs routes and keeps their books; :class:`multi.router.app.Router` adds the views,
     the health checks and the handlers."""
@@ -63,26 +73,52 @@ class Forwarder(Proxy):
         self._first_output_at: dict[str, float] = {}  # monotonic time of its first output
         self._prefill_s: dict[str, float] = {}  # a handoff's prefill request, sent to answered
         self._alone_after: dict[str, bool] = {}  # a handoff: nothing else in flight on P when its prefill ended
+        self._jobs: dict[str, Dispatch] = {}  # running requests (for the first-token hook)
         # One JSON line per routed request (see _log_decision); line-buffered, so a reader
         # (bench/trace_replay) sees every answered request without a flush.
         self.decision_log = open(decision_log, "a", buffering=1) if decision_log else None
 
-    async def _execute(self, request, path, body, route: Route, tokens, hashes, t0, ttft: dict) -> web.StreamResponse:
-        n, stream = len(tokens), bool(body.get("stream"))
+    def _dispatch(self, route: Route, p, tokens, hashes, t0, stream: bool) -> Dispatch:
+        n = len(tokens)
         if route.kind == "direct":
-            job = Dispatch(route.target, route, n, max(route.cached_target, route.store), hashes, t0,
-                           handoff=False, stream=stream)
+            return Dispatch(route.target, route, n, max(route.cached_target, route.store), hashes, t0,
+                            handoff=False, stream=stream)
+        return Dispatch(p, route, n, max(route.cached_prefill, route.store), hashes, t0, handoff=True, stream=stream)
+
+    def reserve(self, route: Route, tokens, hashes, t0, body: dict) -> Reservation:
+        """Book the chosen route's first run on its instance at once, in the same step as the
+        choice (:meth:`Chooser.begin`, and the approximate index): the next request's choice
+        sees it queued, even before this one's task runs. :meth:`_execute` takes the booking over; :meth:`release` undoes
+        one it never took (a request cancelled before it ran)."""
+        job = self._dispatch(route, route.prefill, tokens, hashes, t0, bool(body.get("stream")))
+        # The approximate index records what was sent where at once: a request with the same
+        # prefix arriving while this one computes it then follows it and queues behind it (its
+        # wait is modelled) rather than computing the prefix a second time elsewhere.
+        self.index.record(job.instance.url, hashes)
+        rid = str(uuid.uuid4())
+        return Reservation(job, rid, self.chooser.begin(route, job.instance, job.tokens, job.cached, rid,
+                                                        time.monotonic()))
+
+    def release(self, res: Reservation) -> None:
+        if not res.taken:
+            res.taken = True
+            self.chooser.end(res.job.route, res.job.instance, res.rid)
+
+    async def _execute(self, request, path, body, route: Route, tokens, hashes, t0, ttft: dict,
+                       booked: Reservation | None = None) -> web.StreamResponse:
+        stream = bool(body.get("stream"))
+        if route.kind == "direct":
+            job = self._dispatch(route, None, tokens, hashes, t0, stream)
             return await self._run_tracked(job, lambda rid: self._direct(request, path, body, route.target, rid),
-                                           ttft=ttft)
+                                           ttft=ttft, booked=booked)
         tried: set[str] = set()
         p = route.prefill
         while True:
             tried.add(p.url)
-            job = Dispatch(p, route, n, max(route.cached_prefill, route.store), hashes, t0, handoff=True,
-                           stream=stream)
+            job = self._dispatch(route, p, tokens, hashes, t0, stream)
             try:
                 return await self._run_tracked(job, lambda rid: self._run(request, path, body, p, route.target, rid),
-                                               ttft=ttft)
+                                               ttft=ttft, booked=booked)
             except ProxyError as e:
                 if not e.prefill_failed:
                     raise
@@ -96,17 +132,28 @@ class Forwarder(Proxy):
                 p = min(others, key=lambda i: i.queue_s())
                 # The estimate was made for the first instance: teach no wait fit with this one.
                 route.prefill, route.wait_features = p, []
+                booked = None
 
-    async def _run_tracked(self, job: Dispatch, call, ttft: dict | None = None) -> web.StreamResponse:
+    async def _run_tracked(self, job: Dispatch, call, ttft: dict | None = None,
+                           booked: Reservation | None = None) -> web.StreamResponse:
         """Run ``call(rid)`` with ``job.instance``'s bookkeeping: outstanding counts, queued
-        work, then what it teaches the index and the cost model; a streamed answer's time to
-        first token goes into ``ttft["s"]`` (a handoff's prefill time into ``ttft["prefill_s"]``)."""
+        work (booked by :meth:`reserve` when ``booked`` is given), then what it teaches the
+        index and the cost model; a streamed answer's time to first token goes into
+        ``ttft["s"]`` (a handoff's prefill time into ``ttft["prefill_s"]``)."""
         inst, route = job.instance, job.route
-        rid = str(uuid.uuid4())
-        alone = self.chooser.begin(route, inst, job.tokens, job.cached, rid, time.monotonic())
+        if booked is not None and not booked.taken and booked.job.instance is inst:
+            booked.taken = True
+            rid, alone = booked.rid, booked.alone
+        else:
+            if booked is not None:
+                self.release(booked)
+            rid = str(uuid.uuid4())
+            alone = self.chooser.begin(route, inst, job.tokens, job.cached, rid, time.monotonic())
+        self._jobs[rid] = job
         try:
             resp = await call(rid)
         finally:
+            self._jobs.pop(rid, None)
             self.chooser.end(route, inst, rid)
             first, prefill_s = self._first_output_at.pop(rid, None), self._prefill_s.pop(rid, None)
             alone_after = self._alone_after.pop(rid, not inst.inflight)
@@ -129,25 +176,31 @@ class Forwarder(Proxy):
         self.index.record(inst.url, job.hashes)
         if pd:
             self.index.record(route.target.url, job.hashes)  # the decode's prefix cache keeps what it pulled
-        if self.store_approx and (pd or inst.role == "plain"):
-            # A prefill instance's (or a plain engine's) store tier saved the prompt; a decode
-            # instance saves only with write_back, which the router cannot see.
+        if self.store_approx and (pd or inst.role in ("plain", "prefill")):
+            # A prefill instance's (or a plain engine's) store tier saved the prompt, handoff or whole
+            # request; a decode instance saves only with write_back, which the router cannot see.
             self.index.record(STORE, job.hashes)
         self.chooser.learn_request(route, inst, job.tokens, job.cached, alone,
                                    None if first is None else first - job.t0, prefill_s if pd else None)
         if first is not None:
             actual = first - job.t0
-            self.metrics.ttft.labels("predicted").observe(route.seconds)
+            self.metrics.ttft.labels("predicted").observe(route.predicted)
             self.metrics.ttft.labels("actual").observe(actual)
-            if route.seconds > 0:
-                self.metrics.ttft_ratio.observe(actual / route.seconds)
+            if route.predicted > 0:
+                self.metrics.ttft_ratio.observe(actual / route.predicted)
+                self.metrics.ttft_kind_ratio.labels(route.kind).observe(actual / route.predicted)
+            self.metrics.set_honesty(self.chooser.honesty.state())
 
     def _log_decision(self, t0: float, n: int, route: Route, status: int, ttft_s: float | None,
                       prefill_s: float | None = None) -> None:
         """``--decision-log``: what the router knew, chose and weighed for one request, and
         how it came out (``ttft_s``: from arrival to the first streamed token, None when the
         answer was not streamed or failed; ``prefill_s``: a handoff's prefill request from
-        sent to answered). Times in seconds, ``t`` on the monotonic clock."""
+        sent to answered). ``predicted_s`` is the chosen route's score (what the choice
+        compared with ``candidates``), ``ttft_predicted_s`` its predicted time to first token
+        (unweighted), ``mode`` the policy that chose (``kv``, or ``fallback POLICY`` while
+        the honesty check falls back), ``drift`` the window's median |ln(actual/predicted)|
+        per route kind. Times in seconds, ``t`` on the monotonic clock."""
         if self.decision_log is None:
             return
         rec = {"t": round(t0, 6), "n": n, "kind": route.kind, "plan": route.plan, "reason": route.reason,
@@ -155,6 +208,8 @@ class Forwarder(Proxy):
                "target": route.target.url if route.target else None,
                "cached_prefill": route.cached_prefill, "cached_target": route.cached_target, "store": route.store,
                "predicted_s": round(route.seconds, 6), "wait_s": round(route.seconds - route.base_s, 6),
+               "ttft_predicted_s": round(route.predicted, 6), "mode": route.mode,
+               "drift": {k: round(v, 4) for k, v in self.chooser.honesty.state()["drift"].items()},
                "candidates": {k: round(v, 6) for k, v in route.candidates.items()},
                "status": status, "ttft_s": None if ttft_s is None else round(ttft_s, 6),
                "prefill_s": None if prefill_s is None else round(prefill_s, 6)}
@@ -175,6 +230,9 @@ class Forwarder(Proxy):
 
     def _first_output(self, rid: str) -> None:
         self._first_output_at[rid] = time.monotonic()
+        job = self._jobs.get(rid)
+        if job is not None:
+            self.chooser.first_token(job.route, job.instance, rid)
 
     def _prefill_done(self, p, rid: str, seconds: float) -> None:
         self._prefill_s[rid] = seconds

@@ -69,6 +69,8 @@ class Instance(Backend):
     checked: float = 0.0
     # Prefill work the router sent and that has not finished: request id -> (predicted s, start)
     inflight: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # Requests past their first token that still decode here (its decode occupancy)
+    decoding: set[str] = field(default_factory=set)
 
     def queue_s(self, now: float | None = None) -> float:
         """Seconds of routed work still ahead on this instance, worked through one after

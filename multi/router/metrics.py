@@ -5,6 +5,13 @@
 - ``mctier_router_ttft_seconds{kind}``: predicted and actual time to first token of
   answered requests (``kind`` = ``predicted`` / ``actual``), and
   ``mctier_router_ttft_error_ratio``: actual over predicted;
+- ``mctier_router_ttft_error_ratio_by_kind{kind}``: the same per route kind (``direct``, ``pd``);
+- ``mctier_router_estimate_drift{kind}``: the honesty window's median |ln(actual/predicted)|
+  per route kind (:mod:`multi.router.honesty`), ``mctier_router_fallback{policy}``: 1 for the
+  policy the ``kv`` policy falls back to while its estimates drift (``kv`` while it decides
+  itself), ``mctier_router_fallbacks_total``: fallbacks entered;
+- ``mctier_router_probe_seconds{instance, what}``: the start-up probe's measurements
+  (``step``, ``token``: the fitted compute; ``handoff``: the handoff's fixed cost);
 - ``mctier_router_rejections_total``: admission rejections (429);
 - ``mctier_router_retries_total``: requests retried on another prefill instance;
 - ``mctier_router_released_holds_total``: prefill holds released because their decode failed;
@@ -36,6 +43,17 @@ class RouterMetrics:
                               ["kind"], buckets=_TTFT_BUCKETS, registry=r)
         self.ttft_ratio = Histogram("mctier_router_ttft_error_ratio", "Actual over predicted time to first token",
                                     buckets=_RATIO_BUCKETS, registry=r)
+        self.ttft_kind_ratio = Histogram("mctier_router_ttft_error_ratio_by_kind",
+                                         "Actual over predicted time to first token per route kind", ["kind"],
+                                         buckets=_RATIO_BUCKETS, registry=r)
+        self.drift = Gauge("mctier_router_estimate_drift", "Median |ln(actual/predicted)| TTFT per route kind "
+                           "over the recent window", ["kind"], registry=r)
+        self.fallback = Gauge("mctier_router_fallback", "1 for the policy deciding (kv, or its fallback)", ["policy"],
+                              registry=r)
+        self.fallbacks = Counter("mctier_router_fallbacks", "Fallbacks of the kv policy entered", registry=r)
+        self._switches = 0
+        self.probe = Gauge("mctier_router_probe_seconds", "The start-up probe's measurements per instance",
+                           ["instance", "what"], registry=r)
         self.rejections = Counter("mctier_router_rejections", "Requests rejected by admission (429)", registry=r)
         self.retries = Counter("mctier_router_retries", "Requests retried on another prefill instance", registry=r)
         self.released = Counter("mctier_router_released_holds", "Prefill holds released after their decode failed",
@@ -55,6 +73,15 @@ class RouterMetrics:
                              ["instance", "role"], registry=r)
         self.outstanding = Gauge("mctier_router_outstanding", "Requests in flight per instance", ["instance"],
                                  registry=r)
+
+    def set_honesty(self, state: dict) -> None:
+        """The honesty check's state (:meth:`multi.router.honesty.Honesty.state`)."""
+        for policy in ("kv", "least-outstanding", "direct", "handoff"):
+            self.fallback.labels(policy).set(1 if state["mode"] == policy else 0)
+        for kind, d in state["drift"].items():
+            self.drift.labels(kind).set(d)
+        self.fallbacks.inc(state["switches"] - self._switches)
+        self._switches = state["switches"]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
