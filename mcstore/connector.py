@@ -21,13 +21,13 @@ from typing import Any
 from kvcore import shmspin
 from kvcore.log import get_logger
 from kvcore.tier import LoadReport, Tier
+from kvcore.vllm_events import kv_events_enabled
 from kvcore.vllm_glue import (
     KVConnectorBase_V1,
     KVConnectorRole,
     block_hash_scheme,
     block_size_of,
     bytes_per_token,
-    kv_events_enabled,
     kv_fingerprint_fields,
     pp_rank,
     register_connector_name,
@@ -35,11 +35,11 @@ from kvcore.vllm_glue import (
     tp_rank,
     warn_pipeline_parallel,
 )
-from mcstore.client import publish_engine_meta
 from mcstore.config import LOAD_PRIOR, StoreConfig, composite_role, load_config
 from mcstore.keys import KeySpace, VllmBlockHashes, fingerprint
 from mcstore.metrics import StorePromMetrics, StoreStats
 from mcstore.protocol import StoreMetadata
+from mcstore.publish import publish_engine_meta
 from mcstore.scheduler import StoreScheduler
 from mcstore.worker import StoreWorker
 

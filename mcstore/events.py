@@ -1,7 +1,7 @@
 """The store tier's KV events: what it stored and lost, on the engine's own KV event stream.
 
 With ``--kv-events-config`` events on, the tier publishes through vLLM's ``take_events``, in
-vLLM's own event classes (:func:`kvcore.vllm_glue.block_stored_event`), with medium
+vLLM's own event classes (:func:`kvcore.vllm_events.block_stored_event`), with medium
 :data:`MEDIUM` and the request's vLLM block hashes, token ids and extra keys, group 0 (the
 tier serves full-attention groups only), so any subscriber of the engine's stream (vLLM's
 ``KVEventBatch`` decoder, llm-d, Dynamo, ``mctier proxy``) reads them as the engine's own:
@@ -24,7 +24,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvcore.vllm_glue import KVConnectorWorkerMetadata, block_removed_event, block_stored_event
+from kvcore.vllm_events import block_removed_event, block_stored_event
+from kvcore.vllm_glue import KVConnectorWorkerMetadata
 
 MEDIUM = "mooncake"
 PLANNED_MAX = 4096  # chunks: the worker's save queue holds as many (StoreConfig.save_queue_chunks)

@@ -22,7 +22,6 @@ in the same step.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import queue
 import threading
@@ -30,7 +29,7 @@ import time
 from collections import Counter, deque
 from contextlib import contextmanager
 
-from kvcore.errors import ConfigError, cause_of, is_no_space
+from kvcore.errors import ConfigError
 from kvcore.geometry import KVGeometry
 from kvcore.log import get_logger
 from kvcore.pages import PageViews
@@ -40,10 +39,11 @@ from mcstore.client import StoreClient
 from mcstore.config import StoreConfig
 from mcstore.events import StoreWorkerMeta, WorkerNews
 from mcstore.keys import KeySpace
-from mcstore.loads import _TRAILER_SLOTS, Loads, ranged_batches
+from mcstore.loads import _TRAILER_SLOTS, Loads
 from mcstore.metrics import StoreStats
 from mcstore.objects import TRAILER as _TRAILER, pack_trailer, trailer  # noqa: F401  (tests import trailer here)
 from mcstore.protocol import SaveJob, StoreMetadata
+from mcstore.saves import Saves
 
 logger = get_logger("mcstore.worker")
 
@@ -51,7 +51,7 @@ _PREEMPT_WAIT_S = 5.0
 SAVE_HOLD_S = 0.02  # a queued save starts at the next step, or this long after it was queued
 
 
-class StoreWorker(Loads, WorkerNews):
+class StoreWorker(Loads, Saves, WorkerNews):
     def __init__(self, cfg: StoreConfig, keys: KeySpace, block_size: int, num_blocks: int,
                  rank: int, *, load: bool, save: bool, events: bool = False):
         self.cfg = cfg
@@ -327,84 +327,6 @@ class StoreWorker(Loads, WorkerNews):
                 self._saving = None
                 self._pending_saves[job.req_id] -= 1
                 self._lock.notify_all()
-
-    def _save(self, job: SaveJob) -> list[str]:
-        if not self.client.available:
-            self._count("save_skipped:unavailable", len(job.chunks))
-            return []
-        t0 = time.monotonic()
-        keys = [self.keys.key(c.link, self.rank) for c in job.chunks]
-        obj_bytes = {k: len(c.block_ids) * self.geo.block_bytes + self.trailer for k, c in zip(keys, job.chunks)}
-        with self._phase("save_exists"):
-            exists = self.client.exists(keys)
-        todo = [(k, c) for k, c, e in zip(keys, job.chunks, exists) if e != 1]
-        if len(todo) < len(keys):
-            self._count("save_skipped:exists", len(keys) - len(todo))
-            self._news_of(stored_keys=[k for k, e in zip(keys, exists) if e == 1])  # in the store all the same
-        written: list[str] = []
-        # Under sustained pressure only the first job waits save_retry_s; jobs behind it try
-        # once until a put succeeds again, so their blocks are not held for a queue of waits.
-        patient = t0 >= self._full_until
-        deadline, delay = t0 + (self.cfg.save_retry_s if patient else 0.0), 0.005
-        rng = {k: self._ptrs(c.block_ids) for k, c in todo}  # each chunk's ranges, computed once
-        while todo:
-            # The first batch call's worth (mcstore.loads.ranged_batches: bounded ranges and slots).
-            n = len(ranged_batches([len(rng[k][0]) + self.verify for k, _ in todo])[0])
-            todo, later = todo[:n], todo[n:]
-            ptrs, sizes = [], []
-            for slot, (k, _) in enumerate(todo):
-                p, sz = list(rng[k][0]), list(rng[k][1])  # copies: a retried chunk is sent again
-                if self.verify:
-                    addr = self._save_trailers.data_ptr() + slot * _TRAILER.size
-                    ctypes.memmove(addr, pack_trailer(p, sz, k), _TRAILER.size)
-                    p.append(addr)
-                    sz.append(_TRAILER.size)
-                ptrs.append(p)
-                sizes.append(sz)
-            self._count_io("save", ptrs)
-            with self._phase("save_transfer"):
-                rcs = self.client.put_from([k for k, _ in todo], ptrs, sizes)
-            retry = []
-            for (k, c), rc in zip(todo, rcs):
-                if rc == 0:
-                    written.append(k)
-                    self._full_until = 0.0
-                elif is_no_space(rc):
-                    retry.append((k, c))
-                else:
-                    self._count(f"failures:save_{cause_of(rc)}")
-            todo = retry + later
-            if retry and time.monotonic() + delay > deadline:
-                self._full_until = time.monotonic() + self.cfg.save_retry_s
-                self._count("failures:save_no_space", len(retry))
-                logger.warning("mcstore: store full (no space), dropped %d chunk(s) of %s",
-                               len(retry), job.req_id)
-                todo = later
-                continue
-            if retry:
-                time.sleep(delay)
-                delay = min(delay * 2, 0.2)
-        if job.dirs and written and self.rank == 0 and self.keys.pp_rank == 0:
-            self._save_dirs(job, set(written))
-        with self._lock:
-            self.stats.observe("save", time.monotonic() - t0)
-            if written:
-                self.stats.inc("saved_tokens", sum(obj_bytes[k] - self.trailer for k in written) // self.geo.block_bytes
-                               * self.block_size)
-                self.stats.inc("saved_bytes", sum(obj_bytes[k] for k in written))
-        return written
-
-    def _save_dirs(self, job: SaveJob, written: set[str]) -> None:
-        """The directory entries of the objects this rank just wrote (the first rank of the
-        first stage writes them; a reader still checks every part exists). Replaces an entry
-        of the same first block: the last writer wins (mcstore.keys)."""
-        dirs = [d for d in job.dirs if self.keys.key(d.link, self.rank) in written]
-        if not dirs:
-            return
-        with self._phase("save_dirs"):
-            rc = self.client.upsert_small([d.key for d in dirs], [d.value for d in dirs])
-        if rc != 0:
-            self._count(f"failures:save_dirs_{cause_of(rc)}")
 
     def close(self) -> None:
         self._stop.set()

@@ -24,9 +24,10 @@ import requests
 
 from kvcore.errors import ConfigError
 from kvcore.procs import Proc, free_port
-from mcstore.client import StoreClient, publish
+from mcstore.client import StoreClient
 from mcstore.config import load_config
 from mcstore.keys import KEY_VERSION, MASTER_INFO_KEY, EngineMeta, KeySpace, MasterInfo, engine_meta, meta_key
+from mcstore.publish import publish
 from mcstore.server import CLIENT_ENV
 from mcstore.tools.engine import add_engine_args, engine_settings, query_from_args
 from mcstore.tools.inspect import Inspector

@@ -1,7 +1,7 @@
 """The key spaces engines published in the store, and which one an operator means.
 
 Every engine's store connector writes its key space to ``{prefix}/{fp16}/meta`` when it
-starts (:class:`mcstore.keys.EngineMeta`, :func:`mcstore.client.publish_engine_meta`):
+starts (:class:`mcstore.keys.EngineMeta`, :func:`mcstore.publish.publish_engine_meta`):
 fingerprint, chunk size, TP and PP sizes, key prefix and version, how its links are hashed,
 and the layout fields (the model path the engine loaded, which also names its tokenizer,
 dtype, KV cache dtype, block size). So an operator names the engine by what they know and
