@@ -293,24 +293,26 @@ def test_a_side_channel_flood_leaves_handoffs_working(sec, baseline):
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(sec.query()["worker_addr"]["0"]["0"])
+    # Open until P has read every message: a socket closed earlier takes what is still in
+    # flight (tens of thousands of messages on loopback) with it.
     try:
         for i in range(n):
             sock.send(encode(PullRequest(f"flood-{i}", "d", 0, 1, 0, 1, float("inf"))))
+        prompt = prompt_ids(100, 4990)
+        pulls = _p2p(sec.D, "pulls", "ok")
+        assert toks(_ok(_post(sec.pd, prompt, P2P))) == baseline.tokens(prompt, MAX_TOKENS)
+        assert wait_metric(lambda: _p2p(sec.D, "pulls", "ok"), lambda v: v > pulls, 10) == pulls + 1
+        # Every pull past the bound pushed out the oldest waiting one. Counters reach /metrics with
+        # P's steps: a one-token request now and then makes some.
+        want = overload + n - MAX_WAITING
+
+        def stepped() -> float:
+            _post(sec.P.url, prompt_ids(8, 4991), max_tokens=1)
+            return _p2p(sec.P, "rejected", "overload")
+
+        assert wait_metric(stepped, lambda v: v >= want, 60) == want
     finally:
         sock.close(0)
-    prompt = prompt_ids(100, 4990)
-    pulls = _p2p(sec.D, "pulls", "ok")
-    assert toks(_ok(_post(sec.pd, prompt, P2P))) == baseline.tokens(prompt, MAX_TOKENS)
-    assert wait_metric(lambda: _p2p(sec.D, "pulls", "ok"), lambda v: v > pulls, 10) == pulls + 1
-    # Every pull past the bound pushed out the oldest waiting one. Counters reach /metrics with
-    # P's steps: a one-token request now and then makes some.
-    want = overload + n - MAX_WAITING
-
-    def stepped() -> float:
-        _post(sec.P.url, prompt_ids(8, 4991), max_tokens=1)
-        return _p2p(sec.P, "rejected", "overload")
-
-    assert wait_metric(stepped, lambda v: v >= want, 60) == want
 
 
 def test_a_prefill_restarted_between_two_requests_hands_off_again(sec, baseline):
