@@ -160,13 +160,13 @@ def test_removed_chunks_are_announced_and_reset_removes_the_engines_objects(engi
     assert resp.status_code == 200 and resp.json()["success"] is True
     left = all_keys(store_cluster)
     assert left and all(k.endswith("/meta") for k in left), sorted(left)[:5]
-    removed = [ev.block_hashes for ev in _mooncake(sub.until(lambda evs: _mooncake(evs, "BlockRemoved")),
-                                                   "BlockRemoved")]
-    assert announced[0].block_hashes in removed and announced[3].block_hashes in removed
     r = e.complete(p, 4)
     assert cached_tokens(r) == 0  # nothing local, nothing in the store
     assert r["choices"][0]["token_ids"] == baseline.tokens(p, 4)
-    # The scheduler's counters reach /metrics with the engine's steps: p's made some.
+    # Events and the scheduler's counters go out with the engine's steps: p's made some.
+    removed = [ev.block_hashes for ev in _mooncake(sub.until(lambda evs: _mooncake(evs, "BlockRemoved")),
+                                                   "BlockRemoved")]
+    assert announced[0].block_hashes in removed and announced[3].block_hashes in removed
     assert wait_metric(lambda: e.metric("vllm:mctier_store_resets_total"), lambda v: v > resets, 10) == resets + 1
 
 
