@@ -167,10 +167,12 @@ def _scheduler(master: str, ks: KeySpace, save: bool = True):
 
 
 def _lookup(s, req, timeout_s: float = 10.0) -> int:
-    """The scheduler's lookup, asked again (as vLLM does at each step) until it is answered."""
+    """The scheduler's lookup, asked again (as vLLM does at each step) until it is answered;
+    between two asks, what a step's end does for lookups: the queued ones go, as one batch."""
     deadline = time.monotonic() + timeout_s
     while (hit := s.lookup(req)) is None:
         assert time.monotonic() < deadline, f"lookup of {req.request_id} unanswered after {timeout_s}s"
+        s.lookups.flush()
         time.sleep(0.005)
     return hit
 
