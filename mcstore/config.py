@@ -172,8 +172,9 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     lookup_timeout_ms: Annotated[float, doc(
         "Milliseconds a non-blocking lookup may wait for the master's answer; past it the request's "
         "lookup counts as a miss (lookups{kind=timeout}) and its prompt is computed. Long enough for a "
-        "starved host (at 100 ms a loaded 2-core host lost hits: docs/benchmarks/no-reuse.md); a master "
-        "that stops answering costs each new request this much until the breaker opens. Positive.")] = 500.0
+        "starved host (a loaded 2-core host lost hits at 100 ms, and a TP 2 engine beside two others at "
+        "500 ms: docs/benchmarks/no-reuse.md); a master that stops answering costs each new request this "
+        "much until the breaker opens. Positive.")] = 2000.0
     reset_removes_objects: Annotated[bool, doc(
         "vLLM's reset_cache (POST /reset_prefix_cache?reset_external=true) also removes this engine's "
         "objects from the shared store: every stored chunk of its key space (its model fingerprint), "
