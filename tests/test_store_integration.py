@@ -4,6 +4,7 @@ start-up probe and the breaker around a dead master."""
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -18,6 +19,7 @@ from mcstore.protocol import ChunkIO, LoadJob, SaveJob, StoreMetadata
 from mcstore.server import CLIENT_ENV
 from mcstore.worker import StoreWorker, trailer as worker_trailer
 from tests.store_util import raw_client
+from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -45,12 +47,8 @@ def _worker(master: str, **extra) -> tuple[StoreWorker, torch.Tensor]:
     return w, buf
 
 
-def _until(pred, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while not (out := pred()):
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-    return out
+# Poll every 20 ms; AssertionError when the condition does not hold within the timeout (15 s).
+_until = functools.partial(wait_for, step=0.02, what="the condition")
 
 
 def _finish_load(w, rid):

@@ -7,6 +7,7 @@ load error for exactly its blocks."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from types import SimpleNamespace
@@ -16,6 +17,7 @@ import pytest
 
 from mcstore.keys import HASH_BYTES, Directory, KeySpace, chain, fingerprint, seed
 from mcstore.lookup import Partial, Probe, reach
+from tests.support import wait_for
 
 BS, CB = 32, 4  # tokens per block, blocks per chunk
 CHUNK = BS * CB
@@ -150,12 +152,8 @@ def _worker(master: str, ks: KeySpace, rank: int = 0):
     return w, buf
 
 
-def _until(pred, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while not (out := pred()):
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-    return out
+# Poll every 20 ms; AssertionError when the condition does not hold within the timeout (15 s).
+_until = functools.partial(wait_for, step=0.02, what="the condition")
 
 
 def _scheduler(master: str, ks: KeySpace, save: bool = True):
