@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401  (
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: F401
     KVConnectorPromMetrics,
@@ -98,6 +99,11 @@ def first_group_block_ids(blocks) -> list[int]:
 def request_block_ids(kv_cache_manager, req_id: str) -> list[int]:
     """Block ids of the request's (single: :func:`require_full_attention`) KV cache group."""
     return list(kv_cache_manager.get_block_ids(req_id)[0])
+
+
+def request_group_block_ids(kv_cache_manager, req_id: str) -> tuple[list[int], ...]:
+    """Block ids of each of the request's KV cache groups (:mod:`kvcore.kvgroups`)."""
+    return tuple(list(ids) for ids in kv_cache_manager.get_block_ids(req_id))
 
 
 # --- the calling worker's place in the engine ----------------------------------------------------

@@ -39,11 +39,13 @@ class StoreWorkerMeta(KVConnectorWorkerMetadata):
 
     stored: list[tuple[str, int]] = field(default_factory=list)
     gone: list[str] = field(default_factory=list)
+    saved: list[int] = field(default_factory=list)  # save jobs ended on this rank, by pin (mcstore.groups)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, StoreWorkerMeta):
             self.stored += other.stored
             self.gone += other.gone
+            self.saved += other.saved
         return self
 
 
@@ -52,12 +54,10 @@ class WorkerNews:
     ``part`` and ``_news`` it uses): what was written and what was found gone, per step."""
 
     def worker_meta(self) -> StoreWorkerMeta | None:
-        """The chunk parts written and the chunks found gone since the last call (None when there
-        are none or events are off)."""
-        if not self.events:
-            return None
+        """The chunk parts written and the chunks found gone (with events on), and the pinned save
+        jobs that ended, since the last call (None when there are none)."""
         with self._lock:
-            if not (self._news.stored or self._news.gone):
+            if not (self._news.stored or self._news.gone or self._news.saved):
                 return None
             out, self._news = self._news, StoreWorkerMeta()
         return out
@@ -66,8 +66,20 @@ class WorkerNews:
         """Object keys of parts written (``{link}/{part}``), links of chunks found gone."""
         if self.events:
             with self._lock:
-                self._news.stored += [(k.rsplit("/", 1)[0], self.part) for k in stored_keys]
+                self._news.stored += [(link, self.keys.part_of(self.rank, group=_group_of(suffix)))
+                                      for link, suffix in (k.rsplit("/", 1) for k in stored_keys)]
                 self._news.gone += gone_links
+
+    def _job_ended(self, job) -> None:
+        """A save job ended here (written, failed or dropped): its pinned blocks may go."""
+        if job.pin >= 0:
+            with self._lock:
+                self._news.saved.append(job.pin)
+
+
+def _group_of(suffix: str) -> int:
+    """The KV cache group an object key's last part names (``g{group}tp{rank}``; 0 if none)."""
+    return int(suffix[1:suffix.index("p")]) if suffix.startswith("g") else 0
 
 
 class StoreEvents:
