@@ -2,14 +2,15 @@
 
 With ``--kv-events-config`` events on, the tier publishes through vLLM's ``take_events``, in
 vLLM's own event classes (:func:`kvcore.vllm_events.block_stored_event`), with medium
-:data:`MEDIUM` and the request's vLLM block hashes, token ids and extra keys, group 0 (the
-tier serves full-attention groups only), so any subscriber of the engine's stream (vLLM's
+:data:`MEDIUM` and the request's vLLM block hashes, token ids and extra keys, group 0 (one
+event per chunk, announced once every KV cache group's objects of it are in), so any subscriber of the engine's stream (vLLM's
 ``KVEventBatch`` decoder, llm-d, Dynamo, ``mctier proxy``) reads them as the engine's own:
 
 - ``BlockStored`` of a chunk's blocks once its save is confirmed: the scheduler keeps the event
   when it plans the save (:meth:`StoreEvents.planned`), each worker reports the chunk parts it
   wrote in its per-step metadata (:class:`StoreWorkerMeta`, vLLM joins the ranks'), and the
-  chunk is announced when every part (every TP rank of every pipeline stage) is in;
+  chunk is announced when every part (every TP rank of every pipeline stage, of every KV cache
+  group) is in;
 - ``BlockRemoved`` of a chunk this engine announced, when the tier learns it is gone: a load
   found it missing (evicted, lease expired), a lookup found it absent, or ``reset_cache``
   removed the engine's objects.

@@ -44,7 +44,9 @@ processes and hosts.
 
 One object per rank part of a chunk, a rank part being what one worker holds: with one pipeline
 stage ``{prefix}/{fp16}/{link hex}/tp{rank}`` (TP rank ``rank``; these keys never change),
-with ``pp_size > 1`` ``{prefix}/{fp16}/{link hex}/pp{stage}tp{rank}``. A stage's object
+with ``pp_size > 1`` ``{prefix}/{fp16}/{link hex}/pp{stage}tp{rank}``. With KV cache groups
+(vLLM's hybrid allocator on: any layout but one full-attention group, :mod:`mcstore.groups`)
+one object per group too, ``g{group}`` before the stage and rank (``.../g1tp0``). A stage's object
 holds its own layers only, ``fields["pp_layers"][stage]`` of the fingerprint (vLLM's split
 of the model's decoder layers), so stages never share an object. A chunk is present only
 when all ``tp_size * pp_size`` parts are, and the fingerprint holds ``tp_size``,

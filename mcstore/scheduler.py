@@ -5,9 +5,11 @@ facade exposes it, ``release`` is a no-op there), kept apart from vLLM's hooks:
 
 ``lookup(request) -> int | None``
     Prompt tokens ``[0, n)`` the store can supply: the longest prefix of full
-    chunks whose every part exists (every TP rank of every pipeline stage), then the
-    leading blocks of one more stored object that are the request's own (a writer's chunk
-    or saved prompt tail that diverges from this prompt, or ends, inside the chunk), capped
+    chunks whose every part exists (every TP rank of every pipeline stage, of every KV cache
+    group: :mod:`mcstore.groups`, which also cuts a hit back to where each sliding-window
+    group's blocks are stored), then the leading blocks of one more stored object that are
+    the request's own (a writer's chunk or saved prompt tail that diverges from this prompt,
+    or ends, inside the chunk; not with groups), capped
     so the last prompt token is left to the engine; None while the answer is not in yet
     (ask again at a later step). What is asked and what the answers mean: :mod:`mcstore.lookup`
     (one ``batch_is_exist``, two more round trips only when a directory entry may add blocks).
@@ -20,8 +22,9 @@ facade exposes it, ``release`` is a no-op there), kept apart from vLLM's hooks:
 ``plan_load(request, start, end, block_ids)``
     Load tokens ``[start, end)`` (``start`` block aligned, ``end <= lookup``) into
     the request's blocks; ``block_ids`` is the request's block list indexed by
-    block position. The worker reports the request in ``finished_recving`` and any
-    block it could not fill in ``get_block_ids_with_load_errors``.
+    block position (with KV cache groups, one such list per group). The worker reports the
+    request in ``finished_recving`` and any block it could not fill in
+    ``get_block_ids_with_load_errors`` (with groups: the request in ``failed_recving``).
 ``reserve_sync(request, start, end) -> bool``
     Whether that load may end inside the step that schedules the request (below), counted
     in the step's budget if so: a composite asks before answering vLLM ``load_async``.
