@@ -49,10 +49,12 @@ logger = get_logger("mcstore.connector")
 register_connector_name("StoreConnector", "mcstore.connector", "StoreConnector")
 
 
-def key_space(cfg: StoreConfig, vllm_config, kv_cache_config, groups: int = 0) -> KeySpace:
+def key_space(cfg: StoreConfig, vllm_config, kv_cache_config) -> KeySpace:
     """The engine's key space, the same in every one of its processes (TP and PP sizes and the
-    stage split are in the fingerprint); a worker names its own stage's objects with it.
-    ``groups``: KV cache groups named in the keys (0: one full-attention group)."""
+    stage split are in the fingerprint); a worker names its own stage's objects with it. Its
+    keys name the KV cache group unless the layout is one full-attention group
+    (:func:`kvcore.kvgroups.named`); a layout no tier moves is refused (ConfigError)."""
+    groups = kv_groups(vllm_config, kv_cache_config, "mcstore StoreConnector")
     fields = kv_fingerprint_fields(vllm_config, kv_cache_config)
     if cfg.model_id:
         fields["model"] = cfg.model_id
@@ -65,7 +67,8 @@ def key_space(cfg: StoreConfig, vllm_config, kv_cache_config, groups: int = 0) -
     # Our own chain hashes one KV block at a time (the block size is in the fingerprint).
     return KeySpace(fingerprint(fields), cfg.chunk_tokens, fields["tp_size"], cfg.key_prefix,
                     pp_size=fields["pp_size"], block_tokens=block_size_of(kv_cache_config),
-                    block_hashes=None if scheme is None else VllmBlockHashes(**scheme), groups=groups)
+                    block_hashes=None if scheme is None else VllmBlockHashes(**scheme),
+                    groups=len(groups) if named(groups) else 0)
 
 
 class StoreConnector(KVConnectorBase_V1, SupportsHMA, Tier):
@@ -88,7 +91,7 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA, Tier):
         cfg = load_config(ktc.kv_connector_extra_config)
         block_size = block_size_of(kv_cache_config)
         cfg.check_block_size(block_size)
-        keys = key_space(cfg, vllm_config, kv_cache_config, groups=len(groups) if grouped else 0)
+        keys = key_space(cfg, vllm_config, kv_cache_config)
         load = ktc.kv_role in ("kv_consumer", "kv_both")
         save = ktc.kv_role in ("kv_producer", "kv_both")
         events = kv_events_enabled(vllm_config)  # KV events of what the tier stores (mcstore.events)

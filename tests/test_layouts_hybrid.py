@@ -232,3 +232,16 @@ def test_sliding_window_test_models_say_so_in_their_config():
     assert c["sliding_window"] == 64 and c.get("layer_types") is None
     assert describe(interleaved).endswith("64-token sliding window (1 full-attention layer in 2)")
     assert describe(every).endswith("64-token sliding window (every layer)")
+
+
+def test_the_tools_derive_a_hybrid_engines_group_keys():
+    """``mctier`` tools derive an engine's key space from its settings (no engine): for the
+    hybrid layouts the store tier serves, the same group-named keys the engine's connector uses."""
+    from mcstore.tools.engine import derive_meta
+
+    for preset, groups in (("tiny-swa", 2), ("tiny-swa-all", 1)):
+        meta = derive_meta(str(model_dir(preset)), CONNECTORS["store"], block_size=BS, dtype="bfloat16")
+        ks = meta.key_space()
+        assert meta.groups == ks.groups == groups and not meta.partial_hits
+        assert ks.all_rank_keys(["L"]) == [f"L/g{g}tp0" for g in range(groups)]
+        assert [g.get("sliding_window") for g in meta.fields["groups"]] == [64, None][:groups]
