@@ -315,12 +315,14 @@ class StoreClient:
         return rcs
 
     def remove_key_space(self, keys: KeySpace) -> int:
-        """Remove every chunk object of ``keys``' key space (whoever wrote it; leased ones too), not
+        """Remove every object of ``keys``' key space (whoever wrote it; leased ones too), not
         its published metadata: how many (Mooncake's ``remove_by_regex``). Raises Unavailable
         while the breaker is open, MooncakeError on a failed call."""
         t0 = self._guard("remove_by_regex")
-        # Objects are {prefix}/{fp16}/{64 hex digits of the link}/{part}; the metadata is .../meta.
-        n = self.store.remove_by_regex(f"^{re.escape(keys.prefix)}/[0-9a-f]{{64}}/", True)
+        # Objects are {prefix}/{fp16}/{64 hex digits}[-b{blocks}]/{part} (chunks, part objects),
+        # directory entries {prefix}/{fp16}/d/{64 hex digits} (mcstore.keys); the metadata is .../meta.
+        p = re.escape(keys.prefix)
+        n = self.store.remove_by_regex(f"^{p}/([0-9a-f]{{64}}(-b[0-9]+)?/|d/[0-9a-f]{{64}}$)", True)
         self._after([n], t0, "remove_by_regex")
         return check(n, "remove_by_regex", keys.prefix)
 

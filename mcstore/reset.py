@@ -20,7 +20,7 @@ class CacheReset:
                 st.pending = None
                 self._waiting -= 1
             if not st.load_tried and st.request.request_id not in self._async_loads:
-                st.hit, st.present = None, 0
+                st.hit, st.present, st.partial = None, 0, None
         self.stats.inc("resets")
         if not self.cfg.reset_removes_objects:
             return True

@@ -175,11 +175,11 @@ class StoreScheduler(SavePlans, CacheReset):
         if st.hit is not None:
             return st.hit
         lk = st.pending
+        if not lk.done:
+            self.lookups.flush()  # what is queued goes now, as one batch (nothing once it went)
         if not lk.done and self._wait_left > 0:
-            # This step's batch goes now (every request that arrived since the last step is in it)
-            # and the step waits for it, at most lookup_wait_ms in all: a master that answers in
-            # time saves the request a step; one that does not costs this step no more than that.
-            self.lookups.flush()
+            # The step waits for its batch, at most lookup_wait_ms in all: a master that answers in
+            # time saves the request a step; one that does not costs the step no more than that.
             t0 = time.monotonic()
             self.lookups.wait(lk, self._wait_left)
             self._wait_left -= time.monotonic() - t0

@@ -25,7 +25,8 @@ that is not is refused (``protocol``); the READY reply must carry this engine's 
 fingerprint (else ``protocol``, nothing read). A prefill's addresses are cached per bootstrap
 URL and engine id (at most :data:`MAX_ENTRIES`), and dropped after a ``peer``, ``protocol``
 or ``timeout`` failure: a restarted prefill is asked again. When the engine id is no longer
-registered at its bootstrap server (the prefill restarted), the transfer is released on the
+registered at its bootstrap server (the prefill restarted; found by the pull, or by the release
+sent after a pull that failed against its old addresses), the transfer is released on the
 engines registered there instead, so that a hold the new engine opened for it ends now.
 """
 
@@ -157,12 +158,7 @@ class Puller:
         if not res.ok and job.block_ids and res.cause in _RELEASE_AFTER:
             self._release_after_failure(job)
         elif res.registered and self.tp_rank == 0 and self.pp_rank == 0:
-            # Our engine id is gone from its bootstrap server (the prefill restarted): a hold for
-            # this transfer, if any, is on an engine registered there now.
-            n = sum(release_hold(job.bootstrap_url, e, job.transfer_id, timeout=_RELEASE_AFTER_S,
-                                 secret=self.secret) for e in res.registered[:4])
-            logger.info("released %s on %d worker(s) of the engines now registered at %s", job.transfer_id, n,
-                        job.bootstrap_url)
+            self._release_on_registered(job, res.registered)
         elif res.other_layout and self.tp_rank == 0 and self.pp_rank == 0:
             # Its side channels refuse our pulls (another tp_size), releases included, and
             # no decode rank of ours maps to each of its ranks: release through all of its
@@ -170,6 +166,14 @@ class Puller:
             n = release_hold(job.bootstrap_url, job.engine_id, job.transfer_id, timeout=_RELEASE_AFTER_S,
                              secret=self.secret)
             logger.info("released %s on %d prefill worker(s) of another layout", job.transfer_id, n)
+
+    def _release_on_registered(self, job: PullJob, engines: tuple[str, ...]) -> None:
+        """Our engine id is gone from its bootstrap server (the prefill restarted): a hold for this
+        transfer, if any, is on an engine registered there now (at most 4 asked)."""
+        n = sum(release_hold(job.bootstrap_url, e, job.transfer_id, timeout=_RELEASE_AFTER_S,
+                             secret=self.secret) for e in engines[:4])
+        logger.info("released %s on %d worker(s) of the engines now registered at %s", job.transfer_id, n,
+                    job.bootstrap_url)
 
     def _release_after_failure(self, job: PullJob) -> None:
         """The prefill side may still finish this request after we gave up on it (a slow or
@@ -182,7 +186,9 @@ class Puller:
         except Exception as e:  # noqa: BLE001 - best effort; the abort timeout still applies
             logger.info("release of %s after a failed pull not delivered: %s", job.transfer_id, e)
             return
-        if res is not None and not res.ok:
+        if res is not None and not res.ok and res.registered and self.tp_rank == 0 and self.pp_rank == 0:
+            self._release_on_registered(job, res.registered)  # the peer we pulled from restarted meanwhile
+        elif res is not None and not res.ok:
             logger.info("release of %s after a failed pull not delivered (%s): %s; the prefill side frees "
                         "its blocks at its abort timeout", job.transfer_id, res.cause, res.detail)
 

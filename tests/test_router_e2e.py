@@ -1,7 +1,7 @@
 """The KV-aware router (``mctier proxy --policy kv``) on real engines.
 
 A real mooncake_master and store server; two prefill instances and a decode instance
-with ``TieredConnector`` (the tiny model, store chunks of 256 tokens), each publishing
+with ``TieredConnector`` (the tiny model, store chunks of 256 tokens, whole chunks only), each publishing
 vLLM's KV events over ZMQ; the router with the exact store view (``--store``) and
 the events (``--kv-events``), its cost model on its priors (``calibrate: false``, so
 the routes do not depend on this machine's speed) with the decode instance's compute
@@ -50,7 +50,10 @@ IPC_DIR = tempfile.mkdtemp(prefix="mct-ipc-")
 def tiered(role: str, master: str, bootstrap_port: int) -> dict:
     return {"kv_connector": "TieredConnector", "kv_connector_module_path": "multi", "kv_role": role,
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"store": {"master": master, "chunk_tokens": CHUNK, "load_timeout_s": 20},
+            # Whole chunks only (no partial hits): a prefix shorter than a chunk stays out of the
+            # store, so a prefill's own cache is the only place these tests' prefixes are.
+            "kv_connector_extra_config": {"store": {"master": master, "chunk_tokens": CHUNK, "load_timeout_s": 20,
+                                                    "partial_hits": False},
                                           "p2p": {"bootstrap_port": bootstrap_port, "transfer_timeout_s": 30.0},
                                           "policy": POLICY_FIELDS}}
 

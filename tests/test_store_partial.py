@@ -166,6 +166,15 @@ def _scheduler(master: str, ks: KeySpace, save: bool = True):
                           save=save)
 
 
+def _lookup(s, req, timeout_s: float = 10.0) -> int:
+    """The scheduler's lookup, asked again (as vLLM does at each step) until it is answered."""
+    deadline = time.monotonic() + timeout_s
+    while (hit := s.lookup(req)) is None:
+        assert time.monotonic() < deadline, f"lookup of {req.request_id} unanswered after {timeout_s}s"
+        time.sleep(0.005)
+    return hit
+
+
 def _request(tokens, rid):
     return SimpleNamespace(request_id=rid, prompt_token_ids=tokens, num_prompt_tokens=len(tokens),
                            num_tokens=len(tokens), num_computed_tokens=0, cache_salt=None, lora_request=None,
@@ -260,11 +269,11 @@ def test_saved_tail_and_a_divergent_chunk_are_found_and_loaded(store_cluster):
         # The reader's scheduler plans those loads; the worker fills the blocks from the objects.
         rs = _scheduler(master, ks, save=False)
         req = _request(reader, "r")
-        assert rs.lookup(req) == CHUNK + 2 * BS
+        assert _lookup(rs, req) == CHUNK + 2 * BS
         dst = list(range(20, 27))
         rs.plan_load(req, 0, CHUNK + 2 * BS, dst)
         ext_req = _request(ext, "e")
-        assert rs.lookup(ext_req) == 2 * CHUNK + 3 * BS
+        assert _lookup(rs, ext_req) == 2 * CHUNK + 3 * BS
         dst2 = list(range(30, 41))
         rs.plan_load(ext_req, BS, 2 * CHUNK + 3 * BS, dst2)  # a local hit of one block first
         meta = rs.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], preempted_req_ids=set(),
@@ -313,7 +322,7 @@ def test_a_vanished_or_wrong_sized_partial_object_fails_exactly_its_blocks(store
             reader = writer[:CHUNK + 2 * BS + 1] + _toks(100, 22)
             rs = _scheduler(master, ks, save=False)
             req = _request(reader, f"r-{case}")
-            assert rs.lookup(req) == CHUNK + 2 * BS
+            assert _lookup(rs, req) == CHUNK + 2 * BS
             target = f"{ks.links(writer)[1]}/tp0"
             if case == "removed":
                 assert raw.remove(target, True) == 0
