@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401  (
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: F401
     KVConnectorPromMetrics,
@@ -98,6 +99,11 @@ def first_group_block_ids(blocks) -> list[int]:
 def request_block_ids(kv_cache_manager, req_id: str) -> list[int]:
     """Block ids of the request's (single: :func:`require_full_attention`) KV cache group."""
     return list(kv_cache_manager.get_block_ids(req_id)[0])
+
+
+def request_group_block_ids(kv_cache_manager, req_id: str) -> tuple[list[int], ...]:
+    """Block ids of each of the request's KV cache groups (:mod:`kvcore.kvgroups`)."""
+    return tuple(list(ids) for ids in kv_cache_manager.get_block_ids(req_id))
 
 
 # --- the calling worker's place in the engine ----------------------------------------------------
@@ -307,7 +313,7 @@ def _group_kind(spec) -> tuple[str, str | None]:
         return name, "a Mamba group holds per-request state, not one page per token block"
     # Exact types only: a subclass (e.g. R-SWA, sink attention) may keep fewer pages than tokens.
     if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
-        # With the hybrid allocator off (our connectors do not declare SupportsHMA), vLLM
+        # With the hybrid allocator off (the P2P tier and the composite do not declare SupportsHMA), vLLM
         # promotes sliding-window layers of a mixed model to full attention: a page for
         # every token, the window only limits what attention reads.
         window = spec.sliding_window or spec.attention_chunk_size
@@ -316,13 +322,15 @@ def _group_kind(spec) -> tuple[str, str | None]:
 
 
 def require_full_attention(vllm_config, kv_cache_config, who: str) -> None:
-    """Refuse (:class:`kvcore.errors.ConfigError`) a KV cache layout no tier can move whole.
+    """Refuse (:class:`kvcore.errors.ConfigError`) a KV cache layout the tiers without
+    ``SupportsHMA`` (the P2P tier, the composite) cannot move whole; the store tier serves KV
+    cache groups instead (:func:`kvcore.kvgroups.kv_groups`).
 
-    Every tier saves, loads or pulls a request's pages of *every* layer at the block ids of
+    Such a tier saves, loads or pulls a request's pages of *every* layer at the block ids of
     the first KV cache group. That is right only for one group that keeps a page for every
     token of every layer (full attention, or sliding-window layers that vLLM promoted to
     full attention: it does so for a model mixing them with full layers whenever the
-    connector lacks ``SupportsHMA``, as ours do). Several groups, a sliding-window or
+    connector lacks ``SupportsHMA``, as these do). Several groups, a sliding-window or
     chunked-local group (every layer windowed), Mamba state: refused at start-up, never a
     partial or wrong save or load."""
     from kvcore.errors import ConfigError

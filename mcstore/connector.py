@@ -19,23 +19,25 @@ import time
 from typing import Any
 
 from kvcore import shmspin
+from kvcore.kvgroups import kv_groups, named
 from kvcore.log import get_logger
 from kvcore.tier import LoadReport, Tier
 from kvcore.vllm_events import kv_events_enabled
 from kvcore.vllm_glue import (
     KVConnectorBase_V1,
     KVConnectorRole,
+    SupportsHMA,
     block_hash_scheme,
     block_size_of,
     bytes_per_token,
     kv_fingerprint_fields,
     pp_rank,
     register_connector_name,
-    require_full_attention,
     tp_rank,
     warn_pipeline_parallel,
 )
 from mcstore.config import LOAD_PRIOR, StoreConfig, composite_role, load_config
+from mcstore.groups import StoreGroups
 from mcstore.keys import KeySpace, VllmBlockHashes, fingerprint
 from mcstore.metrics import StorePromMetrics, StoreStats
 from mcstore.protocol import StoreMetadata
@@ -49,7 +51,10 @@ register_connector_name("StoreConnector", "mcstore.connector", "StoreConnector")
 
 def key_space(cfg: StoreConfig, vllm_config, kv_cache_config) -> KeySpace:
     """The engine's key space, the same in every one of its processes (TP and PP sizes and the
-    stage split are in the fingerprint); a worker names its own stage's objects with it."""
+    stage split are in the fingerprint); a worker names its own stage's objects with it. Its
+    keys name the KV cache group unless the layout is one full-attention group
+    (:func:`kvcore.kvgroups.named`); a layout no tier moves is refused (ConfigError)."""
+    groups = kv_groups(vllm_config, kv_cache_config, "mcstore StoreConnector")
     fields = kv_fingerprint_fields(vllm_config, kv_cache_config)
     if cfg.model_id:
         fields["model"] = cfg.model_id
@@ -62,10 +67,15 @@ def key_space(cfg: StoreConfig, vllm_config, kv_cache_config) -> KeySpace:
     # Our own chain hashes one KV block at a time (the block size is in the fingerprint).
     return KeySpace(fingerprint(fields), cfg.chunk_tokens, fields["tp_size"], cfg.key_prefix,
                     pp_size=fields["pp_size"], block_tokens=block_size_of(kv_cache_config),
-                    block_hashes=None if scheme is None else VllmBlockHashes(**scheme))
+                    block_hashes=None if scheme is None else VllmBlockHashes(**scheme),
+                    groups=len(groups) if named(groups) else 0)
 
 
-class StoreConnector(KVConnectorBase_V1, Tier):
+class StoreConnector(KVConnectorBase_V1, SupportsHMA, Tier):
+    """Declares vLLM's ``SupportsHMA``: with the hybrid allocator on, every KV cache group is saved,
+    looked up and loaded at its own block ids, a sliding-window group's blocks inside the window
+    only (:mod:`mcstore.groups`); Mamba state is refused at start-up (:mod:`kvcore.kvgroups`)."""
+
     name = "store"
     # A load parks the request for at least one extra engine step; that is most of
     # its fixed cost on loopback.
@@ -75,7 +85,8 @@ class StoreConnector(KVConnectorBase_V1, Tier):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         if kv_cache_config is None:
             raise ValueError("StoreConnector needs kv_cache_config (vLLM >= 0.32)")
-        require_full_attention(vllm_config, kv_cache_config, "mcstore StoreConnector")
+        groups = kv_groups(vllm_config, kv_cache_config, "mcstore StoreConnector")
+        grouped = named(groups)  # keys name the group: any layout but one full-attention group
         ktc = vllm_config.kv_transfer_config
         cfg = load_config(ktc.kv_connector_extra_config)
         block_size = block_size_of(kv_cache_config)
@@ -100,12 +111,14 @@ class StoreConnector(KVConnectorBase_V1, Tier):
             warn_pipeline_parallel(vllm_config, "mcstore StoreConnector", logger)
             self._sched = StoreScheduler(cfg, keys, block_size, load=load, save=save,
                                          block_bytes=round(bytes_per_token(kv_cache_config) * block_size),
-                                         events=events)
+                                         events=events, workers=keys.tp_size * keys.pp_size,
+                                         groups=StoreGroups(groups, cfg.chunk_tokens // block_size) if grouped else None)
             publish_engine_meta(cfg, keys, vllm_config, kv_cache_config, self._sched.client)  # for mctier tools
         else:
             # The worker's key space names its own stage's objects (its layers only).
             self._worker = StoreWorker(cfg, keys.stage(pp_rank()), block_size, kv_cache_config.num_blocks,
-                                       tp_rank(), load=load, save=save, events=events and save)
+                                       tp_rank(), load=load, save=save, events=events and save,
+                                       groups=groups if grouped else None)
 
     # -- tier contract (kvcore.tier) ------------------------------------------------
 
@@ -158,6 +171,13 @@ class StoreConnector(KVConnectorBase_V1, Tier):
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched.request_finished(request, block_ids)
 
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
+        return self._sched.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        """Saves still hold sliding-window blocks (:class:`mcstore.groups.Pins`): keep stepping."""
+        return self._sched is not None and self._sched.pins is not None and self._sched.pins.pending()
+
     def update_connector_output(self, connector_output) -> None:
         self._sched.update_connector_output(connector_output)
 
@@ -195,6 +215,9 @@ class StoreConnector(KVConnectorBase_V1, Tier):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        return self._worker.get_transfer_results(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()

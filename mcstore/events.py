@@ -2,14 +2,15 @@
 
 With ``--kv-events-config`` events on, the tier publishes through vLLM's ``take_events``, in
 vLLM's own event classes (:func:`kvcore.vllm_events.block_stored_event`), with medium
-:data:`MEDIUM` and the request's vLLM block hashes, token ids and extra keys, group 0 (the
-tier serves full-attention groups only), so any subscriber of the engine's stream (vLLM's
+:data:`MEDIUM` and the request's vLLM block hashes, token ids and extra keys, group 0 (one
+event per chunk, announced once every KV cache group's objects of it are in), so any subscriber of the engine's stream (vLLM's
 ``KVEventBatch`` decoder, llm-d, Dynamo, ``mctier proxy``) reads them as the engine's own:
 
 - ``BlockStored`` of a chunk's blocks once its save is confirmed: the scheduler keeps the event
   when it plans the save (:meth:`StoreEvents.planned`), each worker reports the chunk parts it
   wrote in its per-step metadata (:class:`StoreWorkerMeta`, vLLM joins the ranks'), and the
-  chunk is announced when every part (every TP rank of every pipeline stage) is in;
+  chunk is announced when every part (every TP rank of every pipeline stage, of every KV cache
+  group) is in;
 - ``BlockRemoved`` of a chunk this engine announced, when the tier learns it is gone: a load
   found it missing (evicted, lease expired), a lookup found it absent, or ``reset_cache``
   removed the engine's objects.
@@ -39,11 +40,13 @@ class StoreWorkerMeta(KVConnectorWorkerMetadata):
 
     stored: list[tuple[str, int]] = field(default_factory=list)
     gone: list[str] = field(default_factory=list)
+    saved: list[int] = field(default_factory=list)  # save jobs ended on this rank, by pin (mcstore.groups)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, StoreWorkerMeta):
             self.stored += other.stored
             self.gone += other.gone
+            self.saved += other.saved
         return self
 
 
@@ -52,12 +55,10 @@ class WorkerNews:
     ``part`` and ``_news`` it uses): what was written and what was found gone, per step."""
 
     def worker_meta(self) -> StoreWorkerMeta | None:
-        """The chunk parts written and the chunks found gone since the last call (None when there
-        are none or events are off)."""
-        if not self.events:
-            return None
+        """The chunk parts written and the chunks found gone (with events on), and the pinned save
+        jobs that ended, since the last call (None when there are none)."""
         with self._lock:
-            if not (self._news.stored or self._news.gone):
+            if not (self._news.stored or self._news.gone or self._news.saved):
                 return None
             out, self._news = self._news, StoreWorkerMeta()
         return out
@@ -66,8 +67,20 @@ class WorkerNews:
         """Object keys of parts written (``{link}/{part}``), links of chunks found gone."""
         if self.events:
             with self._lock:
-                self._news.stored += [(k.rsplit("/", 1)[0], self.part) for k in stored_keys]
+                self._news.stored += [(link, self.keys.part_of(self.rank, group=_group_of(suffix)))
+                                      for link, suffix in (k.rsplit("/", 1) for k in stored_keys)]
                 self._news.gone += gone_links
+
+    def _job_ended(self, job) -> None:
+        """A save job ended here (written, failed or dropped): its pinned blocks may go."""
+        if job.pin >= 0:
+            with self._lock:
+                self._news.saved.append(job.pin)
+
+
+def _group_of(suffix: str) -> int:
+    """The KV cache group an object key's last part names (``g{group}tp{rank}``; 0 if none)."""
+    return int(suffix[1:suffix.index("p")]) if suffix.startswith("g") else 0
 
 
 class StoreEvents:

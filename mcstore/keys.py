@@ -44,7 +44,9 @@ processes and hosts.
 
 One object per rank part of a chunk, a rank part being what one worker holds: with one pipeline
 stage ``{prefix}/{fp16}/{link hex}/tp{rank}`` (TP rank ``rank``; these keys never change),
-with ``pp_size > 1`` ``{prefix}/{fp16}/{link hex}/pp{stage}tp{rank}``. A stage's object
+with ``pp_size > 1`` ``{prefix}/{fp16}/{link hex}/pp{stage}tp{rank}``. With KV cache groups
+(vLLM's hybrid allocator on: any layout but one full-attention group, :mod:`mcstore.groups`)
+one object per group too, ``g{group}`` before the stage and rank (``.../g1tp0``). A stage's object
 holds its own layers only, ``fields["pp_layers"][stage]`` of the fingerprint (vLLM's split
 of the model's decoder layers), so stages never share an object. A chunk is present only
 when all ``tp_size * pp_size`` parts are, and the fingerprint holds ``tp_size``,
@@ -187,7 +189,7 @@ class KeySpace:
 
     def __init__(self, fp: str, chunk_tokens: int, tp_size: int = 1, prefix: str = "mct", *,
                  pp_size: int = 1, pp_rank: int = 0, block_hashes: VllmBlockHashes | None = None,
-                 block_tokens: int | None = None):
+                 block_tokens: int | None = None, groups: int = 0):
         if not 0 <= pp_rank < pp_size:
             raise ValueError(f"pipeline stage {pp_rank} outside pp_size {pp_size}")
         if block_hashes is not None:
@@ -205,18 +207,22 @@ class KeySpace:
         self.tp_size = tp_size
         self.pp_size = pp_size
         self.pp_rank = pp_rank
+        # KV cache groups whose objects a chunk has, named in the keys (kvcore.kvgroups.named);
+        # 0: one full-attention group, keys without a group.
+        self.groups = groups
         self.prefix = f"{prefix}/{fp[:16]}"
         self._key_prefix = prefix
 
     @property
     def parts(self) -> int:
-        """Objects per chunk: one per (stage, TP rank)."""
-        return self.tp_size * self.pp_size
+        """Objects per chunk: one per (group, stage, TP rank)."""
+        return self.tp_size * self.pp_size * max(1, self.groups)
 
     def stage(self, pp_rank: int) -> KeySpace:
         """The same key space naming stage ``pp_rank``'s objects."""
         return KeySpace(self.fp, self.chunk_tokens, self.tp_size, self._key_prefix, pp_size=self.pp_size,
-                        pp_rank=pp_rank, block_hashes=self.block_hashes, block_tokens=self.block_tokens)
+                        pp_rank=pp_rank, block_hashes=self.block_hashes, block_tokens=self.block_tokens,
+                        groups=self.groups)
 
     def hashes(self, tokens: Sequence[int], cache_salt=None, lora=None, mm_hashes=()) -> list[bytes]:
         """The block hashes of a prompt's full blocks, from its token ids (the tools' way; the
@@ -263,15 +269,22 @@ class KeySpace:
         """The directory entry of the chunk whose first block is hashed ``first_hash``."""
         return f"{self.prefix}/d/{hashlib.sha256(self._fp_bytes + b'dir' + first_hash).hexdigest()}"
 
-    def key(self, link: str, rank: int, stage: int | None = None) -> str:
-        """The object of TP rank ``rank`` of stage ``stage`` (default: this key space's stage)."""
+    def key(self, link: str, rank: int, stage: int | None = None, group: int = 0) -> str:
+        """The object of TP rank ``rank`` of stage ``stage`` (default: this key space's stage) of
+        KV cache group ``group`` (named only in a key space with ``groups``)."""
+        g = f"g{group}" if self.groups else ""
         if self.pp_size == 1:
-            return f"{link}/tp{rank}"
-        return f"{link}/pp{self.pp_rank if stage is None else stage}tp{rank}"
+            return f"{link}/{g}tp{rank}"
+        return f"{link}/{g}pp{self.pp_rank if stage is None else stage}tp{rank}"
+
+    def part_of(self, rank: int, stage: int | None = None, group: int = 0) -> int:
+        """The part number of that object among a chunk's :attr:`parts`."""
+        return (group * self.pp_size + (self.pp_rank if stage is None else stage)) * self.tp_size + rank
 
     def all_rank_keys(self, links: Sequence[str]) -> list[str]:
-        """Chunk-major: chunk i's keys (every stage's, every TP rank's) are ``[i*parts, (i+1)*parts)``."""
-        return [self.key(link, r, s) for link in links for s in range(self.pp_size) for r in range(self.tp_size)]
+        """Chunk-major: chunk i's keys (every group's, stage's and TP rank's) are ``[i*parts, (i+1)*parts)``."""
+        return [self.key(link, r, s, g) for link in links for g in range(max(1, self.groups))
+                for s in range(self.pp_size) for r in range(self.tp_size)]
 
 
 # -- published metadata ---------------------------------------------------------------
@@ -303,20 +316,22 @@ class EngineMeta(msgspec.Struct, kw_only=True):
     block_hashes: VllmBlockHashes | None = None  # links from vLLM's block hashes (key version 3)
     block_tokens: int | None = None  # tokens per block hash of our own chain (key version 4)
     partial_hits: bool = True  # the engine saves part objects and directory entries (StoreConfig.partial_hits)
+    groups: int = 0  # KV cache groups named in the keys (KeySpace.groups; 0 before groups were served)
 
     def foreign(self) -> bool:
         return foreign_version(self.key_version)
 
     def key_space(self) -> KeySpace:
         return KeySpace(self.fingerprint, self.chunk_tokens, self.tp_size, self.key_prefix, pp_size=self.pp_size,
-                        block_hashes=self.block_hashes, block_tokens=self.block_tokens)
+                        block_hashes=self.block_hashes, block_tokens=self.block_tokens, groups=self.groups)
 
 
 def engine_meta(ks: KeySpace, key_prefix: str, model: str | None, fields: dict[str, Any],
                 partial_hits: bool = True) -> EngineMeta:
     return EngineMeta(fingerprint=ks.fp, chunk_tokens=ks.chunk_tokens, tp_size=ks.tp_size, pp_size=ks.pp_size,
                       key_prefix=key_prefix, model=model, fields=fields, key_version=KEY_VERSION,
-                      block_hashes=ks.block_hashes, block_tokens=ks.block_tokens, partial_hits=partial_hits)
+                      block_hashes=ks.block_hashes, block_tokens=ks.block_tokens, partial_hits=partial_hits,
+                      groups=ks.groups)
 
 
 def meta_key(ks: KeySpace) -> str:

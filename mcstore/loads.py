@@ -96,8 +96,9 @@ class Loads:
             cause = "unavailable"
         else:
             cause = None
-            full = [i for i, c in enumerate(job.chunks)
-                    if c.first == 0 and c.blocks == 0 and len(c.block_ids) == self.chunk_blocks]
+            # Whole objects straight into their pages (with groups, a sliding group's too).
+            full = [i for i, c in enumerate(job.chunks) if c.first == 0 and (c.blocks == 0 or self.groups)
+                    and len(c.block_ids) == (c.blocks or self.chunk_blocks)]
             cause, gone = self._get_whole([job.chunks[i] for i in full], full, ok)
             for i, c in enumerate(job.chunks):
                 if i not in full:
@@ -109,7 +110,7 @@ class Loads:
             good = [i for i in range(n) if ok[i]]
             if good:
                 with self._phase("load_recheck"):
-                    still = self.client.exists([self.keys.key(job.chunks[i].link, self.rank) for i in good])
+                    still = self.client.exists([self._key(job.chunks[i]) for i in good])
                 for i, e in zip(good, still):
                     if e != 1:
                         ok[i] = False
@@ -120,15 +121,18 @@ class Loads:
                 cause, gone, ok = "timeout", False, [False] * n
         first_bad = next((i for i in range(n) if not ok[i]), n)
         loaded = job.chunks[:first_bad]
-        nblocks = sum(len(c.block_ids) for c in loaded)
+        nbytes = sum(len(c.block_ids) * self._block_bytes(c) for c in loaded)
+        # With groups a failed load is the whole request's (StoreWorker.get_transfer_results).
+        ntok = (job.tokens if first_bad == n else 0) if self.groups else sum(len(c.block_ids) for c in loaded) * \
+            self.block_size
         with self._lock:
             self.stats.observe("load", seconds := time.monotonic() - t0)
-            if nblocks:
-                self.stats.inc("loaded_tokens", nblocks * self.block_size)
-                self.stats.inc("loaded_bytes", nblocks * self.geo.block_bytes)
+            if ntok:
+                self.stats.inc("loaded_tokens", ntok)
+                self.stats.inc("loaded_bytes", nbytes)
             if first_bad < n:
                 self.stats.inc(f"failures:load_{cause or 'error'}")
-        self.reports.add(LoadReport("store", job.req_id, nblocks * self.geo.block_bytes, seconds, first_bad == n))
+        self.reports.add(LoadReport("store", job.req_id, nbytes, seconds, first_bad == n))
         if first_bad < n and gone:
             self._news_of(gone_links=[job.chunks[first_bad].link])  # KV events: no longer stored
         if first_bad < n:
@@ -142,20 +146,23 @@ class Loads:
         """Whole chunks straight into their pages (one range per run of consecutive blocks per
         KV region); ``ok[idx[j]]`` := chunk ``j`` arrived whole. The first failure's (cause, gone)."""
         cause, gone = None, False
-        want = self.chunk_bytes + self.trailer
-        per = [self._ptrs(c.block_ids) for c in chunks]
+        per = [self._ptrs(c.block_ids, c.group) for c in chunks]
         # Scattered chunks (more ranges than stage_above_ranges_per_region allows) go through
         # host staging: one range each, then a copy (see the module's docstring for why).
         staged = [j for j, (p, _) in enumerate(per) if 0 < self.stage_above < len(p)]
         end = len(chunks)  # chunks from the first failed one on are recomputed: not fetched
-        if staged:
-            cause, gone, end = self._get_staged(chunks, staged, idx, ok)
+        # One staged batch per object shape (a group's objects of one size).
+        for shape in dict.fromkeys((chunks[j].group, chunks[j].blocks) for j in staged):
+            js = [j for j in staged if (chunks[j].group, chunks[j].blocks) == shape]
+            why, missing, stop = self._get_staged(chunks, js, idx, ok)
+            if stop < end:
+                cause, gone, end = why, missing, stop
         direct = sorted(set(range(end)) - set(staged))
         for batch in ranged_batches([len(per[j][0]) + self.verify for j in direct]):
             part = [direct[k] for k in batch]
             keys, ptrs, sizes = [], [], []
             for slot, j in enumerate(part):
-                keys.append(self.keys.key(chunks[j].link, self.rank))
+                keys.append(self._key(chunks[j]))
                 p, s = per[j]  # each chunk's lists are used once: appending to them is safe
                 if self.verify:
                     p.append(self._load_trailers.data_ptr() + slot * _TRAILER.size)
@@ -167,6 +174,7 @@ class Loads:
                 rcs = self.client.get_into(keys, ptrs, sizes)
             for slot, (j, rc) in enumerate(zip(part, rcs)):
                 i = idx[j]
+                want = self._object_bytes(chunks[j]) + self.trailer
                 ok[i] = rc == want
                 if not ok[i]:
                     if cause is None:
@@ -194,7 +202,7 @@ class Loads:
             ptrs = [[base + s * stride] for s in range(len(part))]
             if count_io:
                 self._count_io("load", ptrs)  # one range per chunk: the whole object, its trailer included
-            keys = [self.keys.key(chunks[j].link, self.rank) for j in part]
+            keys = [self._key(chunks[j]) for j in part]
             with self._phase("load_staging"):
                 rcs = self.client.get_into(keys, ptrs, [[want]] * len(part))
             good, cause, gone = 0, None, False
@@ -209,7 +217,7 @@ class Loads:
             if good:
                 with self._phase("load_copy"):
                     self._copy_pages([chunks[j] for j in part[:good]])
-                    self.pages.wait()  # the pages are complete before the load is reported, staging free again
+                    self.pages_g[self._gi(chunks[part[0]].group)].wait()  # complete before the load is reported
                 for j in part[:good]:
                     ok[idx[j]] = True
             if cause is not None:
@@ -218,7 +226,11 @@ class Loads:
 
     def _object_bytes(self, c: ChunkIO) -> int:
         """Bytes of the pages of the object ``c`` reads from (without the trailer)."""
-        return (c.blocks or self.chunk_blocks) * self.geo.block_bytes
+        return (c.blocks or self.chunk_blocks) * self._block_bytes(c)
+
+    def _key(self, c: ChunkIO) -> str:
+        """This rank's object of ``c`` (its group's)."""
+        return self.keys.key(c.link, self.rank, group=c.group)
 
     def _slot_bytes(self) -> int:
         """Bytes between two objects in staging: one object, rounded up to 4 KiB so that every
@@ -241,14 +253,17 @@ class Loads:
         ``c.block_ids``, as many blocks from each. Torch copies, not memmove: on CUDA the
         pages are device memory (kvcore.pages)."""
         k, first, nb = len(cs[0].block_ids), cs[0].first, cs[0].blocks or self.chunk_blocks
-        assert all(len(c.block_ids) == k and c.first == first and (c.blocks or self.chunk_blocks) == nb for c in cs)
+        assert all(len(c.block_ids) == k and c.first == first and (c.blocks or self.chunk_blocks) == nb
+                   and c.group == cs[0].group for c in cs)
         assert first + k <= nb
         ids = [b for c in cs for b in c.block_ids]
-        for i, (r, pre) in enumerate(zip(self.geo.regions, self._region_pre)):
+        gi = self._gi(cs[0].group)
+        pages = self.pages_g[gi]
+        for i, (r, pre) in enumerate(zip(self.geos[gi].regions, self._region_pres[gi])):
             off = nb * pre
             src = self._staging.as_strided((len(cs), k, r.page_bytes), (self._slot_bytes(), r.page_bytes, 1),
                                            off + first * r.page_bytes)
-            self.pages.write(i, ids, src)
+            pages.write(i, ids, src)
 
     def _load_partial(self, c: ChunkIO) -> tuple[bool, str | None, bool]:
         """Blocks ``[c.first, c.first + len(c.block_ids))`` of an object: the whole object through

@@ -17,6 +17,8 @@ class ChunkIO(msgspec.Struct, array_like=True, frozen=True):
     leading blocks of chunk ``index`` (:mod:`mcstore.keys`). A save always covers the whole
     object (``first == 0``); a load may cover part of one (when a local prefix hit or an
     explicit range starts or ends inside it, or a reader shares only its leading blocks).
+    With KV cache groups (``mcstore.groups``) each group has an object per chunk, ``group``'s
+    blocks only; a sliding-window group's holds the chunk's trailing ``blocks`` blocks.
     """
 
     link: str
@@ -24,6 +26,7 @@ class ChunkIO(msgspec.Struct, array_like=True, frozen=True):
     block_ids: list[int]
     first: int = 0
     blocks: int = 0
+    group: int = 0
 
 
 class DirEntry(msgspec.Struct, array_like=True, frozen=True):
@@ -40,12 +43,16 @@ class LoadJob(msgspec.Struct, array_like=True):
     chunks: list[ChunkIO]
     timeout_s: float
     sync: bool = False  # vLLM scheduled the request in this step: the worker ends the load before the forward
+    tokens: int = 0  # tokens the load makes computed (counted with KV cache groups, whose objects hold fewer blocks)
 
 
 class SaveJob(msgspec.Struct, array_like=True):
     req_id: str
     chunks: list[ChunkIO]
     dirs: list[DirEntry] = msgspec.field(default_factory=list)
+    # The scheduler holds the job's sliding-window blocks (vLLM frees them behind the window
+    # while the request runs) until every worker reports this id done (mcstore.groups); -1: none.
+    pin: int = -1
 
 
 @dataclass

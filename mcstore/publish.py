@@ -65,7 +65,8 @@ def publish_engine_meta(cfg: StoreConfig, keys: KeySpace, vllm_config, kv_cache_
         from kvcore.vllm_glue import kv_fingerprint_fields
 
         meta = engine_meta(keys, cfg.key_prefix, cfg.model_id or vllm_config.model_config.model,
-                           kv_fingerprint_fields(vllm_config, kv_cache_config), cfg.partial_hits)
+                           kv_fingerprint_fields(vllm_config, kv_cache_config),
+                           cfg.partial_hits and not keys.groups)  # no part objects with KV cache groups
         return publish(cfg, meta_key(keys), msgspec.json.encode(meta), client)
     except Exception as e:  # noqa: BLE001
         logger.warning("mcstore: engine metadata not published: %s", e)

@@ -24,7 +24,7 @@ logger = get_logger("mcstore.worker")
 
 
 class Saves:
-    """Needs of the host: ``client``, ``keys``, ``cfg``, ``geo``, ``rank``, ``block_size``,
+    """Needs of the host: ``client``, ``keys``, ``cfg``, ``geo``, ``groups``, ``rank``, ``block_size``,
     ``verify`` and ``trailer`` (bytes), ``_save_trailers`` (a host buffer of trailer slots),
     ``_full_until``, ``_lock``, ``stats``, ``_ptrs``, ``_phase``, ``_count``, ``_count_io`` and
     ``_news_of``."""
@@ -34,8 +34,8 @@ class Saves:
             self._count("save_skipped:unavailable", len(job.chunks))
             return []
         t0 = time.monotonic()
-        keys = [self.keys.key(c.link, self.rank) for c in job.chunks]
-        obj_bytes = {k: len(c.block_ids) * self.geo.block_bytes + self.trailer for k, c in zip(keys, job.chunks)}
+        keys = [self._key(c) for c in job.chunks]
+        obj_bytes = {k: len(c.block_ids) * self._block_bytes(c) + self.trailer for k, c in zip(keys, job.chunks)}
         with self._phase("save_exists"):
             exists = self.client.exists(keys)
         todo = [(k, c) for k, c, e in zip(keys, job.chunks, exists) if e != 1]
@@ -47,7 +47,7 @@ class Saves:
         # once until a put succeeds again, so their blocks are not held for a queue of waits.
         patient = t0 >= self._full_until
         deadline, delay = t0 + (self.cfg.save_retry_s if patient else 0.0), 0.005
-        rng = {k: self._ptrs(c.block_ids) for k, c in todo}  # each chunk's ranges, computed once
+        rng = {k: self._ptrs(c.block_ids, c.group) for k, c in todo}  # each chunk's ranges, computed once
         while todo:
             # The first batch call's worth (mcstore.loads.ranged_batches: bounded ranges and slots).
             n = len(ranged_batches([len(rng[k][0]) + self.verify for k, _ in todo])[0])
@@ -89,7 +89,10 @@ class Saves:
             self._save_dirs(job, set(written))
         with self._lock:
             self.stats.observe("save", time.monotonic() - t0)
-            if written:
+            if written and self.groups:  # a chunk's tokens once, whatever its groups' objects hold
+                index = {k: c.index for k, c in zip(keys, job.chunks)}
+                self.stats.inc("saved_tokens", len({index[k] for k in written}) * self.cfg.chunk_tokens)
+            elif written:
                 self.stats.inc("saved_tokens", sum(obj_bytes[k] - self.trailer for k in written) // self.geo.block_bytes
                                * self.block_size)
                 self.stats.inc("saved_bytes", sum(obj_bytes[k] for k in written))

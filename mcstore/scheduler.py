@@ -5,9 +5,11 @@ facade exposes it, ``release`` is a no-op there), kept apart from vLLM's hooks:
 
 ``lookup(request) -> int | None``
     Prompt tokens ``[0, n)`` the store can supply: the longest prefix of full
-    chunks whose every part exists (every TP rank of every pipeline stage), then the
-    leading blocks of one more stored object that are the request's own (a writer's chunk
-    or saved prompt tail that diverges from this prompt, or ends, inside the chunk), capped
+    chunks whose every part exists (every TP rank of every pipeline stage, of every KV cache
+    group: :mod:`mcstore.groups`, which also cuts a hit back to where each sliding-window
+    group's blocks are stored), then the leading blocks of one more stored object that are
+    the request's own (a writer's chunk or saved prompt tail that diverges from this prompt,
+    or ends, inside the chunk; not with groups), capped
     so the last prompt token is left to the engine; None while the answer is not in yet
     (ask again at a later step). What is asked and what the answers mean: :mod:`mcstore.lookup`
     (one ``batch_is_exist``, two more round trips only when a directory entry may add blocks).
@@ -20,8 +22,9 @@ facade exposes it, ``release`` is a no-op there), kept apart from vLLM's hooks:
 ``plan_load(request, start, end, block_ids)``
     Load tokens ``[start, end)`` (``start`` block aligned, ``end <= lookup``) into
     the request's blocks; ``block_ids`` is the request's block list indexed by
-    block position. The worker reports the request in ``finished_recving`` and any
-    block it could not fill in ``get_block_ids_with_load_errors``.
+    block position (with KV cache groups, one such list per group). The worker reports the
+    request in ``finished_recving`` and any block it could not fill in
+    ``get_block_ids_with_load_errors`` (with groups: the request in ``failed_recving``).
 ``reserve_sync(request, start, end) -> bool``
     Whether that load may end inside the step that schedules the request (below), counted
     in the step's budget if so: a composite asks before answering vLLM ``load_async``.
@@ -59,10 +62,12 @@ from mcstore.batchlookup import Lookup, LookupQueue
 from mcstore.client import StoreClient
 from mcstore.config import StoreConfig
 from mcstore.events import StoreEvents
+from mcstore.groups import Pins, StoreGroups
 from mcstore.keys import KeySpace
 from mcstore.lookup import Partial, Probe, Reach, finish, reach
 from mcstore.metrics import StoreStats
 from mcstore.protocol import ChunkIO, LoadJob, StoreMetadata
+from mcstore.reset import CacheReset
 from mcstore.saveplan import SavePlans
 
 logger = get_logger("mcstore.scheduler")
@@ -85,16 +90,21 @@ class _Req:
     pending: Lookup | None = None  # its lookup, queued or on the lookup thread (not answered yet)
 
 
-class StoreScheduler(SavePlans):
+class StoreScheduler(SavePlans, CacheReset):
     def __init__(self, cfg: StoreConfig, keys: KeySpace, block_size: int, *, load: bool, save: bool,
-                 client: StoreClient | None = None, block_bytes: int = 0, events: bool = False):
+                 client: StoreClient | None = None, block_bytes: int = 0, events: bool = False,
+                 groups: StoreGroups | None = None, workers: int = 1):
         self.cfg = cfg
         self.keys = keys
         self.block_size = block_size
         self.chunk_blocks = cfg.chunk_tokens // block_size
+        # KV cache groups named in the keys (mcstore.groups), None: one full-attention group.
+        self.groups = groups
+        self.pins = Pins(groups, workers) if groups is not None and groups.sliding else None
         # Blocks finer than a chunk (part objects, directories) where a key space's block hash
-        # is one KV block; otherwise whole chunks only.
-        self.partial = cfg.partial_hits and keys.block_tokens == block_size and self.chunk_blocks > 1
+        # is one KV block and the keys name no group; otherwise whole chunks only.
+        self.partial = (cfg.partial_hits and keys.block_tokens == block_size and self.chunk_blocks > 1
+                        and groups is None)
         self.load_enabled = load
         self.save_enabled = save
         # A pure client (no segment): the scheduler only asks what exists.
@@ -104,7 +114,9 @@ class StoreScheduler(SavePlans):
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadJob] = []
         self.block_bytes = block_bytes  # KV bytes of one block in one rank's cache (sync_load_max)
-        self.sync_max = cfg.sync_load_bytes(current_platform().device_type) if block_bytes else 0
+        # With KV cache groups, vLLM takes a failed load only for the whole request, and only from
+        # one in the background (mcstore.worker.StoreWorker.get_transfer_results): never synchronous.
+        self.sync_max = cfg.sync_load_bytes(current_platform().device_type) if block_bytes and groups is None else 0
         self._step_sync = 0  # bytes of the synchronous loads planned for the coming step
         self._granted: set[str] = set()  # requests whose load may be synchronous in the coming step
         self._async_loads: set[str] = set()  # loading in the background, not yet scheduled
@@ -225,6 +237,8 @@ class StoreScheduler(SavePlans):
         """Record a lookup's answer for the request (on the scheduler's thread)."""
         st.present, st.partial = r.chunks, r.partial
         st.hit = max(0, min(r.tokens, st.request.num_prompt_tokens - 1))
+        if self.groups is not None:  # a sliding group's kept blocks below the hit must be stored
+            st.hit, st.present = self.groups.usable(st.hit, st.present, self.cfg.chunk_tokens)
         if self.events is not None and r.chunks < len(st.links):
             self.events.gone(st.links[r.chunks])  # absent: if this engine announced it, it is removed
         self.stats.observe("lookup", seconds)
@@ -239,6 +253,7 @@ class StoreScheduler(SavePlans):
         return self._waiting > 0
 
     def plan_load(self, request, start: int, end: int, block_ids: list[int], expected_s: float | None = None) -> None:
+        """``block_ids``: the request's block ids, of each KV cache group with ``groups``."""
         st = self._state(request)
         bs, cb = self.block_size, self.chunk_blocks
         if start % bs or end <= start:
@@ -247,13 +262,16 @@ class StoreScheduler(SavePlans):
         last_chunk = -(-b1 // cb)
         p = st.partial
         stored = p.index * cb + p.matched if p is not None else len(st.links) * cb  # blocks a load may cover
-        if b1 > max(stored, st.present * cb) or b1 > len(block_ids):
+        per_group = list(block_ids) if self.groups is not None else [block_ids]
+        if b1 > max(stored, st.present * cb) or any(b1 > len(ids) for ids in per_group):
             raise ValueError(f"mcstore: load range [{start}, {end}) beyond the stored blocks "
-                             f"({max(stored, st.present * cb)}) or the request's blocks ({len(block_ids)})")
+                             f"({max(stored, st.present * cb)}) or the request's blocks")
         chunks = []
         for c in range(b0 // cb, last_chunk):
             lo, hi = max(b0, c * cb), min(b1, (c + 1) * cb)
-            if p is not None and c == p.index:  # leading blocks of another prompt's object
+            if self.groups is not None:  # each group's object, at that group's block ids
+                chunks += self.groups.load_ios(st.links[c], c, lo, hi, end, per_group)
+            elif p is not None and c == p.index:  # leading blocks of another prompt's object
                 chunks.append(ChunkIO(p.link, c, list(block_ids[lo:hi]), lo - c * cb, 0 if p.blocks == cb else p.blocks))
             else:
                 chunks.append(ChunkIO(st.links[c], c, list(block_ids[lo:hi]), lo - c * cb))
@@ -261,7 +279,7 @@ class StoreScheduler(SavePlans):
         st.sync = request.request_id in self._granted
         self.stats.inc("loads:sync" if st.sync else "loads:background")
         self._loads.append(LoadJob(request.request_id, chunks, load_deadline_s(self.cfg.load_timeout_s, expected_s),
-                                   sync=st.sync))
+                                   sync=st.sync, tokens=(b1 - b0) * bs))
         if not st.sync:
             self._async_loads.add(request.request_id)  # until vLLM schedules it (build_connector_meta)
 
@@ -317,7 +335,8 @@ class StoreScheduler(SavePlans):
         if num_external_tokens <= 0:
             return
         st = self._state(request)
-        self.plan_load(request, st.local, st.local + num_external_tokens, blocks.get_block_ids()[0])
+        ids = blocks.get_block_ids()
+        self.plan_load(request, st.local, st.local + num_external_tokens, ids if self.groups is not None else ids[0])
 
     def build_connector_meta(self, scheduler_output) -> StoreMetadata:
         if self.lookups is not None:
@@ -339,6 +358,8 @@ class StoreScheduler(SavePlans):
             for rid, n in scheduler_output.num_scheduled_tokens.items():
                 job = self._plan_save(rid, n)
                 if job is not None:
+                    if self.pins is not None:
+                        self.pins.pin(job, getattr(self._kv_cache_manager, "block_pool", None))
                     meta.saves.append(job)
         return meta
 
@@ -354,6 +375,9 @@ class StoreScheduler(SavePlans):
         return bool(st is not None and st.saves), None
 
     def update_connector_output(self, out) -> None:
+        news = getattr(out, "kv_connector_worker_meta", None)
+        if self.pins is not None and news is not None:
+            self.pins.done(getattr(news, "saved", ()), self._kv_cache_manager.block_pool)
         if self.events is not None:
             self.events.worker_news(getattr(out, "kv_connector_worker_meta", None))
             for rid in out.finished_sending or ():
@@ -361,34 +385,6 @@ class StoreScheduler(SavePlans):
 
     def take_events(self) -> list:
         return self.events.take() if self.events is not None else []
-
-    def reset_cache(self) -> bool:
-        """vLLM's reset_cache: forget every answered lookup of a request that has not planned a
-        load (asked again, it is looked up anew) and every lookup still out; with
-        ``reset_removes_objects``, remove every object of this engine's key space from the store
-        too (the published metadata stays). False when that removal failed."""
-        for st in self._reqs.values():
-            if st.pending is not None:
-                st.pending.cancel()
-                st.pending = None
-                self._waiting -= 1
-            if not st.load_tried and st.request.request_id not in self._async_loads:
-                st.hit, st.present, st.partial = None, 0, None
-        self.stats.inc("resets")
-        if not self.cfg.reset_removes_objects:
-            return True
-        if self.client is None:
-            logger.warning("mcstore: reset_removes_objects on an engine that does not look up: nothing removed")
-            return False
-        try:
-            n = self.client.remove_key_space(self.keys)
-        except Exception as e:  # noqa: BLE001 - Unavailable, Mooncake errors: the reset failed
-            logger.warning("mcstore: reset could not remove the key space's objects: %s", e)
-            return False
-        logger.info("mcstore: reset removed %d object(s) of key space %s", n, self.keys.fp[:16])
-        if self.events is not None:
-            self.events.removed_all()
-        return True
 
     def take_stats(self) -> StoreStats | None:
         return self.stats.take()

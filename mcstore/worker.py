@@ -35,6 +35,7 @@ from kvcore.log import get_logger
 from kvcore.pages import PageViews
 from kvcore.platform import current as current_platform, wait_fence
 from kvcore.tier import LoadReports
+from kvcore.vllm_glue import KVConnectorTransferResults
 from mcstore.client import StoreClient
 from mcstore.config import StoreConfig
 from mcstore.events import StoreWorkerMeta, WorkerNews
@@ -53,8 +54,13 @@ SAVE_HOLD_S = 0.02  # a queued save starts at the next step, or this long after 
 
 class StoreWorker(Loads, Saves, WorkerNews):
     def __init__(self, cfg: StoreConfig, keys: KeySpace, block_size: int, num_blocks: int,
-                 rank: int, *, load: bool, save: bool, events: bool = False):
+                 rank: int, *, load: bool, save: bool, events: bool = False, groups: list | None = None):
         self.cfg = cfg
+        # KV cache groups (kvcore.kvgroups.KVGroup) whose layers each object holds; None: one
+        # group of every registered layer. With groups vLLM takes a failed load for the whole
+        # request only (get_transfer_results).
+        self.groups = groups
+        self._failed_reqs: set[str] = set()
         self.keys = keys
         self.block_size = block_size
         self.chunk_blocks = cfg.chunk_tokens // block_size
@@ -97,12 +103,17 @@ class StoreWorker(Loads, Saves, WorkerNews):
     # -- set-up --------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict) -> None:
-        self.geo = KVGeometry.from_kv_caches(kv_caches, self.num_blocks)
-        self.pages = PageViews(kv_caches, self.geo)  # partial-chunk copies, on the KV's own device
-        self.chunk_bytes = self.chunk_blocks * self.geo.block_bytes
+        # One geometry per KV cache group, over that group's layers: with vLLM's hybrid allocator
+        # the groups' layers share KV tensors, and a block id means a page of one group's layers.
+        layers = [g.layers for g in self.groups] if self.groups else [tuple(kv_caches)]
+        subsets = [{n: kv_caches[n] for n in names} for names in layers]
+        self.geos = [KVGeometry.from_kv_caches(kv, self.num_blocks) for kv in subsets]
+        self.pages_g = [PageViews(kv, geo) for kv, geo in zip(subsets, self.geos)]  # partial-object copies
+        self.geo, self.pages = self.geos[0], self.pages_g[0]
+        self.chunk_bytes = self.chunk_blocks * max(g.block_bytes for g in self.geos)  # the largest object
         # The store's register_buffer takes no location: Mooncake finds where the memory is.
-        for buf in self.geo.buffers:
-            self.client.register(buf.addr, buf.size)
+        for addr, size in sorted({(b.addr, b.size) for geo in self.geos for b in geo.buffers}):
+            self.client.register(addr, size)
         if self.verify:
             import torch
 
@@ -112,16 +123,21 @@ class StoreWorker(Loads, Saves, WorkerNews):
             for t in (self._save_trailers, self._load_trailers):
                 self.client.register(t.data_ptr(), t.numel())
         # Region r of a stored object of n blocks starts n * _region_pre[r] bytes in: after the
-        # object's pages of regions < r.
-        self._region_pre, off = [], 0
-        for r in self.geo.regions:
-            self._region_pre.append(off)
-            off += r.page_bytes
+        # object's pages of regions < r (per group).
+        self._region_pres = []
+        for geo in self.geos:
+            pre, off = [], 0
+            for r in geo.regions:
+                pre.append(off)
+                off += r.page_bytes
+            self._region_pres.append(pre)
+        self._region_pre = self._region_pres[0]
         # Scattered chunks load through host staging (mcstore.loads): the threshold in ranges.
         self.stage_above = int(self.cfg.stage_above_ranges_per_region * len(self.geo.regions))
         self._start_threads()
-        logger.info("mcstore worker: %d KV regions, %d bytes per %d-token chunk",
-                    len(self.geo.regions), self.chunk_bytes, self.cfg.chunk_tokens)
+        logger.info("mcstore worker: %d KV group(s), %s KV regions, %d bytes per %d-token chunk",
+                    len(self.geos), "+".join(str(len(g.regions)) for g in self.geos),
+                    sum(self.chunk_blocks * g.block_bytes for g in self.geos), self.cfg.chunk_tokens)
 
     def _start_threads(self) -> None:
         load_nice = self.cfg.load_nice(current_platform().device_type)
@@ -153,9 +169,22 @@ class StoreWorker(Loads, Saves, WorkerNews):
                                threading.current_thread().name, nice, e)
         loop()
 
-    def _ptrs(self, block_ids: list[int]) -> tuple[list[int], list[int]]:
-        rs = self.geo.ranges(block_ids)
+    def _ptrs(self, block_ids: list[int], group: int = 0) -> tuple[list[int], list[int]]:
+        rs = self.geos[self._gi(group)].ranges(block_ids)
         return [r.addr for r in rs], [r.size for r in rs]
+
+    def _gi(self, group: int) -> int:
+        """The position of KV cache group ``group`` (its vLLM index) in :attr:`geos`."""
+        if not self.groups:
+            return 0
+        for i, g in enumerate(self.groups):
+            if g.index == group:
+                return i
+        raise ValueError(f"mcstore: no KV cache group {group}")
+
+    def _block_bytes(self, c) -> int:
+        """Bytes of one block of chunk object ``c``'s group (every layer of it)."""
+        return self.geos[self._gi(c.group)].block_bytes
 
     # -- per-step hooks --------------------------------------------------------------
 
@@ -201,6 +230,7 @@ class StoreWorker(Loads, Saves, WorkerNews):
                     logger.warning("mcstore: save queue full, dropping %d chunk(s) of %s", n, job.req_id)
                     # Still known: the scheduler holds its blocks until we report it finished.
                     self._pending_saves[job.req_id] += 0
+                    self._job_ended(job)
                     continue
                 self._pending_saves[job.req_id] += 1
                 self._save_q.append((job, fence, time.monotonic(), self._step))
@@ -235,6 +265,7 @@ class StoreWorker(Loads, Saves, WorkerNews):
                     self._save_q_chunks -= len(job.chunks)
                     self._pending_saves[job.req_id] -= 1
                     self._count("save_skipped:preempted", len(job.chunks))
+                    self._job_ended(job)
                 else:
                     kept.append((job, fence, queued, step))
             self._save_q = kept
@@ -259,10 +290,24 @@ class StoreWorker(Loads, Saves, WorkerNews):
                 self._finished_waiting.discard(r)
                 del self._pending_saves[r]
             recving = set(self._done_loads)
-            for blocks in self._done_loads.values():
-                self._step_errors.update(blocks)
+            for rid, blocks in self._done_loads.items():
+                if blocks and self.groups:
+                    self._failed_reqs.add(rid)  # vLLM takes no failed block ids with groups
+                else:
+                    self._step_errors.update(blocks)
             self._done_loads.clear()
         return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """:meth:`get_finished`, and the requests whose load failed when the layout has KV cache
+        groups: vLLM refuses failed block ids for several groups (its scheduler raises), and with
+        a sliding group a recompute from the failed block would read blocks it freed behind the
+        window; so the whole request is recomputed (vLLM's ``failed_recving``)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        with self._lock:
+            failed, self._failed_reqs = self._failed_reqs, set()
+        return KVConnectorTransferResults(finished_sending=sending or set(), finished_recving=recving or set(),
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
@@ -326,6 +371,7 @@ class StoreWorker(Loads, Saves, WorkerNews):
             with self._lock:
                 self._saving = None
                 self._pending_saves[job.req_id] -= 1
+                self._job_ended(job)
                 self._lock.notify_all()
 
     def close(self) -> None:

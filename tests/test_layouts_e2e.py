@@ -1,22 +1,26 @@
 """Sliding-window models in real engines under each connector. Why each case goes the way it
 does (and the layouts vLLM computes for these models, checked without an engine):
-``tests/test_layouts_hybrid.py`` and ``kvcore.vllm_glue.require_full_attention``.
+``tests/test_layouts_hybrid.py``, ``kvcore.kvgroups`` and ``kvcore.vllm_glue.require_full_attention``.
 
-* ``tiny-swa-all`` (every layer slides, Mistral style): vLLM keeps one ``SlidingWindowSpec``
-  group even with its hybrid allocator off and frees the pages behind the window. An engine
-  with ``StoreConnector``, ``P2PConnector`` or ``TieredConnector`` does not start; its log
-  names the refusal (the connector, the model, the group kind, the way out).
-* ``tiny-swa`` (sliding and full layers interleaved, Gemma-2 style): our connectors lack
-  ``SupportsHMA``, so vLLM turns its hybrid allocator off and keeps a page for every token of
-  every layer. Both tiers serve it: a store hit on a second engine and a P2P handoff give
-  the greedy ids of a no-connector engine (hybrid allocator off too: the same KV layout and
-  kernels) that computed the same split.
+* Store tier (``StoreConnector`` declares ``SupportsHMA``: vLLM keeps its hybrid allocator on):
+  ``tiny-swa`` (sliding and full layers interleaved, Gemma-2 style: a sliding group and a full
+  group) and ``tiny-swa-all`` (every layer slides, Mistral style: one sliding group). A store hit
+  of a prompt far longer than the window gives the greedy ids of a no-connector engine with the
+  hybrid allocator on too, each group saved and loaded at its own block ids under keys that name
+  it, a sliding group's window only; noise in a sliding group's objects changes the tokens.
+* ``P2PConnector`` and ``TieredConnector`` lack ``SupportsHMA``: vLLM turns its hybrid allocator
+  off. ``tiny-swa-all`` keeps one ``SlidingWindowSpec`` group even so, whose pages behind the
+  window vLLM frees: such an engine does not start, its log names the refusal (the connector,
+  the model, the group kind, the way out). ``tiny-swa`` gets one group with a page for every
+  token of every layer: a P2P handoff gives the greedy ids of a no-connector engine with the
+  hybrid allocator off too (the same KV layout and kernels) that computed the same split.
 """
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import requests
 
@@ -31,19 +35,17 @@ from tests.harness import (
     start_engines,
     start_proxy,
 )
-from tests.store_util import all_keys, store_kv, wait_saved
+from tests.store_util import all_keys, raw_client, store_kv, wait_saved
 
 pytestmark = pytest.mark.e2e
 
 CHUNK = 64  # store_kv's chunk_tokens
 PREFIX = 512  # 8 chunks, far beyond the 64-token window
 MAX_TOKENS = 8
-WHO = {"store": "mcstore StoreConnector", "p2p": "p2p P2PConnector", "tiered": "multi TieredConnector"}
+WHO = {"p2p": "p2p P2PConnector", "tiered": "multi TieredConnector"}
 
 
 def _kv(connector: str, master: str) -> dict:
-    if connector == "store":
-        return store_kv(master)
     if connector == "p2p":
         return {"kv_connector": "P2PConnector", "kv_connector_module_path": "p2p", "kv_role": "kv_producer",
                 "kv_connector_extra_config": {"bootstrap_port": free_port()}}
@@ -53,8 +55,8 @@ def _kv(connector: str, master: str) -> dict:
                                           "p2p": {"bootstrap_port": free_port()}}}
 
 
-# One engine suffices: the three connectors share the check (tests/test_layouts_hybrid.py
-# constructs each of them, in both roles, against the real layout).
+# One engine suffices: the connectors without SupportsHMA share the check
+# (tests/test_layouts_hybrid.py constructs each of them, in both roles, against the real layout).
 @pytest.mark.parametrize("connector", ["tiered"])
 def test_every_layer_sliding_model_is_refused_at_startup(store_cluster, connector):
     model = str(model_dir("tiny-swa-all"))
@@ -74,38 +76,127 @@ def test_every_layer_sliding_model_is_refused_at_startup(store_cluster, connecto
 
 @pytest.fixture(scope="module")
 def swa_ref():
-    """No connector, hybrid allocator off: the KV layout the connector engines get. Its
-    process starts here; each test waits for it after its own engines, which start beside it."""
+    """No connector, hybrid allocator off: the KV layout the P2P engines get. Its process starts
+    here; the test waits for it after its own engines, which start beside it."""
     e = Engine("swa-ref", 0, model=model_dir("tiny-swa"), dev_mode=True,
                extra_args=["--disable-hybrid-kv-cache-manager"])
     yield e
     e.stop()
 
 
-def test_interleaved_model_store_hit_matches_reference(store_cluster, swa_ref):
-    model = model_dir("tiny-swa")
-    a = Engine("swa-store-A", 0, kv_config=store_kv(store_cluster.master_addr), model=model)
-    b = Engine("swa-store-B", 1, kv_config=store_kv(store_cluster.master_addr), model=model)
+HMA_CHUNK = 128  # 4 blocks: a sliding group's object holds the last 2, its 64-token window's
+HMA_PROMPT = PREFIX + 88  # 4 whole chunks, the 600-token prompt far longer than the window
+KV_HEADS, HEAD_SIZE = 2, 64  # the tiny presets' (multi.cli.models.PRESETS)
+
+
+@pytest.fixture(scope="module")
+def hma(store_cluster):
+    """Per sliding-window model, a store engine (dev mode: its prefix cache is emptied between a
+    save and the hit, so the hit comes from the store) and a no-connector reference, both with
+    vLLM's hybrid allocator on (the store tier declares SupportsHMA; without a connector it is
+    vLLM's default). The reference keeps a sliding-window checkpoint every chunk
+    (``--prefix-cache-retention-interval``; vLLM's default 0 keeps them only where a prompt ends),
+    so that its own prefix cache hits where the store does. All four start at once, two per core."""
+    out = {}
+    for core, preset in enumerate(("tiny-swa", "tiny-swa-all")):
+        out[preset] = (Engine(f"hma-store-{preset}", core, kv_config=store_kv(store_cluster.master_addr,
+                                                                               chunk_tokens=HMA_CHUNK),
+                              model=model_dir(preset), dev_mode=True),
+                       Engine(f"hma-ref-{preset}", core, model=model_dir(preset), dev_mode=True,
+                              extra_args=["--prefix-cache-retention-interval", str(HMA_CHUNK)]))
     try:
-        start_engines(a, b)
-        swa_ref.wait_ready()
-        p = prompt_ids(PREFIX + 88, 41)
-        q = p[:PREFIX] + prompt_ids(100, 42)
-        before = all_keys(store_cluster)
-        a.complete(p, 4)
-        wait_saved(store_cluster, before, len(p) // CHUNK)
-        r = b.complete(q, MAX_TOKENS)
-        assert cached_tokens(r) == PREFIX
-        # The stored prefix KV came from A's pass over p: the reference replays it.
-        want = reference_tokens(swa_ref, q, MAX_TOKENS, cached_prefix=PREFIX, writers=[p])
-        assert r["choices"][0]["token_ids"] == want
-        deadline = time.monotonic() + 10  # the counters reach /metrics a step or two later
-        while b.metric("vllm:mctier_store_loaded_tokens_total") < PREFIX and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert b.metric("vllm:mctier_store_loaded_tokens_total") >= PREFIX
+        start_engines(*(e for pair in out.values() for e in pair))
+        yield out
     finally:
-        a.stop()
-        b.stop()
+        for pair in out.values():
+            for e in pair:
+                e.stop()
+
+
+@pytest.fixture(scope="module")
+def raw(store_cluster):
+    s = raw_client(store_cluster.master_addr)
+    yield s
+    s.close()
+
+
+def _page_bytes(engine: Engine) -> int:
+    """One layer's page of one block in the engine's KV cache (CPU: K and V rows of every KV head)."""
+    return 2 * BLOCK * KV_HEADS * HEAD_SIZE * {"float32": 4, "bfloat16": 2, "float16": 2}[engine.dtype]
+
+
+def _save(engine: Engine, prompt: list[int], cluster, groups: int) -> dict[int, list[str]]:
+    """Serve ``prompt`` and wait for its chunks' objects: group -> their keys."""
+    before = all_keys(cluster)
+    engine.complete(prompt, 4)
+    new = wait_saved(cluster, before, groups * (len(prompt) // HMA_CHUNK))
+    by_group: dict[int, list[str]] = {}
+    for k in new:
+        suffix = k.rsplit("/", 1)[1]
+        assert suffix.startswith("g") and suffix.endswith("tp0"), k  # the keys name the group
+        by_group.setdefault(int(suffix[1:-3]), []).append(k)
+    return by_group
+
+
+# (sliding groups, layers per group) of each model's layout with the hybrid allocator on:
+# tiny-swa has a sliding group (0) and a full one (1) of one layer each, tiny-swa-all one
+# sliding group of both layers.
+LAYOUT = {"tiny-swa": ({0}, {0: 1, 1: 1}), "tiny-swa-all": ({0}, {0: 2})}
+
+
+@pytest.mark.parametrize("preset", ["tiny-swa", "tiny-swa-all"])
+def test_hybrid_store_hit_matches_reference_window_only(hma, store_cluster, raw, preset):
+    """A store hit of a prompt far longer than the window, with the hybrid allocator on, gives the
+    reference's tokens; each group is stored and loaded at its own block ids, a sliding group's
+    window only (its objects are 2 of a chunk's 4 blocks; the load moves 2 of its 16 blocks)."""
+    s, ref = hma[preset]
+    sliding, layers = LAYOUT[preset]
+    seed = 50 if preset == "tiny-swa" else 60
+    p = prompt_ids(HMA_PROMPT, seed)
+    q = p[:PREFIX] + prompt_ids(100, seed + 1)
+    by_group = _save(s, p, store_cluster, len(layers))
+    page = _page_bytes(s)
+    assert sorted(by_group) == sorted(layers)
+    for g, keys in by_group.items():
+        blocks = 2 if g in sliding else HMA_CHUNK // BLOCK
+        assert {raw.get_size(k) for k in keys} == {blocks * layers[g] * page}, (g, keys)
+    s.reset_prefix_cache()  # the hit must come from the store
+    tokens0 = s.metric("vllm:mctier_store_loaded_tokens_total")
+    bytes0 = s.metric("vllm:mctier_store_loaded_bytes_total")
+    r = s.complete(q, MAX_TOKENS)
+    assert cached_tokens(r) == PREFIX
+    # The stored prefix KV came from the pass over p: the reference replays it.
+    want = reference_tokens(ref, q, MAX_TOKENS, cached_prefix=PREFIX, writers=[p])
+    assert r["choices"][0]["token_ids"] == want
+    moved = sum((2 if g in sliding else PREFIX // BLOCK) * n * page for g, n in layers.items())
+    deadline = time.monotonic() + 10  # the counters reach /metrics a step or two later
+    while s.metric("vllm:mctier_store_loaded_tokens_total") < tokens0 + PREFIX and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert s.metric("vllm:mctier_store_loaded_tokens_total") == tokens0 + PREFIX
+    assert s.metric("vllm:mctier_store_loaded_bytes_total") == bytes0 + moved
+
+
+@pytest.mark.parametrize("preset", ["tiny-swa", "tiny-swa-all"])
+def test_hybrid_negative_control_corrupted_sliding_group_changes_tokens(hma, store_cluster, raw, preset):
+    """The sliding group's stored bytes replaced by noise (the full group's left intact): the hit
+    uses them, and the tokens are no longer the reference's."""
+    s, ref = hma[preset]
+    sliding, layers = LAYOUT[preset]
+    seed = 70 if preset == "tiny-swa" else 80
+    p = prompt_ids(HMA_PROMPT, seed)
+    q = p[:PREFIX] + prompt_ids(100, seed + 1)
+    by_group = _save(s, p, store_cluster, len(layers))
+    rng = np.random.default_rng(seed)
+    for g in sliding:
+        for k in by_group[g]:
+            size = raw.get_size(k)
+            noise = (rng.standard_normal(size // 2) * 3).astype(np.float16).tobytes()
+            assert len(noise) == size and raw.upsert(k, noise) == 0
+    s.reset_prefix_cache()
+    r = s.complete(q, MAX_TOKENS)
+    assert cached_tokens(r) == PREFIX
+    want = reference_tokens(ref, q, MAX_TOKENS, cached_prefix=PREFIX, writers=[p])
+    assert r["choices"][0]["token_ids"] != want
 
 
 def test_interleaved_model_p2p_handoff_matches_reference(swa_ref):

@@ -115,11 +115,12 @@ def swa():
     return out
 
 
-@pytest.mark.parametrize("connector", sorted(CONNECTORS))
+@pytest.mark.parametrize("connector", ["p2p", "tiered"])
 def test_interleaved_sliding_window_model_keeps_every_page(swa, connector):
-    """``tiny-swa``: our connectors lack SupportsHMA, so vLLM turns its hybrid allocator off and
-    promotes the sliding layer to full attention: one group, a page for every token of both
-    layers (the window only limits what attention reads). Accepted: the tiers move whole pages."""
+    """``tiny-swa``: the P2P tier and the composite lack SupportsHMA, so vLLM turns its hybrid
+    allocator off and promotes the sliding layer to full attention: one group, a page for every
+    token of both layers (the window only limits what attention reads). Accepted: the tiers move
+    whole pages."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from kvcore.vllm_glue import require_full_attention
@@ -148,12 +149,12 @@ def test_interleaved_window_is_part_of_the_fingerprint(swa):
     assert kv_fingerprint_fields(vc, layout)["groups"][0]["sliding_window"] == 64
 
 
-@pytest.mark.parametrize("connector", sorted(CONNECTORS))
+@pytest.mark.parametrize("connector", ["p2p", "tiered"])
 def test_every_layer_sliding_model_is_refused_at_construction(swa, connector):
     """``tiny-swa-all``: every layer slides, so the specs are uniform and vLLM keeps one
     SlidingWindowSpec group even with the hybrid allocator off; its pages behind the window are
-    freed (null blocks in the block table). Every connector refuses it in both roles, before
-    it touches Mooncake."""
+    freed (null blocks in the block table). The connectors without SupportsHMA refuse it in both
+    roles, before they touch Mooncake."""
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
     from kvcore.vllm_glue import KVConnectorRole
@@ -174,6 +175,51 @@ def test_every_layer_sliding_model_is_refused_at_construction(swa, connector):
         assert "SlidingWindowSpec (window 64 tokens)" in msg and "--disable-sliding-window" in msg
 
 
+def test_the_store_tier_keeps_the_hybrid_allocator_and_serves_every_group(swa):
+    """The store tier declares SupportsHMA: vLLM keeps its hybrid allocator on. ``tiny-swa`` then
+    has a sliding group and a full one, ``tiny-swa-all`` one sliding group of both layers; the
+    store tier serves both (``kvcore.kvgroups.kv_groups``), with the windows vLLM frees behind."""
+    from kvcore.kvgroups import kv_groups, named
+
+    vc, layout = swa["tiny-swa", "store"]
+    assert vc.scheduler_config.disable_hybrid_kv_cache_manager is False
+    groups = kv_groups(vc, layout, WHO["store"])
+    assert [(len(g.layers), g.window) for g in groups] == [(1, 64), (1, None)] and named(groups)
+    vc, layout = swa["tiny-swa-all", "store"]
+    assert vc.scheduler_config.disable_hybrid_kv_cache_manager is False
+    (group,) = kv_groups(vc, layout, WHO["store"])
+    assert len(group.layers) == 2 and group.window == 64 and group.tail_blocks() == 2
+
+
+@pytest.mark.parametrize("kinds,windows", [
+    (("full",), [None]), (("full+window",), [None]), (("sliding",), [64]), (("uniform-sliding",), [64]),
+    (("sliding", "full"), [64, None]), (("uniform-full", "sliding"), [None, 64]), (("mla",), [None]),
+])
+def test_groups_the_store_tier_serves(kinds, windows):
+    from kvcore.kvgroups import kv_groups
+
+    groups = kv_groups(_VC, _layout(*kinds), "mcstore StoreConnector")
+    assert [g.window for g in groups] == windows and [g.index for g in groups] == list(range(len(kinds)))
+
+
+@pytest.mark.parametrize("kinds,needles", [
+    (("mamba",), ["group 0: MambaSpec", "Mamba/SSM state"]),
+    (("full", "mamba"), ["group 1: MambaSpec", "Mamba/SSM state"]),
+    (("chunked",), ["ChunkedLocalAttentionSpec (chunk 128 tokens)", "earlier chunks"]),
+    (("rswa",), ["RSWASpec", "not an attention spec the tiers know"]),
+    ((), ["no KV cache group"]),
+])
+def test_groups_the_store_tier_refuses_are_named(kinds, needles):
+    from kvcore.kvgroups import kv_groups
+
+    with pytest.raises(ConfigError) as e:
+        kv_groups(_VC, _layout(*kinds), "mcstore StoreConnector")
+    msg = str(e.value)
+    assert msg.startswith("mcstore StoreConnector: model '/m/hybrid' has a KV cache layout this connector cannot")
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+
+
 def test_sliding_window_test_models_say_so_in_their_config():
     import json
 
@@ -186,3 +232,16 @@ def test_sliding_window_test_models_say_so_in_their_config():
     assert c["sliding_window"] == 64 and c.get("layer_types") is None
     assert describe(interleaved).endswith("64-token sliding window (1 full-attention layer in 2)")
     assert describe(every).endswith("64-token sliding window (every layer)")
+
+
+def test_the_tools_derive_a_hybrid_engines_group_keys():
+    """``mctier`` tools derive an engine's key space from its settings (no engine): for the
+    hybrid layouts the store tier serves, the same group-named keys the engine's connector uses."""
+    from mcstore.tools.engine import derive_meta
+
+    for preset, groups in (("tiny-swa", 2), ("tiny-swa-all", 1)):
+        meta = derive_meta(str(model_dir(preset)), CONNECTORS["store"], block_size=BS, dtype="bfloat16")
+        ks = meta.key_space()
+        assert meta.groups == ks.groups == groups and not meta.partial_hits
+        assert ks.all_rank_keys(["L"]) == [f"L/g{g}tp0" for g in range(groups)]
+        assert [g.get("sliding_window") for g in meta.fields["groups"]] == [64, None][:groups]

@@ -106,7 +106,7 @@ def derive_meta(model: str, kv_config: str | dict, *, block_size: int | None = N
     kvcc = engine_kv_cache_layout(vc)
     ks = key_space(cfg, vc, kvcc)
     return engine_meta(ks, cfg.key_prefix, cfg.model_id or vc.model_config.model, kv_fingerprint_fields(vc, kvcc),
-                       cfg.partial_hits)
+                       cfg.partial_hits and not ks.groups)
 
 
 def engine_settings(args) -> dict:
