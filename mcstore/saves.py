@@ -92,6 +92,7 @@ class Saves:
             if written and self.groups:  # a chunk's tokens once, whatever its groups' objects hold
                 index = {k: c.index for k, c in zip(keys, job.chunks)}
                 self.stats.inc("saved_tokens", len({index[k] for k in written}) * self.cfg.chunk_tokens)
+                self.stats.inc("saved_bytes", sum(obj_bytes[k] for k in written))
             elif written:
                 self.stats.inc("saved_tokens", sum(obj_bytes[k] - self.trailer for k in written) // self.geo.block_bytes
                                * self.block_size)

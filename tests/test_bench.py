@@ -3,7 +3,8 @@
 The tests marked ``bench_harness`` run the benchmark programs' reduced versions for real
 (``bench.suite --quick``, ``bench.router_bench --quick``, ``bench.trace_replay --quick``,
 ``bench.tiered_bench --quick``, ``bench.store_streams --quick``, ``bench.no_reuse --quick``,
-``bench.lookup_stall --quick``, ``bench.store_divergence --quick``): a Mooncake master, the
+``bench.lookup_stall --quick``, ``bench.store_divergence --quick``,
+``bench.hybrid_memory --quick``): a Mooncake master, the
 store tier's writer and reader engines, LMCache's server and engines from their own
 virtualenv, 1P1D pairs, the TieredConnector and stock MultiConnector pairs, routers, and the
 raw-API benchmarks. They assert what the harness promises (every section and configuration
@@ -255,6 +256,31 @@ def test_store_divergence_quick_measures_every_case_through_both_readers(tmp_pat
     assert r["token_checks"] == 30 and r["token_mismatches"] == [], r["token_mismatches"]
     assert (tmp_path / "store_divergence.md").read_text().count("\n| 1024 |") == 3
     assert len(r["pids"]) == 2 + 3  # master, store server, writer, two readers
+    assert [p for p in r["pids"] if not _gone(p)] == []
+
+
+@pytest.mark.bench_harness
+def test_hybrid_memory_quick_measures_both_models_allocator_on_and_off(tmp_path):
+    """``python -m bench.hybrid_memory --quick`` (2,048 tokens, one request per cell): for each
+    sliding-window model, a store engine with vLLM's hybrid allocator on and one with it off
+    (or the refusal, named), each cell's KV usage, saved objects, loaded bytes and hit measured,
+    the hit's tokens those of a no-connector engine with the same allocator setting, every
+    process gone. No assertion on speed or on the size of the saving."""
+    proc = subprocess.run([sys.executable, "-m", "bench.hybrid_memory", "--quick", "--out", str(tmp_path)],
+                          cwd=str(ROOT), capture_output=True, text=True, timeout=900)
+    (tmp_path / "stdout.txt").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((tmp_path / "hybrid_memory.json").read_text())
+    assert r["errors"] == {}
+    cells = {(x["model"], x["arm"]) for x in r["rows"]} | {tuple(k.split("/")) for k in r["refused"]}
+    assert cells == {(m, a) for m in ("tiny-swa", "tiny-swa-all") for a in ("on", "off")}
+    assert not {(x["model"], x["arm"]) for x in r["rows"]} & {tuple(k.split("/")) for k in r["refused"]}
+    for x in r["rows"]:
+        assert x["tokens"] == 2048 and x["hit_cached"] == x["ref_cached"] == 2048, x
+        assert x["kv_bytes_decode"] > 0 and x["saved_objects"] > 0 and x["saved_bytes_master"] > 0, x
+        assert x["loaded_bytes"] > 0 and x["failures"] == 0 and x["hit_ttft_s"] > 0, x
+    assert r["token_checks"] == 2 * len(r["rows"]) and r["token_mismatches"] == [], r["token_mismatches"]
+    assert "| tiny-swa | 2048 |" in (tmp_path / "hybrid_memory.md").read_text()
     assert [p for p in r["pids"] if not _gone(p)] == []
 
 
