@@ -200,6 +200,9 @@ def test_groups_are_saved_and_loaded_at_their_own_block_ids(store_cluster, monke
         page = 2 * BS * 16 * 4
         sizes = {k: client.store.get_size(k) for k in ks.all_rank_keys(links)}
         assert sizes == {ks.key(link, 0, group=g): (2 if g == 0 else CB) * page for link in links for g in (0, 1)}
+        # Each chunk's tokens counted once, whatever its groups' objects hold; every object's bytes.
+        counters = w.stats.data["counters"]
+        assert counters["saved_tokens"] == 4 * CB * BS and counters["saved_bytes"] == sum(sizes.values())
         news = w.worker_meta()
         assert news.saved == [0]
         sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=news, finished_sending=set()))
