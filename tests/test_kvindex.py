@@ -379,3 +379,68 @@ def test_subscriber_binds_where_the_engine_connects(make_sub):
         assert idx.match(INST, chain(a, BS)) == 1 and not sub.stale
     finally:
         pub.shutdown()
+
+
+# -- the store tier's events (medium mooncake) -------------------------------------------
+def other_engine_hashes(tokens) -> list:
+    """Another engine's hashes of the same blocks (vLLM's differ per process)."""
+    out, parent = [], b"another-engine"
+    for i in range(0, len(tokens) - BS + 1, BS):
+        parent = hashlib.sha256(parent + json.dumps(tokens[i:i + BS]).encode()).digest()
+        out.append(parent)
+    return out
+
+
+def test_store_events_fill_one_store_view_shared_by_every_instance(make_pub, make_sub):
+    from multi.router.index import STORE
+
+    pa, ep_a, rep_a, ports_a = make_pub()
+    pb, ep_b, rep_b, _ = make_pub()
+    exact, store = BlockIndex(BS), BlockIndex(BS)
+    inst_b = "http://127.0.0.1:8101"
+    sa = make_sub(INST, ep_a, exact, rep_a, store=store)
+    sb = make_sub(inst_b, ep_b, exact, rep_b, store=store)
+    toks = list(range(1000, 1000 + 4 * BS))
+    want = chain(toks, BS)
+    ea, eb = engine_hashes(toks), other_engine_hashes(toks)
+    # A computes the prompt (its own cache), then its store tier confirms chunks [0, 2) and [2, 3).
+    publish(pa, stored(ea[:3], None, toks[:3 * BS]))
+    publish(pa, stored(ea[:2], None, toks[:2 * BS], medium="mooncake", kind=None),
+            stored(ea[2:3], ea[1], toks[2 * BS:3 * BS], medium="mooncake", kind=None))
+    assert wait_for(lambda: store.match(STORE, want) == 3), sa.stats()
+    assert exact.match(INST, want) == 3 and exact.blocks(STORE) == 0 and store.blocks(INST) == 0
+    # B (other engine hashes) stores the next chunk: the same view, in the router's own hashes.
+    publish(pb, stored(eb, None, toks), stored(eb[3:], eb[2], toks[3 * BS:], medium="mooncake", kind=None))
+    assert wait_for(lambda: store.match(STORE, want) == 4), sb.stats()
+    # A found its chunk [2, 3) gone: removed for everyone; B's cache is not touched.
+    publish(pa, BlockRemoved(block_hashes=[ea[2]], medium="mooncake", group_idx=0))
+    assert wait_for(lambda: store.match(STORE, want) == 2)
+    assert exact.match(inst_b, want) == 4 and exact.match(INST, want) == 3
+    # Bounds: another group, another block size, unknown hashes: counted, not placed.
+    publish(pa, stored(ea[2:3], ea[1], toks[2 * BS:3 * BS], medium="mooncake", group_idx=1, kind=None),
+            stored(ea[:1], None, toks[:2 * BS], medium="mooncake", block_size=2 * BS, kind=None),
+            BlockRemoved(block_hashes=[b"\x07" * 32, ea[0]], medium="mooncake", group_idx=0))
+    assert wait_for(lambda: sa.stats()["last_seq"] == 3)
+    st = sa.stats()
+    assert (st["ignored_group"], st["block_size_mismatch"], st["store_unmapped"]) == (1, 1, 1), st
+    assert (st["store_stored"], st["store_removed"], st["ignored_medium"]) == (3, 2, 0), st
+    assert store.match(STORE, want) == 0 and store.blocks(STORE) == 2  # [1, 2) and [3, 4): unreachable
+    # B clears its cache and A's publisher restarts: the store's objects outlive both.
+    publish(pb, AllBlocksCleared())
+    assert wait_for(lambda: exact.blocks(inst_b) == 0)
+    pa.shutdown()
+    pa2, *_ = make_pub(ports=ports_a)
+    time.sleep(JOIN_S)
+    publish(pa2, stored(ea[:1], None, toks[:BS]))
+    assert wait_for(lambda: sa.stats()["restarts"] == 1)
+    assert store.blocks(STORE) == 2 and store.has(STORE, want[3])
+
+
+def test_store_events_without_a_store_view_are_ignored(make_pub, make_sub):
+    pub, ep, rep, _ = make_pub()
+    idx = BlockIndex(BS)
+    sub = make_sub(INST, ep, idx, rep)
+    toks = list(range(50, 50 + BS))
+    publish(pub, stored(engine_hashes(toks), None, toks, medium="mooncake", kind=None))
+    assert wait_for(lambda: sub.stats()["last_seq"] == 0)
+    assert sub.stats()["ignored_medium"] == 1 and idx.blocks(INST) == 0

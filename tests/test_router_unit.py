@@ -351,3 +351,82 @@ def test_prompts_state_is_loading_until_the_tokenizer_is_settled_either_way(tiny
             assert missing.state == "instances"
 
     asyncio.run(run())
+
+
+class _FakeLookup:
+    """The store lookup's answers (:meth:`multi.router.storeview.StoreView.check`), counted."""
+
+    chunk_tokens = 2 * BS
+
+    def __init__(self):
+        self.found: int | None = 0
+        self.calls = 0
+
+    def check(self, tokens, salt=None):
+        self.calls += 1
+        return self.found
+
+
+def test_store_events_filter_the_store_lookup_which_confirms_and_corrects_them():
+    import asyncio
+    from types import SimpleNamespace
+
+    from multi.router.app import Router
+    from multi.router.index import STORE
+    from multi.router.prompts import Prompts
+    from multi.router.storeview import StoreIndex
+
+    pool = Pool([make("plain", "http://127.0.0.1:8300"), make("plain", "http://127.0.0.1:8301")])
+    lookup, store = _FakeLookup(), StoreIndex(BS, 1000)
+    r = Router(pool, chooser(), BlockIndex(BS), Prompts(), timeout=10, connect_timeout=1, store_view=lookup,
+               store_approx=True, store_index=store)
+    r.subscribers = {i.url: SimpleNamespace(stale=False) for i in pool.all}
+    p = prompt(3 * 2 * BS + 5, 1)  # three chunks of two blocks, and a partial block
+    h = chain(p, BS)
+
+    def reach(tokens=p, hashes=h):
+        return asyncio.run(r._store_reach(tokens, hashes, None))
+
+    # Nothing announced: no lookup at all.
+    assert reach() == (0, "skipped", 0) and lookup.calls == 0
+    # Chunks [0, 2) announced (4 blocks): the lookup confirms what it finds.
+    store.index.stored(STORE, h[:4])
+    lookup.found = 4 * BS
+    assert reach() == (4 * BS, "confirmed", 4 * BS) and lookup.calls == 1
+    # A prompt whose 3 blocks name chunk 0 and half of chunk 1: the half is no whole chunk, and
+    # the lookup (whole chunks only here) finds chunk 0 alone; nothing is stale.
+    lookup.found = 2 * BS
+    assert reach(p[:3 * BS + 5], h[:3]) == (2 * BS, "confirmed", 3 * BS) and store.probable(h) == 4
+    # A partial object past them that the tier does not announce: the lookup's answer, learned.
+    lookup.found = 5 * BS
+    assert reach() == (5 * BS, "confirmed", 4 * BS) and store.probable(h) == 5
+    # Chunk 1 removed behind the router's back: the lookup's answer, and the view corrected.
+    lookup.found = 2 * BS
+    assert reach() == (2 * BS, "stale", 5 * BS) and store.probable(h) == 2 and store.blocks() == 2
+    # An answer the lookup could not give: the router's approximate record, the view untouched.
+    r.index.record(STORE, h[:1])
+    lookup.found = None
+    assert reach() == (BS, "unanswered", 2 * BS) and store.probable(h) == 2
+    # A stale event stream, or an instance without one: every request is looked up.
+    calls, other = lookup.calls, prompt(4 * BS, 2)
+    lookup.found = 0
+    r.subscribers[pool.all[1].url].stale = True
+    assert reach(other, chain(other, BS)) == (0, "unfiltered", None) and lookup.calls == calls + 1
+    del r.subscribers[pool.all[1].url]
+    assert reach(other, chain(other, BS)) == (0, "unfiltered", None) and lookup.calls == calls + 2
+    text = r.metrics.render().decode()
+    for outcome, n in (("skipped", 1), ("confirmed", 3), ("stale", 1), ("unanswered", 1), ("unfiltered", 2)):
+        assert f'mctier_router_store_checks_total{{outcome="{outcome}"}} {n}.0' in text, text
+    r._store_pool.shutdown()
+
+
+def test_store_index_flag_bounds_the_view_and_zero_turns_the_filter_off():
+    from multi.router.cli import build_app
+
+    base = ["--plain", "http://127.0.0.1:9", "--kv-bytes-per-token", "1", "--store", "127.0.0.1:1"]
+    assert build_app(parse_args(base))["router"].store_index.index.capacity("store") == 1 << 18
+    assert build_app(parse_args([*base, "--store-index-blocks", "64"]))["router"].store_index.blocks() == 0
+    assert build_app(parse_args([*base, "--store-index-blocks", "0"]))["router"].store_index is None
+    assert build_app(parse_args(base[:-2] + ["--store", "approx"]))["router"].store_index is None
+    with pytest.raises(SystemExit, match="--store-index-blocks"):
+        build_app(parse_args([*base, "--store-index-blocks", "-1"]))

@@ -24,7 +24,8 @@ Modules (importing this package imports none of them, and nothing here imports v
 - :mod:`multi.router.instances`: :class:`~multi.router.instances.Instance`,
   :class:`~multi.router.instances.Pool`, the instances file and health checks;
 - :mod:`multi.router.prompts`: :class:`~multi.router.prompts.Prompts`, a request's token ids;
-- :mod:`multi.router.storeview`: :class:`~multi.router.storeview.StoreView`, the store's
-  reach from the store tier's own lookup;
+- :mod:`multi.router.storeview`: :class:`~multi.router.storeview.StoreIndex`, what the store
+  tier's KV events say the store holds, and :class:`~multi.router.storeview.StoreView`, the
+  store's reach from the store tier's own lookup, which confirms it;
 - :mod:`multi.router.metrics`: :class:`~multi.router.metrics.RouterMetrics`, its ``/metrics``.
 """

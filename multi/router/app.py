@@ -8,9 +8,9 @@ Per request: the prompt's token ids (:mod:`multi.router.prompts`: the served mod
 tokenizer, else the instance's ``/tokenize``) give the router's block hashes
 (:func:`multi.router.index.chain`); the index (:mod:`multi.router.index`) says how much of
 the prefix each instance holds, the store view how much the store holds (``--store
-MASTER``: the store tier's lookup, :mod:`multi.router.storeview`, falling back to what
-prefills stored when the lookup is late; ``--store approx``: what prefills stored; no
-``--store``: nothing); :mod:`multi.router.choose` picks the route (P/D through the
+MASTER``: what the store tier's KV events say it holds, confirmed by the store tier's lookup,
+:mod:`multi.router.storeview`, falling back to what prefills stored when the lookup is late;
+``--store approx``: what prefills stored; no ``--store``: nothing); :mod:`multi.router.choose` picks the route (P/D through the
 cheapest prefill instance, or the whole request on the decode / a plain instance) and
 applies admission (:mod:`multi.router.admission`); :mod:`multi.router.forward` runs it.
 The P/D exchange itself is the P2P tier's proxy contract (:mod:`p2p.proxy`).
@@ -51,6 +51,7 @@ from multi.router.index import STORE, BlockIndex
 from multi.router.instances import Instance, Pool, check_health, load_file
 from multi.router.intake import block_hashes, check_prompt, max_model_len, read_json
 from multi.router.prompts import Prompts
+from multi.router.storeview import StoreIndex
 from p2p.proxy import ProxyError, error_response
 
 logger = logging.getLogger("mctier.router")
@@ -62,7 +63,8 @@ class Router(Forwarder):
     def __init__(self, pool: Pool, chooser: Chooser, index: BlockIndex, prompts: Prompts, *, timeout: float,
                  connect_timeout: float, slo: float | None = None, store_view=None, store_approx: bool = False,
                  health_interval: float = 2.0, instances_file: str | None = None, store_timeout: float = 0.5,
-                 decision_log: str | None = None, secret: bytes | None = None, probe_timeout: float = 60.0):
+                 decision_log: str | None = None, secret: bytes | None = None, probe_timeout: float = 60.0,
+                 store_index: StoreIndex | None = None):
         super().__init__(pool, chooser, index, timeout=timeout, connect_timeout=connect_timeout,
                          store_approx=store_approx, decision_log=decision_log, secret=secret)
         self.prompts = prompts
@@ -71,6 +73,9 @@ class Router(Forwarder):
         # subscriber clears its view, and removals must not delete what the router recorded.
         self.exact = BlockIndex(index.block_size, index.default_capacity)
         self.slo, self.store_view = slo, store_view
+        # What the store tier's KV events say the store holds (all instances' events, one view):
+        # the first filter of the store check, with a store view only (multi.router.storeview).
+        self.store_index = store_index if store_view is not None else None
         self.store_timeout = store_timeout
         self.health_interval, self.instances_file = health_interval, instances_file
         self.subscribers: dict[str, EventSubscriber] = {}
@@ -141,7 +146,8 @@ class Router(Forwarder):
             if url not in self.subscribers:
                 host = urlparse(url).hostname or "127.0.0.1"
                 addr, bind = subscriber_address(i.events, host)
-                sub = EventSubscriber(url, addr, self.exact, replay_address(i.replay, host), bind=bind)
+                sub = EventSubscriber(url, addr, self.exact, replay_address(i.replay, host), bind=bind,
+                                      store=self.store_index.index if self.store_index is not None else None)
                 self.subscribers[url] = sub
                 sub.start()
 
@@ -221,10 +227,13 @@ class Router(Forwarder):
             m.index_capacity.labels(view).set(self.index.capacity(view))
         for url in self.subscribers:
             m.index_blocks.labels(url, "exact").set(self.exact.blocks(url))
+        if self.store_index is not None:
+            m.index_blocks.labels(STORE, "exact").set(self.store_index.blocks())
         for url, s in self.subscribers.items():
             st = s.stats()
             m.event_lag.labels(url).set(st.get("lag_s") or 0.0)
-            for k in ("events", "batches", "gaps", "replays", "replay_failures", "unknown_parent"):
+            for k in ("events", "batches", "gaps", "replays", "replay_failures", "unknown_parent",
+                      "store_stored", "store_removed", "store_unmapped"):
                 m.events.labels(url, k).set(st.get(k, 0))
             m.events.labels(url, "stale").set(1 if st.get("stale") else 0)
 
@@ -262,17 +271,42 @@ class Router(Forwarder):
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return error_response(502, f"instance {up[0].url} unreachable: {e!r}")
 
-    async def _store_reach(self, tokens: list[int], hashes: list[int], salt) -> int:
+    def store_events_trusted(self) -> bool:
+        """Whether the store tier's events may filter the store check: every instance's event
+        stream is followed and none is stale (lost events may include a stored chunk)."""
+        if self.store_index is None or not self.pool.all:
+            return False
+        return all((sub := self.subscribers.get(i.url)) is not None and not sub.stale for i in self.pool.all)
+
+    async def _store_reach(self, tokens: list[int], hashes: list[int], salt) -> tuple[int, str | None, int | None]:
+        """The store's reach ``S`` in tokens, how it was settled (``skipped``, ``confirmed``,
+        ``stale``, ``unfiltered``, ``unanswered``; None without a store view) and what the store
+        tier's events said (tokens; None when they were not used): :mod:`multi.router.storeview`."""
         approx = self.index.match(STORE, hashes) * self.index.block_size if self.store_approx else 0
         if self.store_view is None or not tokens:
-            return approx
+            return approx, None, None
+        events = self.store_index if self.store_events_trusted() else None
+        probable = events.probable(hashes) if events is not None else None
+        if probable == 0:
+            return self._store_checked(0, "skipped", 0)
+        said = None if probable is None else probable * self.index.block_size
         try:
             loop = asyncio.get_running_loop()
-            return await asyncio.wait_for(loop.run_in_executor(self._store_pool, self.store_view.reach, tokens, salt),
-                                          self.store_timeout)
+            found = await asyncio.wait_for(loop.run_in_executor(self._store_pool, self.store_view.check, tokens, salt),
+                                           self.store_timeout)
         except Exception as e:  # noqa: BLE001 - late or failed lookups fall back to the approximate view
             logger.debug("store lookup failed (%r): approximate view", e)
-            return approx
+            found = None
+        chunk = self.store_view.chunk_tokens
+        if found is None or chunk is None:
+            return self._store_checked(approx, "unanswered", said)
+        if events is None:
+            return self._store_checked(found, "unfiltered", said)
+        return self._store_checked(found, events.settle(hashes, probable, found, chunk), said)
+
+    def _store_checked(self, store: int, outcome: str, said: int | None) -> tuple[int, str, int | None]:
+        self.metrics.store_checks.labels(outcome).inc()
+        return store, outcome, said
 
     async def _handle(self, request: web.Request, path: str) -> web.StreamResponse:
         t0 = time.monotonic()
@@ -289,7 +323,7 @@ class Router(Forwarder):
             hashes = await block_hashes(tokens, self.index.block_size, salt)
         except ProxyError as e:
             return self._answer(error_response(e.status, e.message))
-        store = await self._store_reach(tokens, hashes, salt)
+        store, store_check, store_events = await self._store_reach(tokens, hashes, salt)
         bs = self.index.block_size
 
         def match(i: Instance) -> int:
@@ -298,6 +332,7 @@ class Router(Forwarder):
         route = self.chooser.choose(self.pool, len(tokens), match, store, slo)
         if route is None:
             return self._answer(error_response(503, "no healthy instance to route to"))
+        route.store_check, route.store_events = store_check, store_events
         self.metrics.decisions.labels(route.kind, route.reason).inc()
         if route.kind == "reject":
             self.metrics.rejections.inc()

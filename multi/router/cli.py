@@ -18,7 +18,8 @@ get the ``kv`` policy. New:
   prefill instance (default yes);
 - ``--ttft-slo SECONDS``: admission (off by default); per request, the ``X-TTFT-SLO``
   header or ``kv_transfer_params.ttft_slo_s``;
-- ``--store MASTER`` (exact store view through the store tier's lookup) or
+- ``--store MASTER`` (exact store view: the store tier's KV events, confirmed by its lookup;
+  ``--store-index-blocks`` bounds the events' view, 0 turns it off) or
   ``--store approx`` (what prefills stored; no Mooncake client in the router);
 - ``--kv-bytes-per-token``: KV bytes of one token (default: from the served model's
   ``config.json`` when its path exists here, in the dtype this machine's engines get,
@@ -47,6 +48,7 @@ from multi.router.prompts import Prompts
 from p2p.config import normalize_url
 
 logger = logging.getLogger("mctier.router")
+STORE_INDEX_BLOCKS = 1 << 18  # 8M tokens at 32 a block, ~37 MB
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
     ap.add_argument("--index-blocks", type=int, default=4096,
                     help="index capacity per instance until its cache size is known (blocks)")
+    ap.add_argument("--store-index-blocks", type=int, default=STORE_INDEX_BLOCKS,
+                    help="with --store MASTER: capacity in blocks of the store index, what the store tier's KV "
+                         "events say the store holds (the first filter before the store lookup, ~140 bytes a "
+                         "block); 0: no filter, every request looked up")
     ap.add_argument("--host", default="127.0.0.1", help="address the router listens on")
     ap.add_argument("--port", type=int, default=8000, help="port the router listens on")
     ap.add_argument("--timeout", type=float, default=600.0, help="deadline of one client request (504 after)")
@@ -193,12 +199,16 @@ def build_app(a: argparse.Namespace) -> web.Application:
     except (ValueError, msgspec.ValidationError, msgspec.DecodeError) as e:
         raise SystemExit(f"mctier proxy: {e}") from None
     root = None if a.kv_bytes_per_token is not None else _served_root(pool, a.connect_timeout)
-    store_view = None
+    store_view = store_index = None
     if a.store and a.store != "approx":
-        from multi.router.storeview import StoreView
+        from multi.router.storeview import StoreIndex, StoreView
 
         url = (pool.role("decode", False) or pool.role("plain", False) or pool.all)[0].url
         store_view = StoreView(a.store, url)
+        if a.store_index_blocks < 0:
+            raise SystemExit("mctier proxy: --store-index-blocks must be >= 0")
+        if a.store_index_blocks:
+            store_index = StoreIndex(a.block_size, a.store_index_blocks)
     from kvcore.trust import SecretError, load_secret
 
     try:
@@ -212,7 +222,7 @@ def build_app(a: argparse.Namespace) -> web.Application:
                         BlockIndex(a.block_size, a.index_blocks), Prompts(a.tokenizer, a.connect_timeout),
                         timeout=a.timeout, connect_timeout=a.connect_timeout, slo=a.ttft_slo, store_view=store_view,
                         store_approx=bool(a.store), health_interval=a.health_interval, instances_file=a.instances,
-                        decision_log=a.decision_log, secret=secret,
+                        decision_log=a.decision_log, secret=secret, store_index=store_index,
                         probe_timeout=a.probe_timeout if a.probe_timeout is not None else 60.0 * (a.policy == "kv"))
     except OSError as e:  # the decision log cannot be opened
         raise SystemExit(f"mctier proxy: --decision-log: {e}") from None

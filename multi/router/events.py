@@ -4,7 +4,8 @@ vLLM publishes with ``--kv-events-config '{"enable_kv_cache_events": true, "publ
 "zmq", "endpoint": ..., "replay_endpoint": ...}'``; the wire format, decoded without
 importing vLLM, and where to subscribe are in :mod:`multi.router.eventwire`.
 
-API: ``EventSubscriber(instance, endpoint, index, replay_endpoint=None, topic="", bind=False)``,
+API: ``EventSubscriber(instance, endpoint, index, replay_endpoint=None, topic="", bind=False,
+store=None)``,
 ``.start()``, ``.stop(timeout)``, ``.stats()``, ``.stale``. A daemon thread polls the SUB
 socket every 100 ms (``stop()`` returns within ~0.2 s); every wait, replay included
 (``replay_timeout`` s), has a deadline. Failures never raise: they are counted in
@@ -26,7 +27,8 @@ the seed of the request's ``cache_salt``, which vLLM publishes in the first bloc
   their descendants too;
 - another medium than ``media`` (default ``None``/``"GPU"``; vLLM's CPU build publishes
   ``"GPU"`` for its prefix cache too; host/offload tiers publish ``"CPU"``/``"STORAGE"``
-  with the SAME engine hashes, so their removals must not delete the GPU entry);
+  with the SAME engine hashes, so their removals must not delete the GPU entry; the store
+  tier's ``mooncake`` goes to the store view, below);
 - another KV cache group than the first full-attention one (hybrid models publish the
   same engine hash once per group); events without ``group_idx`` are taken;
 - a ``block_size`` other than the index's (``block_size_mismatch``): the router's
@@ -41,6 +43,13 @@ above the previous SUB ``seq`` means the publisher restarted: the view and the m
 are reset. Stopping and starting again keeps the state, so missed batches are replayed.
 ``cleared()`` wipes everything the index holds under the instance's name, so the router's
 approximate view (``record``) belongs in another ``BlockIndex``.
+
+The store tier's events (medium ``mooncake``, :mod:`mcstore.events`), with ``store=`` (one
+``BlockIndex`` that every instance's subscriber shares, view :data:`~multi.router.index.STORE`:
+the store is one for all): placed there as the engine's own blocks are (same mapping and
+checks; group 0 or none), a removal taking them out for every instance (``store_unmapped``:
+one no mapping resolves). Stale or restarted streams and ``AllBlocksCleared`` leave that view
+alone: the objects outlive them. Its use: :mod:`multi.router.storeview`.
 
 Bounds: a message longer than :data:`MAX_MSG_BYTES` is refused by ZMQ (``MAXMSGSIZE``), which
 drops the connection that sent it and never reconnects it by itself; a connecting subscriber
@@ -59,12 +68,13 @@ import msgspec
 import zmq
 
 from multi.router.eventwire import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, decode_batch
-from multi.router.index import BlockIndex, block_hash, seed
+from multi.router.index import STORE, BlockIndex, block_hash, seed
 
 log = logging.getLogger("mctier.router.kvevents")
 
 
 FULL_ATTENTION_KINDS = ("full_attention", "mla_attention", "sink_full_attention")
+STORE_MEDIUM = "mooncake"  # the store tier's events (mcstore.events.MEDIUM)
 _POLL_MS = 100
 # Largest event batch taken (ZMQ MAXMSGSIZE): a batch lists each stored block's token ids, a few
 # MiB for a step that stores a long prompt's blocks.
@@ -76,8 +86,10 @@ class EventSubscriber:
 
     def __init__(self, instance: str, endpoint: str, index: BlockIndex,
                  replay_endpoint: str | None = None, topic: str = "", *,
-                 replay_timeout: float = 2.0, media: tuple[str | None, ...] = (None, "GPU"), bind: bool = False):
+                 replay_timeout: float = 2.0, media: tuple[str | None, ...] = (None, "GPU"), bind: bool = False,
+                 store: BlockIndex | None = None, store_media: tuple[str, ...] = (STORE_MEDIUM,)):
         self.instance, self.endpoint, self.index, self.bind = instance, endpoint, index, bind
+        self.store, self.store_media = store, store_media if store is not None else ()
         self.replay_endpoint, self.topic = replay_endpoint, topic.encode("utf-8")
         self.replay_timeout, self.media = replay_timeout, media
         self._ctx = zmq.Context.instance()
@@ -92,7 +104,8 @@ class EventSubscriber:
         self._n = dict.fromkeys(
             ("events", "batches", "gaps", "replays", "replay_failures", "unknown_parent",
              "unrepresentable", "ignored_medium", "ignored_group", "block_size_mismatch",
-             "malformed", "decode_errors", "unknown_events", "restarts", "reconnects"), 0)
+             "malformed", "decode_errors", "unknown_events", "restarts", "reconnects",
+             "store_stored", "store_removed", "store_unmapped"), 0)
         self._lag_s: float | None = None
 
     # -- lifecycle --------------------------------------------------------------------
@@ -283,9 +296,9 @@ class EventSubscriber:
                 self._lag_s = max(0.0, time.time() - ts)
         for ev in events:
             if isinstance(ev, BlockStored):
-                self._on_stored(ev)
+                self._on_store_stored(ev) if ev.medium in self.store_media else self._on_stored(ev)
             elif isinstance(ev, BlockRemoved):
-                self._on_removed(ev)
+                self._on_store_removed(ev) if ev.medium in self.store_media else self._on_removed(ev)
             elif isinstance(ev, AllBlocksCleared):
                 self.index.cleared(self.instance)
                 with self._lock:
@@ -316,13 +329,42 @@ class EventSubscriber:
     def _on_stored(self, ev: BlockStored) -> None:
         if not self._follows(ev.medium, ev.group_idx, ev.kv_cache_spec_kind, stored=True):
             return
+        placed = self._place(ev)
+        if placed:
+            self.index.stored(self.instance, placed)
+
+    def _on_store_stored(self, ev: BlockStored) -> None:
+        """The store tier's confirmed save: its blocks into the shared store view."""
+        if ev.group_idx not in (None, 0):
+            self._bump("ignored_group")
+            return
+        placed = self._place(ev)
+        if placed:
+            self.store.stored(STORE, placed)
+            self._bump("store_stored", len(placed))
+
+    def _on_store_removed(self, ev: BlockRemoved) -> None:
+        """A chunk the store tier announced is gone (for every instance: the store is one)."""
+        if ev.group_idx not in (None, 0):
+            self._bump("ignored_group")
+            return
+        gone = [rh for eh in ev.block_hashes if (rh := self._map.get(eh)) is not None]
+        if len(gone) < len(ev.block_hashes):
+            self._bump("store_unmapped", len(ev.block_hashes) - len(gone))
+        if gone:
+            self.store.removed(STORE, gone)
+            self._bump("store_removed", len(gone))
+
+    def _place(self, ev: BlockStored) -> list[int]:
+        """The router hashes of ``ev``'s blocks (remembered in the mapping), in order; none
+        for an event that does not fit (counted)."""
         bs, n = ev.block_size, len(ev.block_hashes)
         if bs != self.index.block_size:
             self._bump("block_size_mismatch")
-            return
+            return []
         if len(ev.token_ids) != n * bs:
             self._bump("malformed")
-            return
+            return []
         extra = ev.extra_keys or []
         tainted = ev.lora_name is not None or ev.lora_id is not None
         if ev.parent_block_hash is None:
@@ -336,7 +378,7 @@ class EventSubscriber:
             tainted = tainted or parent is None
         else:
             self._bump("unknown_parent", n)
-            return
+            return []
         cap = 2 * max(1, self.index.capacity(self.instance))
         placed: list[int] = []
         for i, eh in enumerate(ev.block_hashes):
@@ -348,8 +390,7 @@ class EventSubscriber:
             parent = block_hash(parent, ev.token_ids[i * bs:(i + 1) * bs])
             self._remember(eh, parent, cap)
             placed.append(parent)
-        if placed:
-            self.index.stored(self.instance, placed)
+        return placed
 
     def _on_removed(self, ev: BlockRemoved) -> None:
         if not self._follows(ev.medium, ev.group_idx):

@@ -207,6 +207,7 @@ class Forwarder(Proxy):
                "prefill": route.prefill.url if route.prefill else None,
                "target": route.target.url if route.target else None,
                "cached_prefill": route.cached_prefill, "cached_target": route.cached_target, "store": route.store,
+               "store_check": route.store_check, "store_events": route.store_events,
                "predicted_s": round(route.seconds, 6), "wait_s": round(route.seconds - route.base_s, 6),
                "ttft_predicted_s": round(route.predicted, 6), "mode": route.mode,
                "drift": {k: round(v, 4) for k, v in self.chooser.honesty.state()["drift"].items()},

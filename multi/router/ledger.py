@@ -43,6 +43,8 @@ class Route:
     cached_prefill: int = 0
     cached_target: int = 0
     store: int = 0
+    store_check: str | None = None  # how the store's reach was settled (multi.router.storeview)
+    store_events: int | None = None  # what the store tier's KV events said, in tokens (None: not used)
     # The estimate without the wait, and the wait's features on the instance that waits
     # (the prefill instance of a handoff, else the target, Chooser.wait_features).
     base_s: float = 0.0

@@ -18,10 +18,18 @@
 - ``mctier_router_requests_total{status}``: answered requests by HTTP status;
 - ``mctier_router_index_blocks{view, kind}``: blocks in the index per view (an instance
   URL or ``store``) and kind (``approx``: what the router sent there; ``exact``: what the
-  instance's KV events say it holds), ``mctier_router_index_capacity_blocks{view}``;
+  instance's KV events say it holds; for ``store``, what the store tier's events say the
+  store holds), ``mctier_router_index_capacity_blocks{view}``;
+- ``mctier_router_store_checks_total{outcome}``: how each request's store reach was settled
+  (:mod:`multi.router.storeview`): ``skipped`` (the store tier's events say the store holds none
+  of the prompt: no lookup), ``confirmed`` / ``stale`` (they said some and the lookup agreed /
+  found less), ``unfiltered`` (looked up without the events), ``unanswered`` (lookup late or
+  failed);
 - ``mctier_router_event_lag_seconds{instance}``: age of the last KV event batch, and
   ``mctier_router_events{instance, kind}``: the subscribers' counters (events, batches,
-  gaps, replays, replay_failures, unknown_parent) and ``stale`` (1: exact view unusable);
+  gaps, replays, replay_failures, unknown_parent; store_stored, store_removed,
+  store_unmapped: the store tier's blocks placed in / removed from the store view, removals no
+  mapping resolved) and ``stale`` (1: exact view unusable);
 - ``mctier_router_queue_seconds{instance}``: routed prefill work still ahead per instance;
   ``mctier_router_instance_healthy{instance, role}``; ``mctier_router_outstanding{instance}``.
 """
@@ -63,6 +71,8 @@ class RouterMetrics:
                                   ["view", "kind"], registry=r)
         self.index_capacity = Gauge("mctier_router_index_capacity_blocks", "Capacity of each index view in blocks",
                                     ["view"], registry=r)
+        self.store_checks = Counter("mctier_router_store_checks", "How each request's store reach was settled",
+                                    ["outcome"], registry=r)
         self.event_lag = Gauge("mctier_router_event_lag_seconds", "Age of the last KV event batch per instance",
                                ["instance"], registry=r)
         self.events = Gauge("mctier_router_events", "KV event subscriber counters per instance",
