@@ -99,6 +99,7 @@ def test_a_burst_above_capacity_is_rejected_once_the_queue_ahead_misses_the_targ
         if r.kind == "reject":
             rejected += 1
             assert r.retry_after >= 1
+            assert 0 < r.seconds - r.base_s < r.seconds  # the decision log's wait_s: the wait alone
             continue
         rid = str(i)
         routes[rid] = r

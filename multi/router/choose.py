@@ -200,7 +200,7 @@ class Chooser(Ledger):
             reason, retry_after = rejected
             return Route("reject", route.prefill, route.target, route.seconds, route.plan, reason,
                          retry_after=retry_after, store=store, candidates=route.candidates,
-                         predicted=route.predicted, mode=route.mode)
+                         predicted=route.predicted, mode=route.mode, base_s=route.base_s)
         return route
 
     @staticmethod
