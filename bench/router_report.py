@@ -170,7 +170,7 @@ def verdicts(r: dict) -> list[str]:
     if kv:
         off = [x for x in kv if not 1 / ESTIMATE_BAND <= _est(x)["ratio_after"] <= ESTIMATE_BAND]
         lines.append(f"median predicted/actual TTFT within +-25% after the first {settle} requests, kv router: "
-                     f"{'reached' if not off else 'NOT reached'} in {len(kv) - len(off)} of {len(kv)} runs"
+                     f"{'reached' if not off else 'NOT reached'}: within in {len(kv) - len(off)} of {len(kv)} runs"
                      + (" (off: " + ", ".join(f"{x['name']} {_est(x)['ratio_after']:.2f}" for x in off) + ")"
                         if off else ""))
     else:

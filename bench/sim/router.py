@@ -96,7 +96,7 @@ class Runner:
 
         def finish(t: float) -> None:
             res.done = t
-            self.chooser.end(route, inst, rid)
+            self.chooser.end(route, inst, rid, t)
             after = timing["alone_after"] if pd else not inst.inflight
             self.chooser.learn_request(route, inst, n, cached, alone and after, res.first - timing["t0"],
                                        timing["prefill_s"])
@@ -144,7 +144,7 @@ class Runner:
             if saves:
                 self.store.save(full)
             res.first = t
-            self.chooser.first_token(route, route.target, timing["rid"])
+            self.chooser.first_token(route, route.target, timing["rid"], t)
             self._decode_rest(eng, r, finish, t)
 
         self.sim.at(self.sim.now + load_s, lambda: eng.prefill(Job(start, n, prefilled)))
@@ -164,7 +164,7 @@ class Runner:
                 self.store.save(full)
             timing["prefill_s"] = t - t0
             res.prefilled = t
-            timing["alone_after"] = self.chooser.prefill_done(route.prefill, timing["rid"])
+            timing["alone_after"] = self.chooser.prefill_done(route.prefill, timing["rid"], t)
             if self.sp.handoff_waits_step:
                 # After the prefill instance has begun its next step (events at one time run
                 # in order): the transfer starts when that step ends, if there is one.
@@ -196,7 +196,7 @@ class Runner:
 
             def decoded(t2: float) -> None:
                 res.first = t2
-                self.chooser.first_token(route, route.prefill, timing["rid"])
+                self.chooser.first_token(route, route.prefill, timing["rid"], t2)
                 self._decode_rest(de, r, finish, t2)
 
             self.sim.at(ready, join)

@@ -5,10 +5,36 @@ The target ``T`` (seconds) is ``--ttft-slo`` unless the request names its own: t
 (:data:`SLO_PARAM`, removed before the request is forwarded; it wins over the header).
 A value that is not a positive number is a 400 (:class:`p2p.proxy.ProxyError`).
 
-A route whose estimate exceeds ``T`` is rejected before any engine works on it (429),
-with ``Retry-After = ceil(estimate - T)`` seconds, at least 1: roughly when the queue
-ahead has drained enough (:func:`rejection`; :meth:`multi.router.choose.Chooser.choose`
-applies it to the route it picked).
+The estimate (:func:`estimate_s`) is the route's predicted time to first token
+(:mod:`multi.router.choose`), the queue ahead included:
+
+    predicted = fixed + own + wait
+    wait      = a * busy + b * k * own + c * w + d * decoding          (multi.router.fits)
+    w         = queued prefill work ahead, worked through one after the other from the
+                last departure (multi.router.instances.queue_ahead_s): each queued
+                request's tokens at the instance's fitted per-token compute
+
+with ``fixed`` its loads before its compute and ``own`` its compute. Admission adds what
+the estimates are known to miss:
+
+    estimate = m * predicted                  once the honesty window holds enough
+                                              answers of the route's kind
+                                              (m: multi.router.honesty.Honesty.margin,
+                                              the window's 0.9-quantile of actual/predicted)
+    estimate = fixed + own + m0 * wait        before (m0 = WAIT_MARGIN = 1.5)
+
+Before any answer is measured, the compute of a request alone is the start-up probe's
+measurement, but its wait under a burst is not: prefills queued together finish in one
+engine step (a request's first token waits for the ones batched with it), the requests
+decoding there share the steps, and the other engine shares the host. ``m0`` is the
+largest bias the honesty check lets the estimates keep before it falls back
+(``exp(ENTER)``, :mod:`multi.router.honesty`), applied to the wait only: an idle instance
+still admits what the probe says it meets.
+
+A route is rejected before any engine works on it when ``estimate > T`` (429), with
+``Retry-After = ceil(estimate - T)`` seconds, at least 1: roughly when the queue ahead
+has drained enough (:func:`rejection`; :meth:`multi.router.choose.Chooser.choose` applies
+it to the route it picked).
 """
 
 from __future__ import annotations
@@ -16,10 +42,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from multi.router.honesty import ENTER
 from p2p.proxy import ProxyError
 
 SLO_HEADER = "X-TTFT-SLO"  # seconds; per-request TTFT target
 SLO_PARAM = "ttft_slo_s"  # the same, as a kv_transfer_params key (removed before forwarding)
+WAIT_MARGIN = math.exp(ENTER)  # m0: the wait's margin before the window has measured one (1.5)
 
 
 def ttft_target(headers: Mapping[str, str], body: dict, default: float | None) -> float | None:
@@ -48,3 +76,11 @@ def rejection(estimate_s: float, target_s: float | None) -> tuple[str, int] | No
         return None
     return (f"estimate {estimate_s:.3f}s > target {target_s:.3f}s",
             max(1, math.ceil(estimate_s - target_s)))
+
+
+def estimate_s(predicted_s: float, wait_s: float, margin: float | None) -> float:
+    """What admission compares with the target (module docstring): ``margin * predicted``
+    with a measured ``margin``, else ``predicted + (WAIT_MARGIN - 1) * wait``."""
+    if margin is not None:
+        return margin * predicted_s
+    return predicted_s + (WAIT_MARGIN - 1.0) * max(0.0, wait_s)

@@ -58,8 +58,10 @@ least loaded decode instance. ``kv`` falls back to one of them while its estimat
 request whole on the decode or prefill instance with the fewest requests in flight.
 
 Admission (:mod:`multi.router.admission`): with a TTFT target ``T``, a route whose
-``predicted * margin`` exceeds ``T`` is rejected before any engine works on it
-(``margin``: :meth:`multi.router.honesty.Honesty.margin`).
+estimate exceeds ``T`` is rejected before any engine works on it: ``predicted * margin``
+(``margin``: :meth:`multi.router.honesty.Honesty.margin`) once the honesty window has
+measured the route's kind, before that ``predicted`` with its wait counted 1.5x
+(:func:`multi.router.admission.estimate_s`).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ import time
 from dataclasses import dataclass
 
 from multi.policy import Inputs, Plan, PolicyConfig, TierReach
-from multi.router.admission import rejection
+from multi.router.admission import estimate_s, rejection
 from multi.router.instances import Instance, Pool
 from multi.router.ledger import Ledger, Route
 from p2p.config import LOAD_PRIOR as P2P_PRIOR
@@ -190,13 +192,15 @@ class Chooser(Ledger):
         route.mode = policy if policy == self.policy else f"fallback {policy}"
         waiter = route.prefill or route.target
         route.wait_features = self.wait_features(waiter, now, route.own_s)
-        route.base_s = route.seconds - self.wait_s(waiter, now, route.own_s)
-        rejected = rejection(route.predicted * self.honesty.margin(route.kind), slo)
+        wait = self.wait_s(waiter, now, route.own_s)
+        route.base_s = route.seconds - wait
+        margin = self.honesty.margin(route.kind) if self.honesty.measured(route.kind) else None
+        rejected = rejection(estimate_s(route.predicted, wait, margin), slo)
         if rejected is not None:
             reason, retry_after = rejected
             return Route("reject", route.prefill, route.target, route.seconds, route.plan, reason,
                          retry_after=retry_after, store=store, candidates=route.candidates,
-                         predicted=route.predicted, mode=route.mode)
+                         predicted=route.predicted, mode=route.mode, base_s=route.base_s)
         return route
 
     @staticmethod

@@ -154,7 +154,7 @@ class Forwarder(Proxy):
             resp = await call(rid)
         finally:
             self._jobs.pop(rid, None)
-            self.chooser.end(route, inst, rid)
+            self.chooser.end(route, inst, rid, time.monotonic())
             first, prefill_s = self._first_output_at.pop(rid, None), self._prefill_s.pop(rid, None)
             alone_after = self._alone_after.pop(rid, not inst.inflight)
         if resp.status == 200:
@@ -233,8 +233,8 @@ class Forwarder(Proxy):
         self._first_output_at[rid] = time.monotonic()
         job = self._jobs.get(rid)
         if job is not None:
-            self.chooser.first_token(job.route, job.instance, rid)
+            self.chooser.first_token(job.route, job.instance, rid, self._first_output_at[rid])
 
     def _prefill_done(self, p, rid: str, seconds: float) -> None:
         self._prefill_s[rid] = seconds
-        self._alone_after[rid] = self.chooser.prefill_done(p, rid)
+        self._alone_after[rid] = self.chooser.prefill_done(p, rid, time.monotonic())

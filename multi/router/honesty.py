@@ -33,7 +33,9 @@ enough answers drifts less than ``leave`` (ln 1.25: the target). The hysteresis 
 **Admission margin.** :meth:`Honesty.margin` is the 0.9-quantile of actual / predicted of
 a kind over the window (1 with fewer than ``min_samples`` answers), clamped to [0.8, 3]: admission
 (:mod:`multi.router.admission`) compares ``predicted * margin`` with the target, so that
-about 90% of what it admits meets it even when the estimates err.
+about 90% of what it admits meets it even when the estimates err; until the window holds
+``min_samples`` answers of the kind (:meth:`Honesty.measured`) it adds its own margin to the
+wait instead (:func:`multi.router.admission.estimate_s`).
 """
 
 from __future__ import annotations
@@ -94,6 +96,10 @@ class Honesty:
         if len(r) < self.min_samples:
             return 1.0
         return min(max(_quantile(r, MARGIN_Q), MARGIN_MIN), MARGIN_MAX)
+
+    def measured(self, kind: str) -> bool:
+        """Whether the window holds enough answers of ``kind`` for :meth:`margin`."""
+        return len(self._ratios(kind)) >= self.min_samples
 
     def kinds(self) -> list[str]:
         return sorted({a.kind for a in self.window})

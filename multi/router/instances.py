@@ -71,21 +71,46 @@ class Instance(Backend):
     inflight: dict[str, tuple[float, float]] = field(default_factory=dict)
     # Requests past their first token that still decode here (its decode occupancy)
     decoding: set[str] = field(default_factory=set)
+    # When the last request left ``inflight`` (its prefill ended), on the queue's clock
+    departed: float = float("-inf")
 
     def queue_s(self, now: float | None = None) -> float:
-        """Seconds of routed work still ahead on this instance, worked through one after
-        the other in the order it was sent (``inflight`` keeps that order): each request's
-        predicted compute starts when it was sent or when the one before it is predicted
-        done, whichever is later, and the queue is what remains past ``now``.
+        """Seconds of routed prefill work still ahead on this instance (:func:`queue_ahead_s`
+        of ``inflight`` after the last departure)."""
+        return queue_ahead_s(self.inflight.values(), self.departed,
+                             time.monotonic() if now is None else now)
 
-        An engine runs its prefills in turn (chunked prefill shares a step's token budget,
-        not its throughput): counted down each from its own start, as if all ran at once,
-        the queue came out a fraction of the real wait (docs/benchmarks/sim-cluster.md)."""
-        now = time.monotonic() if now is None else now
-        t = float("-inf")
-        for s, t0 in self.inflight.values():
-            t = max(t, t0) + s
-        return max(0.0, t - now)
+    def depart(self, rid: str, now: float | None) -> bool:
+        """``rid``'s prefill ended at ``now`` (None: time unknown, no anchor): it leaves the
+        queue, and the one behind it starts no earlier than ``now``. Whether it was queued."""
+        if self.inflight.pop(rid, None) is None:
+            return False
+        if now is not None:
+            self.departed = max(self.departed, now)
+        return True
+
+
+def queue_ahead_s(work, departed: float, now: float) -> float:
+    """The queue ahead of a new request on one instance, in seconds: ``work`` is its queued
+    prefills ``(s_j, t_j)`` (predicted compute, sent at) in the order sent, ``departed``
+    when the last prefill before them ended. An engine works its prefills through one after
+    the other (chunked prefill shares a step's token budget, not its throughput), so the
+    head starts when it was sent or when the one before it left, whichever is later, and
+    each next one when the one before it is predicted done:
+
+        e_0 = min(departed, now),   e_j = max(e_{j-1}, t_j) + s_j,   queue = max(0, e_last - now)
+
+    ``s_j`` is the request's prefill tokens at the instance's fitted per-token compute when
+    it was routed (:meth:`multi.router.ledger.Ledger.prefill_work`). Without ``departed``
+    (the earlier model) each start was only ``max(e_{j-1}, t_j)``: once the requests ahead
+    left, the rest counted as started when sent, as if they had computed while they waited,
+    and a request behind a burst saw a queue near 0 (docs/benchmarks/router.md). Counted
+    down each from its own start, as if all ran at once, the queue came out a fraction of
+    the real wait (docs/benchmarks/sim-cluster.md)."""
+    t = min(departed, now)
+    for s, t0 in work:
+        t = max(t, t0) + s
+    return max(0.0, t - now)
 
 
 class _Entry(msgspec.Struct, forbid_unknown_fields=True):

@@ -138,27 +138,29 @@ class Ledger:
             route.target.outstanding += 1
         return alone
 
-    def prefill_done(self, inst: Instance, rid: str) -> bool:
-        """A handoff's prefill on ``inst`` succeeded: its work there is over, so it leaves
+    def prefill_done(self, inst: Instance, rid: str, now: float | None = None) -> bool:
+        """A handoff's prefill on ``inst`` succeeded (at ``now``, the clock of
+        :meth:`Instance.queue_s`; None: unknown): its work there is over, so it leaves
         ``inst``'s queue and outstanding count now, not when the decode instance's answer
         ends (the decode runs elsewhere). Returns whether nothing else was in flight on
         ``inst`` (with :meth:`begin`'s answer: the prefill ran alone)."""
-        if inst.inflight.pop(rid, None) is None:
+        if not inst.depart(rid, now):
             return False
         inst.outstanding -= 1
         return not inst.inflight
 
-    def first_token(self, route: Route, inst: Instance, rid: str) -> None:
-        """The request's first token is out: its prefill leaves ``inst``'s queue (a direct
-        route) and it decodes on the target until :meth:`end`."""
+    def first_token(self, route: Route, inst: Instance, rid: str, now: float | None = None) -> None:
+        """The request's first token is out (at ``now``, as :meth:`prefill_done`): its prefill
+        leaves ``inst``'s queue (a direct route) and it decodes on the target until :meth:`end`."""
         if route.kind == "pd":
             route.target.decoding.add(rid)
-        elif inst.inflight.pop(rid, None) is not None:
+        elif inst.depart(rid, now):
             inst.decoding.add(rid)
 
-    def end(self, route: Route, inst: Instance, rid: str) -> None:
-        """The request's answer is over (its last token, or a failure)."""
-        if inst.inflight.pop(rid, None) is not None or (route.kind != "pd" and rid in inst.decoding):
+    def end(self, route: Route, inst: Instance, rid: str, now: float | None = None) -> None:
+        """The request's answer is over (its last token, or a failure; at ``now``, as
+        :meth:`prefill_done`)."""
+        if inst.depart(rid, now) or (route.kind != "pd" and rid in inst.decoding):
             inst.outstanding -= 1
         inst.decoding.discard(rid)
         if route.kind == "pd":

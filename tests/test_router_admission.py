@@ -1,0 +1,115 @@
+"""The router's wait model and its admission decision, without engines: the queue ahead of a
+request (``multi.router.instances.queue_ahead_s``), what the books record when a prefill ends
+(``multi.router.ledger``) and the estimate admission compares with the target
+(``multi.router.admission``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from multi.policy import PolicyConfig
+from multi.router.admission import WAIT_MARGIN, estimate_s, rejection
+from multi.router.choose import Chooser
+from multi.router.instances import Pool, make, queue_ahead_s
+
+pytestmark = pytest.mark.unit
+
+BPT = 4096.0
+NO_DEPARTURE = float("-inf")
+
+
+def test_the_queue_is_worked_through_in_order_from_the_last_departure():
+    # Two prefills of 0.25 s sent together at t=10 behind nothing: 0.5 s of work at t=10.
+    work = [(0.25, 10.0), (0.25, 10.0)]
+    assert queue_ahead_s(work, NO_DEPARTURE, 10.0) == pytest.approx(0.5)
+    assert queue_ahead_s(work, NO_DEPARTURE, 10.1) == pytest.approx(0.4)
+    # The first of three sent at t=10 left at 10.35 (0.1 s late): the two behind it were
+    # waiting, not computing. The one at the head starts at 10.35, the next after it.
+    behind = [(0.25, 10.0), (0.25, 10.0)]
+    assert queue_ahead_s(behind, 10.35, 10.36) == pytest.approx(0.49)
+    # Without the departure (the earlier model) they counted as computing since they were
+    # sent, and the queue behind a late first token came out near 0: 10.0 + 0.5 - 10.36.
+    assert queue_ahead_s(behind, NO_DEPARTURE, 10.36) == pytest.approx(0.14)
+    # A request sent after the last departure starts when it was sent.
+    assert queue_ahead_s([(0.25, 11.0)], 10.35, 11.1) == pytest.approx(0.15)
+    # Nothing queued: no wait, whenever the last one left.
+    assert queue_ahead_s([], 10.35, 10.2) == 0.0
+    assert queue_ahead_s([], NO_DEPARTURE, 10.0) == 0.0
+
+
+def test_a_prefill_leaving_at_its_first_token_anchors_the_queue_behind_it():
+    pool = Pool([make("plain", "http://127.0.0.1:8300")])
+    e = pool.role("plain")[0]
+    c = Chooser("kv", BPT, PolicyConfig(calibrate=False))
+    routes = []
+    for rid in ("a", "b", "c"):
+        r = c.choose(pool, 544, lambda i: 0, 0, None, now=100.0)
+        c.begin(r, e, 544, 0, rid, 100.0)
+        routes.append(r)
+    s = e.inflight["a"][0]
+    assert e.queue_s(100.0) == pytest.approx(3 * s)
+    # a's first token comes late, at 100 + 2s: b and c are both still ahead, b from now on.
+    c.first_token(routes[0], e, "a", 100.0 + 2 * s)
+    assert (e.departed, e.decoding) == (100.0 + 2 * s, {"a"})
+    assert e.queue_s(100.0 + 2 * s) == pytest.approx(2 * s)
+    # A time-less departure (end without a clock) leaves the anchor where it was.
+    c.end(routes[1], e, "b")
+    assert e.departed == 100.0 + 2 * s and e.queue_s(100.0 + 2 * s) == pytest.approx(s)
+
+
+def test_the_wait_counts_in_the_estimate_with_its_margin_until_answers_measure_one():
+    assert WAIT_MARGIN == pytest.approx(1.5)
+    # Not measured: the compute as predicted, the wait 1.5x.
+    assert estimate_s(0.4, 0.2, None) == pytest.approx(0.5)
+    assert estimate_s(0.25, 0.0, None) == pytest.approx(0.25)  # idle: the probe's compute
+    # Measured: the window's margin on the whole estimate.
+    assert estimate_s(0.4, 0.2, 1.2) == pytest.approx(0.48)
+    assert estimate_s(0.4, 0.2, 0.8) == pytest.approx(0.32)
+
+
+def test_rejection_when_the_estimate_exceeds_the_target_with_retry_after():
+    assert rejection(0.49, 0.5) is None
+    assert rejection(0.5, 0.5) is None  # meets it exactly
+    assert rejection(0.7, None) is None  # no target
+    reason, retry = rejection(0.51, 0.5)
+    assert retry == 1 and "0.510s > target 0.500s" in reason
+    assert rejection(7.6, 0.5)[1] == math.ceil(7.1)
+
+
+def test_a_burst_above_capacity_is_rejected_once_the_queue_ahead_misses_the_target():
+    # One plain instance, requests of 0.25 s own compute arriving every 0.1 s (2.5x what it
+    # serves). Each admitted one's first token comes after the queue ahead (the engine works
+    # them in order, 10% slower than predicted). Admission with a 0.6 s target admits while
+    # the queue is short, then rejects; every admitted one meets the target.
+    pool = Pool([make("plain", "http://127.0.0.1:8300")])
+    e = pool.role("plain")[0]
+    c = Chooser("kv", BPT, PolicyConfig(calibrate=False))
+    c.seed(e, list(c.fit(e).compute_coef), weight=6)  # as the start-up probe: the wait is the queue
+    own = c.prefill_work(e, 544, 0)
+    slo = 2.4 * own
+    engine_free, admitted, rejected, first, routes = 0.0, [], 0, {}, {}
+    for i in range(30):
+        now = i * 0.4 * own
+        for rid, t in sorted(first.items(), key=lambda kv: kv[1]):  # first tokens out by now
+            if t <= now and rid in e.inflight:
+                c.first_token(routes[rid], e, rid, t)
+        r = c.choose(pool, 544, lambda inst: 0, 0, slo, now=now)
+        if r.kind == "reject":
+            rejected += 1
+            assert r.retry_after >= 1
+            assert 0 < r.seconds - r.base_s < r.seconds  # the decision log's wait_s: the wait alone
+            continue
+        rid = str(i)
+        routes[rid] = r
+        c.begin(r, e, 544, 0, rid, now)
+        engine_free = max(engine_free, now) + 1.1 * own
+        first[rid] = engine_free
+        admitted.append((rid, now, r.predicted))
+    assert rejected >= 10 and len(admitted) >= 8
+    within = [first[rid] - t0 <= slo for rid, t0, _ in admitted]
+    assert sum(within) / len(within) >= 0.9, [(first[r] - t, p) for r, t, p in admitted]
+    # Each admitted one's predicted time to first token is within 25% of what happened.
+    for rid, t0, predicted in admitted:
+        assert abs(math.log((first[rid] - t0) / predicted)) < math.log(1.25)
