@@ -29,6 +29,7 @@ Writes ``lookup_stall.json`` and ``lookup_stall.md`` to ``--out``
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -154,6 +155,12 @@ def run_cell(master: str, ks, raw, n: int, tokens: int, mode: str, step_s: float
                 "timeouts": s.stats.data["counters"].get("lookups:timeout", 0)}
     finally:
         s.close()
+        # The closed scheduler's Mooncake client sits in a reference cycle (its breaker's probe);
+        # collected by a later cell's garbage collection, its destructor (5 to 9 ms, the GIL held)
+        # would land in that cell's steps: collected here, between cells. An engine has one
+        # client for its lifetime.
+        s = None
+        gc.collect()
 
 
 def main(argv: list[str] | None = None) -> int:

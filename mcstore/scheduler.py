@@ -109,6 +109,7 @@ class StoreScheduler(SavePlans, CacheReset):
         self._waiting = 0  # lookups queued or asked, not yet answered
         self._wait_s = 0.0 if self.blocking else cfg.lookup_wait_ms / 1e3
         self._wait_left = self._wait_s  # of this step's wait for its lookups
+        self._step_start = 0.0  # when the last step's metadata was built: later lookups are this step's
 
     # -- state -------------------------------------------------------------------
 
@@ -151,10 +152,13 @@ class StoreScheduler(SavePlans, CacheReset):
         if st.hit is not None:
             return st.hit
         lk = st.pending
-        if not lk.done and self._wait_left > 0:
+        if (not lk.done and self._wait_left > 0 and lk.submitted >= self._step_start
+                and self.lookups.expected_s(self.lookups.queued()) <= self._wait_left):
             # This step's batch goes now (every request that arrived since the last step is in it)
             # and the step waits for it, at most lookup_wait_ms in all: a master that answers in
             # time saves the request a step; one that does not costs this step no more than that.
+            # A lookup sent at an earlier step is not waited for again, nor a batch that the last
+            # batches say takes longer than the wait (e.g. 64 arrivals): a burst costs no wait.
             self.lookups.flush()
             t0 = time.monotonic()
             self.lookups.wait(lk, self._wait_left)
@@ -322,6 +326,7 @@ class StoreScheduler(SavePlans, CacheReset):
             self.lookups.flush()  # lookups not sent yet: one batch, answered while the step runs
             self.lookups.idle()  # the step's scheduling is over: the lookup thread works freely
         self._wait_left = self._wait_s
+        self._step_start = time.monotonic()
         meta = StoreMetadata(loads=self._loads, preempted=sorted(scheduler_output.preempted_req_ids or ()))
         self._loads = []
         self._step_sync = 0
