@@ -13,12 +13,15 @@ facade exposes it, ``release`` is a no-op there), kept apart from vLLM's hooks:
     so the last prompt token is left to the engine; None while the answer is not in yet
     (ask again at a later step). What is asked and what the answers mean: :mod:`mcstore.lookup`
     (one ``batch_is_exist``, two more round trips only when a directory entry may add blocks).
-    A lookup is queued when vLLM adds the request (``on_new_request``, or the first call); the
+    A lookup is queued when vLLM adds the request (``on_new_request``, or the first call), in
+    O(1): its hashes, links and keys are made on the lookup thread (:mod:`mcstore.reqstate`); the
     step's first call sends every queued one to the master in one batch on the lookup thread
-    (:mod:`mcstore.batchlookup`) and waits for it, at most ``lookup_wait_ms`` per step in all;
-    later answers are used at a later step. Unanswered within ``lookup_timeout_ms``: a miss;
-    0 at once while the master is unreachable. ``lookup_blocking`` asks at once. Keys: from
-    vLLM's block hashes where the key space says so (``mcstore.keys``), else the token ids.
+    (:mod:`mcstore.batchlookup`; a batch's directory reads in one call) and waits for it, at
+    most ``lookup_wait_ms`` per step in all, and only for this step's lookups when the last
+    batches say they can be answered in that time; later answers are used at a later step.
+    Unanswered within ``lookup_timeout_ms``: a miss; 0 at once while the master is unreachable.
+    ``lookup_blocking`` asks at once. Keys: from vLLM's block hashes where the key space says so
+    (``mcstore.keys``), else the token ids.
 ``plan_load(request, start, end, block_ids)``
     Load tokens ``[start, end)`` (``start`` block aligned, ``end <= lookup``) into
     the request's blocks; ``block_ids`` is the request's block list indexed by

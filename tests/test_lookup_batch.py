@@ -185,6 +185,59 @@ def test_the_scheduler_queues_lookups_without_hashing_and_its_batch_reads_direct
         s.close()
 
 
+class _Slow(_Dict):
+    """A master that takes ``delay`` seconds to answer batch_is_exist."""
+
+    delay = 0.0
+
+    def exists(self, keys):
+        time.sleep(self.delay)
+        return super().exists(keys)
+
+
+@pytest.mark.unit
+def test_a_step_waits_only_for_its_own_lookups_and_never_for_a_batch_expected_to_take_longer():
+    writers = _writers(4, seed_=60)
+    client = _Slow({k: v for w in writers for k, v in _objects(w).items()})
+    s = _sched(client, lookup_wait_ms=50)
+    reqs = [_request(p, f"s{i}") for i, p in enumerate(_readers(writers))]
+    try:
+        # A master that answers within the wait: answered in the step (the wait as before).
+        client.delay = 0.005
+        s.on_new_request(reqs[0])
+        assert s.get_num_new_matched_tokens(reqs[0], 0) == (CHUNK + 2 * BS, True)
+        s.build_connector_meta(_step())
+        # One that does not: the step waits once, for its own lookup; the next step asks the
+        # master nothing new and waits for nothing (the lookup is out already).
+        client.delay = 0.2
+        s.on_new_request(reqs[1])
+        t0 = time.monotonic()
+        assert s.get_num_new_matched_tokens(reqs[1], 0) == (None, False)
+        assert 0.04 <= time.monotonic() - t0 < 0.15
+        s.build_connector_meta(_step())
+        t0 = time.monotonic()
+        assert s.get_num_new_matched_tokens(reqs[1], 0) == (None, False)
+        assert time.monotonic() - t0 < 0.02
+        s.build_connector_meta(_step())
+        wait_for(lambda: s._reqs["s1"].pending.done, 10)
+        assert s.get_num_new_matched_tokens(reqs[1], 0) == (CHUNK + 2 * BS, True)
+        s.build_connector_meta(_step())
+        # The last batches took 0.2 s: a new batch is expected to take longer than the wait, so
+        # the step does not wait for it at all; its answer comes at a later step, as good.
+        assert s.lookups.expected_s(1) > 0.05
+        for r in reqs[2:]:
+            s.on_new_request(r)
+        t0 = time.monotonic()
+        assert [s.get_num_new_matched_tokens(r, 0) for r in reqs[2:]] == [(None, False)] * 2
+        assert time.monotonic() - t0 < 0.02
+        s.build_connector_meta(_step())
+        wait_for(lambda: all(s._reqs[r.request_id].pending.done for r in reqs[2:]), 10)
+        assert [s.get_num_new_matched_tokens(r, 0) for r in reqs[2:]] == [(CHUNK + 2 * BS, True)] * 2
+        assert "lookups:timeout" not in s.stats.data["counters"]
+    finally:
+        s.close()
+
+
 @pytest.mark.unit
 def test_lookup_queue_keys_made_on_its_thread_and_a_failing_one_fails_alone():
     asked = []
