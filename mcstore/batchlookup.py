@@ -168,13 +168,20 @@ class LookupQueue:
         store view; the scheduler's step); whether it is done."""
         end = time.monotonic() + timeout_s
         self._free_until = end
-        with self._cv:
-            while not lk.done:
-                left = end - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cv.wait(left)
-        return True
+        busy = self._busy
+        if busy:
+            self._idle.set()  # a thread held off since an earlier wait of this busy time works again
+        try:
+            with self._cv:
+                while not lk.done:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cv.wait(left)
+            return True
+        finally:
+            if busy and self._busy:
+                self._idle.clear()
 
     def close(self) -> None:
         with self._cv:
