@@ -7,7 +7,7 @@ as vLLM's scheduler drives it. Three lookups: blocking (``lookup_blocking``), no
 (the default: the step waits up to ``lookup_wait_ms``, 0.5, for the batch) and non-blocking
 without that wait (``lookup_wait_ms`` 0).
 
-    .venv/bin/python -m bench.lookup_stall [--quick] [--arrivals 32,64] [--reps 5] [--out DIR]
+    .venv/bin/python -m bench.lookup_stall [--quick] [--arrivals 32,64] [--reps 5] [--partial F] [--out DIR]
 
 Each repetition: ``N`` requests of ``--prompt`` tokens (1,024: 4 chunks of 256; their links
 from vLLM's sha256 block hashes, vLLM's default) arrive in one step, half of them with their
@@ -19,13 +19,17 @@ step 1 asks the connector about every one (``get_num_new_matched_tokens``) and e
 included) and in the costliest step, the steps and the wall time until the last answer, and
 the hit tokens answered (the same in every mode: nothing is lost). "Busy": while the cell runs,
 ``--busy-threads`` other clients ask the master ``batch_is_exist`` of 256 keys in a loop
-(another process). Writes ``lookup_stall.json`` and ``lookup_stall.md`` to ``--out``
+(another process). ``--partial F``: a fraction ``F`` of the requests more (taken from the half
+not stored in full) has its prompt stored but its last chunk, of which a part object of 3 blocks
+with its directory entry: their lookups read a directory (one ``get_batch`` per step's batch).
+Writes ``lookup_stall.json`` and ``lookup_stall.md`` to ``--out``
 (default ``bench/results/lookup_stall/``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -95,7 +99,24 @@ def _step():
 MODES = {"blocking": {"lookup_blocking": True}, "non-blocking": {}, "non-blocking, no wait": {"lookup_wait_ms": 0}}
 
 
-def run_cell(master: str, ks, raw, n: int, tokens: int, mode: str, step_s: float, tag: str) -> dict:
+def _store_partial(raw, ks, r) -> None:
+    """What a save of ``r``'s prompt cut 3 blocks into its last chunk stores: its whole chunks
+    but the last, the part object of those 3 blocks and its directory entry. ``r``'s lookup
+    finds them through the entry (a directory read) and hits all but its last 5 blocks."""
+    from mcstore.keys import Directory
+
+    hs, cb = r.block_hashes, ks.chunk_blocks
+    whole = len(r.prompt_token_ids) // ks.chunk_tokens - 1
+    for k in ks.all_rank_keys(ks.links(r.prompt_token_ids)[:whole]):
+        raw.put(k, b"kv")
+    tail = hs[whole * cb:whole * cb + 3]
+    for k in ks.all_rank_keys([ks.part_link(tail[-1], 3)]):
+        raw.put(k, b"kv")
+    raw.put(ks.dir_key(tail[0]), Directory.of(tail).encode())
+
+
+def run_cell(master: str, ks, raw, n: int, tokens: int, mode: str, step_s: float, tag: str,
+             partial: float = 0.0) -> dict:
     from mcstore.config import load_config
     from mcstore.scheduler import StoreScheduler
 
@@ -103,6 +124,8 @@ def run_cell(master: str, ks, raw, n: int, tokens: int, mode: str, step_s: float
     for r in reqs[: n // 2]:  # half stored in full
         for k in ks.all_rank_keys(ks.links(r.prompt_token_ids)):
             raw.put(k, b"kv")
+    for r in reqs[n // 2: n // 2 + round(n * partial)]:  # --partial: found through a directory entry
+        _store_partial(raw, ks, r)
     cfg = load_config({"master": master, "chunk_tokens": CHUNK, **MODES[mode]}, env={})
     s = StoreScheduler(cfg, ks, 32, load=True, save=False)
     try:
@@ -132,6 +155,12 @@ def run_cell(master: str, ks, raw, n: int, tokens: int, mode: str, step_s: float
                 "timeouts": s.stats.data["counters"].get("lookups:timeout", 0)}
     finally:
         s.close()
+        # The closed scheduler's Mooncake client sits in a reference cycle (its breaker's probe);
+        # collected by a later cell's garbage collection, its destructor (5 to 9 ms, the GIL held)
+        # would land in that cell's steps: collected here, between cells. An engine has one
+        # client for its lifetime.
+        s = None
+        gc.collect()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--step-ms", type=float, default=2.0)
     ap.add_argument("--busy-threads", type=int, default=4)
+    ap.add_argument("--partial", type=float, default=0.0,
+                    help="fraction of the requests (of the half not stored in full) whose prompt is stored but "
+                         "its last chunk, of which a part object of 3 blocks, found through its directory entry")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "lookup_stall"))
     a = ap.parse_args(argv)
     if a.quick:
@@ -178,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                     for rep in range(a.reps):
                         for mode in (cells if rep % 2 == 0 else reversed(list(cells))):
                             cells[mode].append(run_cell(cluster.master_addr, ks, raw, n, a.prompt, mode,
-                                                        a.step_ms / 1e3, f"{load}-{n}-{rep}"))
+                                                        a.step_ms / 1e3, f"{load}-{n}-{rep}", a.partial))
                     for mode, reps in cells.items():
                         row = {"master": load, "arrivals": n, "mode": mode,
                                **{k: statistics.median(r[k] for r in reps) for k in reps[0]},
@@ -207,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     lines.append("")
     lines.append(f"{time.strftime('%Y-%m-%d')}, {m['cpu']} (engines {m['dtype']}), commit {commit}, "
                  f"{a.reps} repetitions (medians), prompts of {a.prompt} tokens, half stored, "
-                 f"steps {a.step_ms:g} ms apart, busy = {a.busy_threads} threads of batch_is_exist(256 keys).")
+                 f"steps {a.step_ms:g} ms apart, busy = {a.busy_threads} threads of batch_is_exist(256 keys)"
+                 + (f", {a.partial:g} of the requests partial hits through a directory entry" if a.partial else "")
+                 + ".")
     table = "\n".join(lines)
     print(table)
     (out / "lookup_stall.md").write_text(table + "\n")

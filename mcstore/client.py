@@ -225,6 +225,25 @@ class StoreClient:
         self._after([], t0, "get")
         return bytes(raw) if raw and len(raw) <= max_bytes else None
 
+    def fetch_many(self, keys: list[str], max_bytes: int) -> list[bytes | None]:
+        """:meth:`fetch` of several small objects in one call (Mooncake's ``get_batch``: one
+        replica query to the master for all of them, the reads together, the GIL released while
+        they run); per key its bytes, or None (absent, larger than ``max_bytes``, failed; all
+        None while the breaker is open or when the call failed). Raises nothing."""
+        if not keys:
+            return []
+        if not self.available:
+            return [None] * len(keys)
+        t0 = time.monotonic()
+        try:
+            raws = list(self.store.get_batch(list(keys)))
+        except Exception:  # noqa: BLE001 - a failed read is an absent object here
+            raws = []
+        self._after([], t0, "get_batch")
+        if len(raws) != len(keys):
+            return [None] * len(keys)
+        return [bytes(r) if r and len(r) <= max_bytes else None for r in raws]
+
     def upsert_small(self, keys: list[str], values: list[bytes]) -> int:
         """Small objects, each inserted or replaced (``upsert_batch``, through the local buffer,
         with the tier's replicate config): 0 when all went, else a status code. Raises nothing."""

@@ -167,7 +167,9 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     lookup_wait_ms: Annotated[float, doc(
         "Milliseconds a scheduling step may wait, in all, for the non-blocking lookups of the requests "
         "that arrived since the last step (one batch, sent as the step starts asking): answered in time, "
-        "a request is scheduled in this step; otherwise it is asked again at a later step. 0: never wait "
+        "a request is scheduled in this step; otherwise it is asked again at a later step. A step does not "
+        "wait for a batch that the last batches say takes longer (a burst of arrivals: their keys are made "
+        "on the lookup thread, ~25 us each), nor again for lookups sent at an earlier step. 0: never wait "
         "(every lookup costs its request at least one step). Within [0, 100].")] = 0.5
     lookup_timeout_ms: Annotated[float, doc(
         "Milliseconds a non-blocking lookup may wait for the master's answer; past it the request's "

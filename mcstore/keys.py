@@ -212,6 +212,7 @@ class KeySpace:
         self.groups = groups
         self.prefix = f"{prefix}/{fp[:16]}"
         self._key_prefix = prefix
+        self._suffixes: list[str] | None = None  # all_rank_keys' part suffixes, chunk-major
 
     @property
     def parts(self) -> int:
@@ -283,8 +284,16 @@ class KeySpace:
 
     def all_rank_keys(self, links: Sequence[str]) -> list[str]:
         """Chunk-major: chunk i's keys (every group's, stage's and TP rank's) are ``[i*parts, (i+1)*parts)``."""
-        return [self.key(link, r, s, g) for link in links for g in range(max(1, self.groups))
-                for s in range(self.pp_size) for r in range(self.tp_size)]
+        # The parts' suffixes, computed once: a lookup asks this per request on the scheduler's
+        # path, where a call of :meth:`key` per part cost ~2 us each.
+        sfx = self._suffixes
+        if sfx is None:
+            sfx = self._suffixes = [self.key("", r, s, g) for g in range(max(1, self.groups))
+                                    for s in range(self.pp_size) for r in range(self.tp_size)]
+        if len(sfx) == 1:
+            one = sfx[0]
+            return [link + one for link in links]
+        return [link + x for link in links for x in sfx]
 
 
 # -- published metadata ---------------------------------------------------------------

@@ -9,11 +9,12 @@ directory entry (:mod:`mcstore.keys`):
 1. ``batch_is_exist`` over every part of every whole chunk, plus the directory entries of the
    first chunk and of the chunk after the last whole one (so that a prompt sharing nothing,
    or all its whole chunks, learns in this one call whether a second one is worth it);
-2. only if the first missing chunk ``k`` could add a block: a ``get`` of the directory entry
-   of chunk ``k``'s first block. It names an object by its block hashes; the prompt uses the
+2. only if the first missing chunk ``k`` could add a block: a read of the directory entry
+   of chunk ``k``'s first block (one ``get_batch`` for every lookup of a batch that needs one,
+   :func:`finish_many`). It names an object by its block hashes; the prompt uses the
    leading ``j`` of them that equal its own hashes of chunk ``k``'s blocks;
-3. ``batch_is_exist`` over every part of that object: it counts only when all exist (two-phase
-   visibility, as for a whole chunk).
+3. ``batch_is_exist`` over every part of that object (of every such object of a batch, in one
+   call): it counts only when all exist (two-phase visibility, as for a whole chunk).
 
 Nothing read is trusted: a directory entry is decoded against its type, its length bounded and
 its check compared (:class:`mcstore.keys.Directory`), its first hash must be the prompt's own,
@@ -22,7 +23,7 @@ and the object it names is derived from its hashes by this key space, never read
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from mcstore.keys import Directory, KeySpace
@@ -122,6 +123,10 @@ class Probe:
         return Reach(present, partial, tokens, round_trips)
 
 
+def _no_pause() -> None:
+    pass
+
+
 def reach(client, probe: Probe, usable_tokens: int | None = None) -> Reach:
     """Drive ``probe`` through ``client`` (a :class:`mcstore.client.StoreClient`: ``exists``
     and ``fetch``): one to three round trips to the master (module docstring). A partial
@@ -133,13 +138,47 @@ def reach(client, probe: Probe, usable_tokens: int | None = None) -> Reach:
 def finish(client, probe: Probe, rcs: Sequence[int], usable_tokens: int | None = None) -> Reach:
     """:func:`reach` from the answers ``rcs`` to ``probe.first_keys()`` (asked in a batch with
     other lookups, :mod:`mcstore.batchlookup`): the second and third round trips, if needed."""
-    usable = probe.num_tokens if usable_tokens is None else usable_tokens
-    present = probe.present(rcs)
-    key = probe.directory_key(present, rcs, usable)
-    if key is None:
-        return probe.reach(present)
-    part = probe.match(present, client.fetch(key, max_bytes=64 + probe.ks.chunk_blocks * 40))
-    if part is None:
-        return probe.reach(present, round_trips=2)
-    ok = all(rc == 1 for rc in client.exists(probe.part_keys(part)))
-    return probe.reach(present, part if ok else None, round_trips=3)
+    return finish_many(client, [(probe, rcs, usable_tokens)])[0]
+
+
+def finish_many(client, items: Sequence[tuple[Probe, Sequence[int], int | None]],
+                pause: Callable[[], None] | None = None) -> list[Reach]:
+    """:func:`finish` of several lookups at once (one step's batch): at most two more round
+    trips for all of them together, whatever their number: one ``get_batch`` of every
+    directory entry to read (``client.fetch_many``), one ``batch_is_exist`` over the parts of
+    every object those entries name. ``items``: ``(probe, rcs, usable_tokens)`` each, ``rcs``
+    the answers to ``probe.first_keys()``; the reaches in that order. ``pause()`` is called
+    between items (the lookup thread's hand-over of the GIL, :mod:`mcstore.batchlookup`)."""
+    pause = pause or _no_pause
+    out: list[Reach | None] = [None] * len(items)
+    reads = []  # (item index, present, directory key)
+    for i, (probe, rcs, usable) in enumerate(items):
+        present = probe.present(rcs)
+        key = probe.directory_key(present, rcs, probe.num_tokens if usable is None else usable)
+        if key is None:
+            out[i] = probe.reach(present)
+        else:
+            reads.append((i, present, key))
+        pause()
+    if reads:
+        max_bytes = max(64 + items[i][0].ks.chunk_blocks * 40 for i, _, _ in reads)
+        keys = [key for _, _, key in reads]
+        many = getattr(client, "fetch_many", None)
+        raws = many(keys, max_bytes) if many is not None else [client.fetch(k, max_bytes) for k in keys]
+        found = []  # (item index, present, partial, its part keys)
+        for (i, present, _), raw in zip(reads, raws):
+            probe = items[i][0]
+            part = probe.match(present, raw)
+            if part is None:
+                out[i] = probe.reach(present, round_trips=2)
+            else:
+                found.append((i, present, part, probe.part_keys(part)))
+            pause()
+        if found:
+            rcs = client.exists([k for *_, keys in found for k in keys])
+            off = 0
+            for i, present, part, keys in found:
+                mine, off = rcs[off:off + len(keys)], off + len(keys)
+                ok = len(mine) == len(keys) and all(rc == 1 for rc in mine)
+                out[i] = items[i][0].reach(present, part if ok else None, round_trips=3)
+    return out  # type: ignore[return-value]

@@ -13,12 +13,15 @@ facade exposes it, ``release`` is a no-op there), kept apart from vLLM's hooks:
     so the last prompt token is left to the engine; None while the answer is not in yet
     (ask again at a later step). What is asked and what the answers mean: :mod:`mcstore.lookup`
     (one ``batch_is_exist``, two more round trips only when a directory entry may add blocks).
-    A lookup is queued when vLLM adds the request (``on_new_request``, or the first call); the
+    A lookup is queued when vLLM adds the request (``on_new_request``, or the first call), in
+    O(1): its hashes, links and keys are made on the lookup thread (:mod:`mcstore.reqstate`); the
     step's first call sends every queued one to the master in one batch on the lookup thread
-    (:mod:`mcstore.batchlookup`) and waits for it, at most ``lookup_wait_ms`` per step in all;
-    later answers are used at a later step. Unanswered within ``lookup_timeout_ms``: a miss;
-    0 at once while the master is unreachable. ``lookup_blocking`` asks at once. Keys: from
-    vLLM's block hashes where the key space says so (``mcstore.keys``), else the token ids.
+    (:mod:`mcstore.batchlookup`; a batch's directory reads in one call) and waits for it, at
+    most ``lookup_wait_ms`` per step in all, and only for this step's lookups when the last
+    batches say they can be answered in that time; later answers are used at a later step.
+    Unanswered within ``lookup_timeout_ms``: a miss; 0 at once while the master is unreachable.
+    ``lookup_blocking`` asks at once. Keys: from vLLM's block hashes where the key space says so
+    (``mcstore.keys``), else the token ids.
 ``plan_load(request, start, end, block_ids)``
     Load tokens ``[start, end)`` (``start`` block aligned, ``end <= lookup``) into
     the request's blocks; ``block_ids`` is the request's block list indexed by
@@ -47,47 +50,25 @@ tail a later turn of the conversation extends), each with its directory entry.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from kvcore.log import get_logger
 from kvcore.platform import current as current_platform
 from kvcore.tier import load_deadline_s
-from kvcore.vllm_glue import (
-    request_cache_salt,
-    request_lora_name,
-    request_mm_hashes,
-)
-from mcstore.batchlookup import Lookup, LookupQueue
+from mcstore.batchlookup import LookupQueue
 from mcstore.client import StoreClient
 from mcstore.config import StoreConfig
 from mcstore.events import StoreEvents
 from mcstore.groups import Pins, StoreGroups
 from mcstore.keys import KeySpace
-from mcstore.lookup import Partial, Probe, Reach, finish, reach
+from mcstore.lookup import Probe, Reach, reach
 from mcstore.metrics import StoreStats
 from mcstore.protocol import ChunkIO, LoadJob, StoreMetadata
+from mcstore.reqstate import Ask, ReqState, answer_batch
 from mcstore.reset import CacheReset
 from mcstore.saveplan import SavePlans
 
 logger = get_logger("mcstore.scheduler")
-
-
-@dataclass
-class _Req:
-    request: Any
-    hashes: list[bytes]  # block hashes of the prompt's full blocks (the key space's block_tokens)
-    links: list[str]  # of its full chunks
-    hit: int | None = None  # lookup result in tokens (None: not looked up yet)
-    present: int = 0  # leading chunks found in the store at lookup
-    partial: Partial | None = None  # the object supplying blocks past them, found at lookup
-    local: int = 0  # tokens computed locally when the connector was asked
-    save_next: int = 0  # next chunk to consider for saving
-    tail_saved: bool = False  # the blocks past the last whole chunk went to the worker (or need not)
-    saves: int = 0  # save jobs sent to the worker
-    load_tried: bool = False  # one load per request: a failed one is recomputed, not retried
-    sync: bool = False  # its load ends inside the step that schedules it (sync_load_max)
-    pending: Lookup | None = None  # its lookup, queued or on the lookup thread (not answered yet)
 
 
 class StoreScheduler(SavePlans, CacheReset):
@@ -111,7 +92,7 @@ class StoreScheduler(SavePlans, CacheReset):
         self.client = client if client is not None else (
             StoreClient(cfg, "scheduler", segment=False) if load else None)
         self.stats = StoreStats()
-        self._reqs: dict[str, _Req] = {}
+        self._reqs: dict[str, ReqState] = {}
         self._loads: list[LoadJob] = []
         self.block_bytes = block_bytes  # KV bytes of one block in one rank's cache (sync_load_max)
         # With KV cache groups, vLLM takes a failed load only for the whole request, and only from
@@ -126,33 +107,30 @@ class StoreScheduler(SavePlans, CacheReset):
         hash_bs = keys.block_hashes.block_size if keys.block_hashes is not None else block_size
         self.events = StoreEvents(keys.parts, hash_bs, cfg.chunk_tokens // hash_bs) if events else None
         self.blocking = cfg.lookup_blocking
-        self.lookups = LookupQueue(self.client.exists, "scheduler") if self.client is not None else None
+        self.lookups = (LookupQueue(self.client.exists, "scheduler", answer_many=answer_batch(self.client))
+                        if self.client is not None else None)
         self._waiting = 0  # lookups queued or asked, not yet answered
         self._wait_s = 0.0 if self.blocking else cfg.lookup_wait_ms / 1e3
         self._wait_left = self._wait_s  # of this step's wait for its lookups
+        self._step_start = 0.0  # when the last step's metadata was built: later lookups are this step's
 
     # -- state -------------------------------------------------------------------
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         self._kv_cache_manager = kv_cache_manager
 
-    def _state(self, request) -> _Req:
+    def _state(self, request) -> ReqState:
+        """The request's state; O(1): its block hashes and links are made when first needed
+        (on the lookup thread for its lookup)."""
         st = self._reqs.get(request.request_id)
         if st is None:
-            hashes = self._hashes(request)
-            st = self._reqs[request.request_id] = _Req(
-                request, hashes, self.keys.links_from_block_hashes(hashes, request.num_prompt_tokens))
+            st = self._reqs[request.request_id] = ReqState(request, self.keys, self._nblocks(request))
         return st
 
-    def _hashes(self, request) -> list[bytes]:
-        """The block hashes of the request's full prompt blocks."""
-        if self.keys.block_hashes is None:
-            return self.keys.hashes(
-                request.prompt_token_ids or [],
-                cache_salt=request_cache_salt(request),
-                lora=request_lora_name(request),
-                mm_hashes=request_mm_hashes(request),
-            )
+    def _nblocks(self, request) -> int:
+        """How many of the request's full prompt blocks have a block hash to key them by."""
+        if self.keys.block_hashes is None:  # our own chain of its tokens
+            return len(request.prompt_token_ids or ()) // self.keys.block_tokens
         # vLLM hashed the request's blocks on its input thread already; a request whose hashes
         # do not cover its tokens at the key space's hash block size gets no link (a miss,
         # computed and not saved) rather than a link of other tokens.
@@ -163,22 +141,27 @@ class StoreScheduler(SavePlans, CacheReset):
                 logger.warning("mcstore: request %s has %d block hashes for %d tokens at %d tokens a block: "
                                "not looked up or saved (warned once)", request.request_id, len(hashes),
                                request.num_tokens, self.keys.block_hashes.block_size)
-            return []
-        return list(hashes[:request.num_prompt_tokens // self.keys.block_tokens])
+            return 0
+        return min(len(hashes), request.num_prompt_tokens // self.keys.block_tokens)
 
     # -- composite API ---------------------------------------------------------------
 
     def lookup(self, request) -> int | None:
+        if self.lookups is not None:
+            self.lookups.busy()  # this step's: the lookup thread keeps off the GIL but while we wait
         st = self._state(request)
         if st.hit is None and st.pending is None:
             self._ask(st)
         if st.hit is not None:
             return st.hit
         lk = st.pending
-        if not lk.done and self._wait_left > 0:
+        if (not lk.done and self._wait_left > 0 and lk.submitted >= self._step_start
+                and self.lookups.expected_s(self.lookups.queued()) <= self._wait_left):
             # This step's batch goes now (every request that arrived since the last step is in it)
             # and the step waits for it, at most lookup_wait_ms in all: a master that answers in
             # time saves the request a step; one that does not costs this step no more than that.
+            # A lookup sent at an earlier step is not waited for again, nor a batch that the last
+            # batches say takes longer than the wait (e.g. 64 arrivals): a burst costs no wait.
             self.lookups.flush()
             t0 = time.monotonic()
             self.lookups.wait(lk, self._wait_left)
@@ -191,7 +174,9 @@ class StoreScheduler(SavePlans, CacheReset):
                 st.hit = 0
                 return 0
             self.stats.observe("lookup_wait", time.monotonic() - lk.submitted)
-            self._found(st, lk.result, lk.seconds)
+            r, probe = lk.result
+            st.adopt(probe)
+            self._found(st, r, lk.seconds)
             return st.hit
         if lk.expired():
             # The master did not answer in time: a miss (the answer, if it comes, is dropped).
@@ -203,11 +188,11 @@ class StoreScheduler(SavePlans, CacheReset):
             return 0
         return None
 
-    def _ask(self, st: _Req) -> None:
+    def _ask(self, st: ReqState) -> None:
         """Start the request's lookup: answered at once when there is nothing to ask (no full
         chunk, the master unreachable) or with ``lookup_blocking``; else queued for this step's
         batch (``st.pending``)."""
-        if not st.links and not (self.partial and st.hashes):
+        if not st.lookable(self.partial):
             st.hit = 0
             return
         if self.client is None or not self.client.available:
@@ -215,25 +200,26 @@ class StoreScheduler(SavePlans, CacheReset):
             st.hit = 0
             return
         n = st.request.num_prompt_tokens
-        probe = Probe(self.keys, st.hashes, n, self.partial, links=st.links)
         if self.blocking:
+            probe = Probe(self.keys, st.hashes, n, self.partial, links=st.links)
             t0 = time.perf_counter()
             self._found(st, reach(self.client, probe, usable_tokens=n - 1), time.perf_counter() - t0)
             return
-        # The lookup thread reads the probe only (built here), never the request's state.
-        client = self.client
-        st.pending = self.lookups.submit(probe.first_keys(), lambda rcs: finish(client, probe, rcs, n - 1),
-                                         self.cfg.lookup_timeout_ms / 1e3)
+        # The lookup thread makes the keys (Ask.keys) and reads the request only, never its state.
+        ask = Ask(self.keys, st.request, st.nblocks, self.partial)
+        st.pending = self.lookups.submit(ask.keys, ask, self.cfg.lookup_timeout_ms / 1e3)
         self._waiting += 1
 
     def on_new_request(self, request) -> None:
         """vLLM added the request (between steps): its lookup joins the coming step's batch."""
         if self.load_enabled and not getattr(request, "skip_reading_prefix_cache", False):
+            if self.lookups is not None:
+                self.lookups.busy()  # until the step ends (build_connector_meta)
             st = self._state(request)
             if st.hit is None and st.pending is None:
                 self._ask(st)
 
-    def _found(self, st: _Req, r: Reach, seconds: float) -> None:
+    def _found(self, st: ReqState, r: Reach, seconds: float) -> None:
         """Record a lookup's answer for the request (on the scheduler's thread)."""
         st.present, st.partial = r.chunks, r.partial
         st.hit = max(0, min(r.tokens, st.request.num_prompt_tokens - 1))
@@ -341,7 +327,9 @@ class StoreScheduler(SavePlans, CacheReset):
     def build_connector_meta(self, scheduler_output) -> StoreMetadata:
         if self.lookups is not None:
             self.lookups.flush()  # lookups not sent yet: one batch, answered while the step runs
+            self.lookups.idle()  # the step's scheduling is over: the lookup thread works freely
         self._wait_left = self._wait_s
+        self._step_start = time.monotonic()
         meta = StoreMetadata(loads=self._loads, preempted=sorted(scheduler_output.preempted_req_ids or ()))
         self._loads = []
         self._step_sync = 0

@@ -204,6 +204,21 @@ def test_lookup_stall_quick_measures_every_mode_with_the_same_hits(tmp_path):
 
 
 @pytest.mark.bench_harness
+def test_lookup_stall_quick_with_partial_hits_finds_every_partial_hit_in_every_mode(tmp_path):
+    """``--partial 0.25``: 8 of the 32 requests more are stored but their last chunk, of which a
+    part object of 3 blocks found through its directory entry (the step's directory reads in one
+    ``get_batch``): every mode answers every request with the same hit tokens, those 8 included."""
+    proc = subprocess.run([sys.executable, "-m", "bench.lookup_stall", "--quick", "--partial", "0.25",
+                           "--out", str(tmp_path)], cwd=str(ROOT), capture_output=True, text=True, timeout=900)
+    (tmp_path / "stdout.txt").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((tmp_path / "lookup_stall.json").read_text())
+    assert len(r["rows"]) == 6 and len({tuple(x["hit_tokens_all"]) for x in r["rows"]}) == 1
+    assert all(x["hit_tokens"] == 16 * (4 * 256 - 1) + 8 * (3 * 256 + 3 * 32) and x["timeouts"] == 0
+               for x in r["rows"])
+
+
+@pytest.mark.bench_harness
 def test_store_streams_reads_with_each_load_kind_under_running_streams(tmp_path):
     """``python -m bench.store_streams --quick`` (one 512-token prefix, two streams, one
     repetition): the sync reader's load ran synchronously and the background reader's in the background
