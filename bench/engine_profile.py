@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 from bench import no_reuse as nr  # noqa: E402
 from bench.client import complete, ids  # noqa: E402
 from bench.common import model_dir, output_dir  # noqa: E402
+from mcstore.server import StoreCluster  # noqa: E402
 from multi.cli.deploy import Deployment  # noqa: E402
 
 
@@ -78,8 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     dep = Deployment(out / "logs")
     load = argparse.Namespace(input_len=256, output_len=64, prompts=a.prompts, concurrency=4)
     try:
+        master = "-"
+        if {"store", "tiered"} & set(a.arms.split(",")):  # as bench.no_reuse: one master and store server
+            dep.cluster = StoreCluster(out / "logs" / "store", segment_size=1 << 30).start()
+            master = dep.cluster.master_addr
         for i, arm in enumerate(a.arms.split(",")):
-            url, proc = dep.engine(f"{arm}-{i}", model, nr.ENGINE_CORE, nr.kv_config(arm, "127.0.0.1:1", f"ep{i}"))
+            url, proc = dep.engine(f"{arm}-{i}", model, nr.ENGINE_CORE, nr.kv_config(arm, master, f"ep{i}"))
             dep.wait_http(url, proc)
             complete(url, ids(256, random.Random(i)), max_tokens=4)
             time.sleep(1.5)
