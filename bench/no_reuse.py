@@ -13,6 +13,10 @@ fresh for its run and stopped after it; the client runs on core 0:
 - ``p2p``: ``P2PConnector``, ``kv_consumer``, no request asks for a remote prefill.
 - ``tiered``: ``TieredConnector``, ``kv_consumer`` (store and P2P tiers; the store only looks up).
 
+Two floors, not in the default arms: ``null`` (``bench.nullconn.NullConnector``, a connector
+whose hooks do nothing: what vLLM's own per-step connector path costs) and ``plain2`` (a second
+plain engine: the run's noise, as a ratio to ``plain``).
+
 One Mooncake master and store server serve every arm (started once, beside the client). Each
 round runs every arm once, the order rotated by one per round; the table gives per arm the
 median over rounds of TTFT p50/p90/p99, mean TPOT and output throughput, and each connector's
@@ -66,8 +70,11 @@ def kv_config(arm: str, master: str, namespace: str = "mct") -> dict | None:
     arm, extra = VARIANTS.get(arm, (arm.removesuffix(BEFORE), {}))
     store = {"master": master, "chunk_tokens": 256, "key_prefix": namespace, **extra}
     base = {"kv_load_failure_policy": "recompute"}
-    if arm == "plain":
+    if arm in ("plain", "plain2"):  # plain2: a second plain engine, the run's noise floor (A/A)
         return None
+    if arm == "null":
+        return {**base, "kv_connector": "NullConnector", "kv_connector_module_path": "bench.nullconn",
+                "kv_role": "kv_both"}
     if arm == "store":
         return {**base, "kv_connector": "StoreConnector", "kv_connector_module_path": "mcstore", "kv_role": "kv_both",
                 "kv_connector_extra_config": store}

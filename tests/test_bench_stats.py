@@ -84,3 +84,32 @@ def test_a_staged_loads_rate_counts_its_staging_call():
     row = summarise(d, 1)
     assert row["load_transfer_gbps"] == pytest.approx(4.0e8 / 0.529 / 1e9)
     assert row["save_transfer_gbps"] == pytest.approx(0.2)
+
+
+@pytest.mark.unit
+def test_no_reuse_has_a_null_connector_arm_and_an_a_a_arm():
+    """``bench.no_reuse``'s floors: ``null`` (vLLM's connector path with a connector that does
+    nothing: what vLLM itself charges an engine for having a connector) and ``plain2`` (a second
+    plain engine: the run's noise floor). The default arms stay the four of the published table."""
+    from bench import no_reuse
+
+    assert no_reuse.ARMS == ("plain", "store", "p2p", "tiered")
+    assert no_reuse.kv_config("plain2", "m") is None and no_reuse.kv_config("plain", "m") is None
+    null = no_reuse.kv_config("null", "m")
+    assert null["kv_connector"] == "NullConnector" and null["kv_connector_module_path"] == "bench.nullconn"
+    with pytest.raises(ValueError):
+        no_reuse.kv_config("nope", "m")
+
+
+@pytest.mark.unit
+def test_the_null_connector_implements_every_hook_and_does_nothing():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+    from bench.nullconn import NullConnector
+
+    assert not NullConnector.__abstractmethods__  # vLLM can instantiate it
+    c = NullConnector.__new__(NullConnector)  # no vLLM config needed for the hooks themselves
+    assert c.get_num_new_matched_tokens(object(), 0) == (0, False)
+    assert type(c.build_connector_meta(object())) is KVConnectorMetadata
+    assert c.start_load_kv(None) is None and c.wait_for_save() is None
+    assert c.save_kv_layer("l", None, None) is None and c.wait_for_layer_load("l") is None
