@@ -38,11 +38,13 @@ from typing import Any
 import msgspec
 
 from kvcore import trust
+from kvcore.kvgroups import KVGroup
 from kvcore.log import get_logger
 from kvcore.tier import blocks_of, load_deadline_s
 from kvcore.vllm_glue import KVConnectorMetadata, first_group_block_ids, request_finished_normally
 from p2p.bootstrap import check_url
 from p2p.config import P2PConfig, normalize_url
+from p2p.groups import held, plan as group_plan
 from p2p.metrics import P2PStats
 from p2p.protocol import prompt_digest
 
@@ -62,12 +64,17 @@ class RecvSpec(msgspec.Struct):
     block_ids: list[int]
     timeout_s: float  # the pull's deadline, prefill wait included (kvcore.tier.load_deadline_s)
     prompt: str = ""  # p2p.protocol.prompt_digest of the request's prompt ("": a release)
+    # With KV cache groups (p2p.groups): each group's (start block, local block ids); block_ids
+    # is then all of them, group after group. None: one group.
+    groups: list[tuple[int, list[int]]] | None = None
+    error: str = ""  # the handoff cannot be planned: the worker fails the request at once
 
 
 class P2PMetadata(KVConnectorMetadata):
     def __init__(self):
         self.recvs: list[RecvSpec] = []
-        self.holds: list[tuple[str, str, list[int], str]] = []  # (req_id, transfer_id, block_ids, prompt digest)
+        # (req_id, transfer_id, block_ids, prompt digest, each group's block ids or None: one group)
+        self.holds: list[tuple[str, str, list[int], str, list[list[int]] | None]] = []
         self.aborted: list[str] = []  # transfer ids of prefills that will not be held
 
 
@@ -85,8 +92,11 @@ def remote_prefill_params(params: dict | None) -> tuple[dict | None, str]:
 
 
 class P2PScheduler:
-    def __init__(self, vllm_config, cfg: P2PConfig, role_name: str, idle_step_s: float = 0.0):
+    def __init__(self, vllm_config, cfg: P2PConfig, role_name: str, idle_step_s: float = 0.0,
+                 groups: list[KVGroup] | None = None):
         self.cfg = cfg
+        # KV cache groups (p2p.groups), None: one full-attention group (blocks as before groups).
+        self.groups = groups
         # Pause of a step that schedules no tokens (the engine only waits for KV or for
         # pulls of its holds); see P2PConnector for when it is not 0.
         self.idle_step_s = idle_step_s
@@ -194,14 +204,39 @@ class P2PScheduler:
             self.release(request, "no external tokens allocated")
             return
         n = len(request.prompt_token_ids or ())
-        ids = first_group_block_ids(blocks)
         total = -(-n // self.block_size)
         first = total - -(-num_external_tokens // self.block_size)
+        if self.groups is not None:
+            self.plan_groups(request, first, blocks.get_block_ids())
+            return
+        ids = first_group_block_ids(blocks)
         # Blocks below `first` came from the local prefix cache; pull only the rest.
         self.plan_load(request, first * self.block_size, n, ids)
 
+    def plan_groups(self, request, first: int, block_ids, expected_s: float | None = None) -> None:
+        """Pull each KV cache group's blocks from block ``first`` on (a sliding group's inside its
+        window only: :func:`p2p.groups.plan`) at that group's block ids."""
+        p = request.kv_transfer_params
+        self._handled(p["transfer_id"])
+        prompt = request.prompt_token_ids or ()
+        error = ""
+        try:
+            per_group = group_plan(self.groups, block_ids, first, len(prompt))
+        except ValueError as e:
+            per_group, error = [], str(e)
+            self.stats.inc("failures:layout")
+            logger.warning("request %s: cannot plan the handoff (%s); recomputing it locally", request.request_id, e)
+        timeout = load_deadline_s(self.cfg.transfer_timeout_s, expected_s, cap_s=self.cfg.abort_timeout_s)
+        self._meta.recvs.append(RecvSpec(request.request_id, p["transfer_id"],
+                                         normalize_url(p["remote_bootstrap_addr"]), p["remote_engine_id"], 0,
+                                         [b for _, ids in per_group for b in ids], timeout, prompt_digest(prompt),
+                                         groups=per_group or None, error=error))
+        p["do_remote_prefill"] = False  # one transfer per request
+
     # -- prefill side --
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: the request's block ids; with KV cache groups, one list per group
+        (vLLM's ``request_finished_all_groups``)."""
         p = request.kv_transfer_params
         if not p:
             return False, None
@@ -222,13 +257,18 @@ class P2PScheduler:
             except trust.Refused as e:
                 self._refuse_once(request, f"refused:{e.kind}", f"transfer parameters refused ({e}); blocks not held")
                 return False, None
-        if not request_finished_normally(request) or not block_ids:
+        if not request_finished_normally(request) or not (any(block_ids) if self.groups is not None else block_ids):
             self._meta.aborted.append(tid)
             self.stats.inc("holds:aborted")
             return False, None
-        n_blocks = -(-len(request.prompt_token_ids or ()) // self.block_size)
-        self._meta.holds.append((request.request_id, tid, list(block_ids[:n_blocks]),
-                                 prompt_digest(request.prompt_token_ids or ())))
+        n = len(request.prompt_token_ids or ())
+        n_blocks = -(-n // self.block_size)
+        digest = prompt_digest(request.prompt_token_ids or ())
+        if self.groups is not None:
+            per_group = held(block_ids, n, self.block_size)
+            self._meta.holds.append((request.request_id, tid, per_group[0], digest, per_group))
+        else:
+            self._meta.holds.append((request.request_id, tid, list(block_ids[:n_blocks]), digest, None))
         self._held[request.request_id] = time.monotonic()
         return True, None
 
