@@ -90,6 +90,11 @@ class P2PConnector(KVConnectorBase_V1, SupportsHMA, Tier):
         return self.worker.reports.take() if self.worker is not None else []
 
     # ---------------- scheduler side ----------------
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.scheduler is not None:  # pins of sliding-window blocks still to send (p2p.groups)
+            self.scheduler.bind_kv_cache_manager(kv_cache_manager)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 

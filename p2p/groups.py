@@ -100,3 +100,82 @@ def pair_groups(geometries: Sequence, local: Sequence[Sequence[int]], regions: S
         lens += ln
         at += len(ids)
     return src, dst, lens, spans
+
+
+class SendPins:
+    """Prefill side: the sliding-window blocks a handoff has yet to send, held past vLLM freeing
+    them.
+
+    A prefill request that generates more than its first token (a router that does not cap it
+    at one, as ``mctier proxy`` does) keeps running after its prompt is computed, and vLLM frees
+    its sliding groups' blocks behind the window as it goes (``remove_skipped_blocks``), also the
+    ones the decode needs (from ``first_kept(prompt)`` on). At the first step that sees the
+    prompt computed (:meth:`step`, from ``build_connector_meta``: before any later step frees
+    them) those blocks get a reference of ours (``BlockPool.touch``, as the store tier's
+    :class:`mcstore.groups.Pins`); :meth:`fill` puts them back in the finished request's block
+    table where vLLM has null blocks by then; they are freed when the hold ends (:meth:`sent`) or
+    at once when nothing is held (:meth:`finished`)."""
+
+    def __init__(self, groups: Sequence[KVGroup]):
+        self.groups = list(groups)
+        self.sliding = [i for i, g in enumerate(self.groups) if g.window is not None]
+        self._watch: dict[str, object] = {}  # req_id -> request whose prompt is not computed yet
+        self._pinned: dict[str, tuple[dict[int, tuple[int, list[int]]], list]] = {}  # req_id -> (pins, blocks)
+        self._held: dict[str, list] = {}  # req_id -> pinned blocks of a hold not yet sent
+
+    def watch(self, request) -> None:
+        if self.sliding:
+            self._watch[request.request_id] = request
+
+    def step(self, kv_cache_manager) -> None:
+        """Pin the window blocks of each watched request whose prompt is computed."""
+        if not self._watch or kv_cache_manager is None:
+            return
+        pool = kv_cache_manager.block_pool
+        for rid, req in list(self._watch.items()):
+            n = len(req.prompt_token_ids or ())
+            if req.num_computed_tokens < n:
+                continue
+            del self._watch[rid]
+            ids = kv_cache_manager.get_block_ids(rid)
+            total = -(-n // self.groups[0].block_size)
+            pins = {}
+            for gi in self.sliding:
+                lo = self.groups[gi].first_kept(n)
+                part = [int(b) for b in ids[gi][lo:total]]
+                if len(part) == total - lo and NULL_BLOCK not in part:  # else: already freed, not served
+                    pins[gi] = (lo, part)
+            blocks = [pool.blocks[b] for _, part in pins.values() for b in part]
+            if blocks:
+                pool.touch(blocks)
+                self._pinned[rid] = (pins, blocks)
+
+    def fill(self, req_id: str, per_group: list[list[int]]) -> list[list[int]]:
+        """``per_group`` with the pinned blocks where vLLM's block table has null blocks now."""
+        pins, _ = self._pinned.get(req_id, ({}, []))
+        out = [list(ids) for ids in per_group]
+        for gi, (lo, part) in pins.items():
+            for i, b in enumerate(part):
+                if lo + i < len(out[gi]) and out[gi][lo + i] == NULL_BLOCK:
+                    out[gi][lo + i] = b
+        return out
+
+    def finished(self, req_id: str, held: bool, pool) -> None:
+        """The request finished: its pins last until its hold is sent, or end now."""
+        self._watch.pop(req_id, None)
+        entry = self._pinned.pop(req_id, None)
+        if entry is None:
+            return
+        if held:
+            self._held[req_id] = entry[1]
+        elif pool is not None:
+            pool.free_blocks(reversed(entry[1]))
+
+    def sent(self, req_id: str, pool) -> None:
+        blocks = self._held.pop(req_id, None)
+        if blocks and pool is not None:
+            pool.free_blocks(reversed(blocks))
+
+    def pending(self) -> int:
+        """Requests with pinned blocks (for tests and debugging)."""
+        return len(self._pinned) + len(self._held)

@@ -44,7 +44,7 @@ from kvcore.tier import blocks_of, load_deadline_s
 from kvcore.vllm_glue import KVConnectorMetadata, first_group_block_ids, request_finished_normally
 from p2p.bootstrap import check_url
 from p2p.config import P2PConfig, normalize_url
-from p2p.groups import held, plan as group_plan
+from p2p.groups import SendPins, held, plan as group_plan
 from p2p.metrics import P2PStats
 from p2p.protocol import prompt_digest
 
@@ -97,6 +97,9 @@ class P2PScheduler:
         self.cfg = cfg
         # KV cache groups (p2p.groups), None: one full-attention group (blocks as before groups).
         self.groups = groups
+        # Prefill side: sliding-window blocks still to send, held past vLLM freeing them.
+        self.pins = SendPins(groups) if groups is not None and role_name in ("kv_producer", "kv_both") else None
+        self._kv_cache_manager = None
         # Pause of a step that schedules no tokens (the engine only waits for KV or for
         # pulls of its holds); see P2PConnector for when it is not 0.
         self.idle_step_s = idle_step_s
@@ -112,6 +115,12 @@ class P2PScheduler:
         # Signed parameters stay good while a request may wait in the engine's queue and its
         # prefill's hold lasts; the API server's middleware checks freshness at arrival.
         self.max_age_s = trust.MAX_AGE_S + (cfg.abort_timeout_s or 0.0)
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        self._kv_cache_manager = kv_cache_manager
+
+    def _pool(self):
+        return getattr(self._kv_cache_manager, "block_pool", None)
 
     def _refuse_once(self, request, counter: str, message: str) -> None:
         """Count and log refused parameters once per request (vLLM asks again after a preemption)."""
@@ -198,6 +207,8 @@ class P2PScheduler:
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if self.pins is not None and (request.kv_transfer_params or {}).get("do_remote_decode"):
+            self.pins.watch(request)  # its window blocks are pinned once its prompt is computed
         if not self.is_consumer or self.params(request) is None:
             return
         if num_external_tokens <= 0:
@@ -237,6 +248,12 @@ class P2PScheduler:
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         """``block_ids``: the request's block ids; with KV cache groups, one list per group
         (vLLM's ``request_finished_all_groups``)."""
+        hold, params = self._request_finished(request, block_ids)
+        if self.pins is not None:
+            self.pins.finished(request.request_id, hold, self._pool())
+        return hold, params
+
+    def _request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         p = request.kv_transfer_params
         if not p:
             return False, None
@@ -266,6 +283,8 @@ class P2PScheduler:
         digest = prompt_digest(request.prompt_token_ids or ())
         if self.groups is not None:
             per_group = held(block_ids, n, self.block_size)
+            if self.pins is not None:
+                per_group = self.pins.fill(request.request_id, per_group)
             self._meta.holds.append((request.request_id, tid, per_group[0], digest, per_group))
         else:
             self._meta.holds.append((request.request_id, tid, list(block_ids[:n_blocks]), digest, None))
@@ -275,6 +294,8 @@ class P2PScheduler:
     def finished_sending(self, req_ids) -> None:
         for r in req_ids or ():
             self._held.pop(r, None)
+            if self.pins is not None:
+                self.pins.sent(r, self._pool())
 
     def has_pending_push_work(self) -> bool:
         if not self._held:
@@ -287,6 +308,8 @@ class P2PScheduler:
     def build_connector_meta(self, idle: bool = False) -> P2PMetadata:
         """This step's metadata; ``idle``: the step schedules no tokens (it pauses
         ``idle_step_s``, unless it starts a pull, which the pause would only delay)."""
+        if self.pins is not None:
+            self.pins.step(self._kv_cache_manager)
         meta, self._meta = self._meta, P2PMetadata()
         if idle and self.idle_step_s and not meta.recvs:
             time.sleep(self.idle_step_s)

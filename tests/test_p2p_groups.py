@@ -204,3 +204,83 @@ def test_te_pair_refuses_a_pull_of_blocks_the_prefill_freed(grouped_pair):
     assert "freed" in res[0].detail
     assert (cons.kv["a"][22] == before).all()
     assert wait_for(side.take_finished, 10, 0.02, what="the hold's release") == {"p-2"}
+
+
+def _prefill(groups):
+    from types import SimpleNamespace
+
+    from vllm.v1.core.block_pool import BlockPool
+
+    from p2p.config import load_config
+    from p2p.scheduler import P2PScheduler
+
+    pool = BlockPool(num_gpu_blocks=64, enable_caching=True, hash_block_size=BS)
+    tables: dict[str, list[list[int]]] = {}
+    manager = SimpleNamespace(block_pool=pool, get_block_ids=lambda rid: tables[rid])
+    sched = P2PScheduler(SimpleNamespace(cache_config=SimpleNamespace(block_size=BS)),
+                         load_config({}, "kv_producer"), "kv_producer", groups=groups)
+    sched.bind_kv_cache_manager(manager)
+    return sched, pool, tables
+
+
+def _finished_request(rid: str, n: int, status: str = "FINISHED_LENGTH_CAPPED"):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(n)), num_computed_tokens=0,
+                           kv_transfer_params={"do_remote_decode": True, "transfer_id": f"x-{rid}"},
+                           status=SimpleNamespace(name=status))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("status,held_", [("FINISHED_LENGTH_CAPPED", True), ("FINISHED_ABORTED", False)])
+def test_prefill_pins_the_window_it_still_has_to_send(status, held_):
+    """A prefill request that keeps generating after its prompt: vLLM frees its sliding group's
+    blocks behind the window, the decode's window included. The scheduler pins those blocks at
+    the first step that sees the prompt computed, holds them under their own ids when the
+    request finishes (where vLLM's table has nulls by then), and frees them when the hold is sent
+    (or at once when nothing is held)."""
+    sched, pool, tables = _prefill([SLIDING, FULL])
+    n = 513  # 17 blocks; the decode needs the sliding group's blocks 14..16
+    sliding, full = pool.get_new_blocks(17), pool.get_new_blocks(17)
+    tables["p"] = [[b.block_id for b in sliding], [b.block_id for b in full]]
+    window = [b.block_id for b in sliding[14:]]
+    req = _finished_request("p", n, status)
+    sched.update_state_after_alloc(req, None, 0)
+    sched.build_connector_meta()
+    assert sched.pins.pending() == 0  # the prompt is not computed yet
+    req.num_computed_tokens = n
+    sched.build_connector_meta()
+    assert sched.pins.pending() == 1 and all(pool.blocks[b].ref_cnt == 2 for b in window)
+    # Two tokens later vLLM freed blocks 0..14 of the sliding group (block 14: inside the decode's window).
+    pool.free_blocks(sliding[:15])
+    table = [[0] * 15 + [b.block_id for b in sliding[15:]], tables["p"][1]]
+    free0 = pool.get_num_free_blocks()
+    hold, _ = sched.request_finished(req, tuple(table))
+    assert hold is held_
+    meta = sched.build_connector_meta()
+    if held_:
+        ((rid, tid, first, _, groups),) = meta.holds
+        assert (rid, tid) == ("p", "x-p") and groups[1] == tables["p"][1] and first == groups[0]
+        assert groups[0] == [0] * 14 + window  # the pinned block 14 back where vLLM has a null
+        assert serve_ranges(groups, [(14, 3), (0, 17)]) == window + tables["p"][1]
+        assert pool.blocks[window[0]].ref_cnt == 1  # ours only
+        sched.finished_sending({"p"})
+    assert pool.blocks[window[0]].ref_cnt == 0 and sched.pins.pending() == 0
+    assert pool.get_num_free_blocks() == free0 + 1  # block 14, freed once its hold ended
+
+
+@pytest.mark.unit
+def test_a_prefill_of_one_token_needs_no_pin():
+    """The proxy's prefill (max_tokens 1) finishes the step its prompt is computed: no step sees
+    it computed, nothing is pinned, its held window is vLLM's own blocks."""
+    sched, pool, tables = _prefill([SLIDING, FULL])
+    sliding, full = pool.get_new_blocks(17), pool.get_new_blocks(17)
+    ids = [[0] * 14 + [b.block_id for b in sliding[14:]], [b.block_id for b in full]]
+    tables["q"] = ids
+    req = _finished_request("q", 513)
+    sched.update_state_after_alloc(req, None, 0)
+    sched.build_connector_meta()
+    hold, _ = sched.request_finished(req, tuple(ids))
+    assert hold and sched.pins.pending() == 0
+    ((*_, groups),) = sched.build_connector_meta().holds
+    assert groups == ids
