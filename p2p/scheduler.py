@@ -166,8 +166,13 @@ class P2PScheduler:
             return 0
         return len(request.prompt_token_ids or ())
 
-    def plan_load(self, request, start_token: int, end_token: int, block_ids: list[int],
+    def plan_load(self, request, start_token: int, end_token: int, block_ids,
                   expected_s: float | None = None) -> None:
+        """``block_ids``: the request's block ids; with KV cache groups one list per group (the
+        pull then runs to the prompt's end: :meth:`plan_groups`)."""
+        if self.groups is not None:
+            self.plan_groups(request, start_token // self.block_size, block_ids, expected_s)
+            return
         p = request.kv_transfer_params
         self._handled(p["transfer_id"])
         first = start_token // self.block_size

@@ -284,3 +284,45 @@ def test_a_prefill_of_one_token_needs_no_pin():
     assert hold and sched.pins.pending() == 0
     ((*_, groups),) = sched.build_connector_meta().holds
     assert groups == ids
+
+
+def _group_tiers():
+    from tests.test_tier_contract import three_tiers
+
+    tiers = three_tiers(remote=False)
+    for t in tiers.values():
+        t.raw = []
+        t.plan_load = (lambda t: lambda req, s, e, ids, expected_s=None: t.raw.append((s, e, ids)))(t)
+    return tiers
+
+
+@pytest.mark.unit
+def test_the_composite_loads_from_one_tier_with_a_sliding_window_group():
+    """With a sliding-window group the composite's plan loads from one tier at most (a store
+    range ending before the prompt's end would need sliding blocks vLLM allocated as null), that
+    tier gets each group's block ids, a failure is the whole request's (no block ids for the
+    worker), and the tier it loads from answers which groups the load restores."""
+    from types import SimpleNamespace
+
+    from multi.policy import PolicyConfig
+    from multi.scheduler import TieredScheduler
+    from tests.test_tier_contract import request
+
+    per_group = [[0] * 100 + list(range(200, 228)), list(range(300, 428))]
+    blocks = SimpleNamespace(get_block_ids=lambda: tuple(per_group))
+    tiers = _group_tiers()
+    s = TieredScheduler(tiers, PolicyConfig(), BS, 8192.0, grouped=True, sliding=True)
+    req = request("r1", 4096)
+    ext, _ = s.get_num_new_matched_tokens(req, 0)
+    used = [name for name, t in tiers.items() if s._decisions["r1"].ranges.get(name)]
+    assert len(used) == 1 and ext > 0
+    s.update_state_after_alloc(req, blocks, ext)
+    (name,) = used
+    assert [ids for *_, ids in tiers[name].raw] == [per_group]
+    assert all(not t.raw for n, t in tiers.items() if n != name)
+    assert s._loads["r1"] == {name: []}
+    assert s.loading_tier(req) is tiers[name]
+    # Groups without a sliding window: a plan may still split the prompt between tiers.
+    s = TieredScheduler(_group_tiers(), PolicyConfig(), BS, 8192.0, grouped=True, sliding=False)
+    assert s.get_num_new_matched_tokens(request("r2", 4096), 0) == (4095, True)
+    assert len(s._decisions["r2"].ranges) == 3

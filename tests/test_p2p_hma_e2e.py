@@ -5,7 +5,9 @@ sliding-window test models: ``tiny-swa`` (a sliding group and a full group) and 
 sliding group's window only (``p2p.groups``): the bytes pulled are exactly that, and the greedy
 ids are a no-connector engine's (hybrid allocator on too) for the same one-pass prefill.
 Negative control: the sliding group's bytes corrupted in transit (the decode's
-``debug_corrupt_received_kv`` limited to that group) change the tokens.
+``debug_corrupt_received_kv`` limited to that group) change the tokens. The same handoff with
+the composite (``TieredConnector``, store and P2P tiers, which declares ``SupportsHMA`` too) as
+the decode, for ``tiny-swa``.
 """
 
 from __future__ import annotations
@@ -27,11 +29,24 @@ KV_HEADS, HEAD_SIZE = 2, 64  # the tiny presets' (multi.cli.models.PRESETS)
 LAYOUT = {"tiny-swa": (0, {0: 1, 1: 1}), "tiny-swa-all": (0, {0: 2})}
 
 
-@pytest.fixture(scope="module", params=["tiny-swa", "tiny-swa-all"])
+def _decode_kv(connector: str, p2p: dict, request) -> dict:
+    if connector == "p2p":
+        return {"kv_connector": "P2PConnector", "kv_connector_module_path": "p2p", "kv_role": "kv_consumer",
+                "kv_load_failure_policy": "recompute", "kv_connector_extra_config": p2p}
+    master = request.getfixturevalue("store_cluster").master_addr
+    # The plan is forced to the prefill instance (default_source): the test is about the handoff.
+    return {"kv_connector": "TieredConnector", "kv_connector_module_path": "multi", "kv_role": "kv_consumer",
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {
+                "store": {"master": master, "chunk_tokens": 128}, "p2p": p2p, "default_source": "p2p"}}
+
+
+@pytest.fixture(scope="module", params=[("tiny-swa", "p2p"), ("tiny-swa-all", "p2p"), ("tiny-swa", "tiered")],
+                ids=lambda p: "-".join(p))
 def hma_pd(request, tmp_path_factory):
-    """Per model: prefill, decode (corrupting the sliding group's received bytes while a flag
-    file exists) and a no-connector reference, all with the hybrid allocator on, the proxy."""
-    preset = request.param
+    """Per model and decode connector: prefill, decode (corrupting the sliding group's received
+    bytes while a flag file exists) and a no-connector reference, all with the hybrid allocator
+    on, the proxy."""
+    preset, connector = request.param
     sliding, _ = LAYOUT[preset]
     flag = tmp_path_factory.mktemp(f"hma-{preset}") / "corrupt-now"
     model = model_dir(preset)
@@ -39,11 +54,9 @@ def hma_pd(request, tmp_path_factory):
     p = Engine(f"hma-p2p-P-{preset}", 0, model=model, kv_config={
         "kv_connector": "P2PConnector", "kv_connector_module_path": "p2p", "kv_role": "kv_producer",
         "kv_connector_extra_config": {"bootstrap_port": boot, "abort_timeout_s": 300}})
-    d = Engine(f"hma-p2p-D-{preset}", 1, model=model, kv_config={
-        "kv_connector": "P2PConnector", "kv_connector_module_path": "p2p", "kv_role": "kv_consumer",
-        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {
-            "transfer_timeout_s": 30, "debug_corrupt_received_kv": str(flag),
-            "debug_corrupt_kv_groups": [sliding]}})
+    d = Engine(f"hma-{connector}-D-{preset}", 1, model=model, kv_config=_decode_kv(connector, {
+        "transfer_timeout_s": 30, "debug_corrupt_received_kv": str(flag), "debug_corrupt_kv_groups": [sliding]},
+        request))
     ref = Engine(f"hma-p2p-ref-{preset}", 0, model=model, dev_mode=True)
     proxy = None
     try:
