@@ -11,6 +11,10 @@ before its hold waits (WAIT heartbeats every second) at most the ``wait_s`` the 
 side allowed; a pull for a transfer whose prefill was aborted is answered ERROR at
 once. Holds are never re-read after release.
 
+With KV cache groups a hold keeps each group's block ids (null where vLLM freed a sliding
+group's blocks) and a pull names a range per group: it is served only when every block it names
+is held and not null (:func:`p2p.groups.serve_ranges`), else answered ERROR and the hold let go.
+
 A hold has exactly one consumer: prefill and decode must have the same TP size (a pull
 with another ``tp_size`` is refused), so decode rank r reads only from prefill rank r's
 side channel, and the first PullDone ends the hold. Heterogeneous TP (several decode

@@ -15,6 +15,11 @@ connector facade and by a composite that splits a request's prompt between sourc
 * :meth:`P2PScheduler.release` ``(request)``: tell the prefill instance to free its
   blocks without pulling.
 
+With KV cache groups (vLLM's hybrid allocator on; :mod:`p2p.groups`) ``block_ids`` are one list
+per group: the pull covers each group's blocks at that group's ids (a sliding group's window
+only), the prefill holds each group's, and pins the window blocks of a prefill request that
+runs on after its prompt (:class:`p2p.groups.SendPins`).
+
 Prefill side: :meth:`request_finished` holds the blocks of a finished
 ``do_remote_decode`` request (returns ``True``) until the worker reports the request in
 ``finished_sending``; an aborted prefill is not held and its transfer id is marked so a
