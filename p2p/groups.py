@@ -6,9 +6,10 @@ block ids, on both sides (:mod:`kvcore.kvgroups` says which blocks a group keeps
 
 - a full-attention group: every block the decode side did not find in its own prefix cache;
 - a sliding-window group of window ``w``: only the blocks from ``first_kept(n)`` on, ``n`` the
-  prompt's length. vLLM 0.32 allocates the decode's blocks before those as the null block (the
-  tokens are outside the window of every token still to compute), so they are neither pulled
-  nor held for a pull.
+  prompt's length (from ``first_kept(n - 1)``, the window of the prompt's last token, which the
+  decode recomputes, when the decode allocated that block). vLLM 0.32 allocates the decode's
+  blocks before those as the null block (the tokens are outside the window of every token still
+  to compute), so they are neither pulled nor held for a pull.
 
 Decode side, :func:`plan`: ``[(start_block, local block ids)]``, one per group, the blocks of
 ``[start, ceil(n / block_size))``; a decode block inside that range that is null (a layout the
@@ -41,7 +42,13 @@ def plan(groups: Sequence[KVGroup], block_ids: Sequence[Sequence[int]], first: i
     total = -(-prompt_tokens // groups[0].block_size)
     out = []
     for g, ids in zip(groups, block_ids):
-        start = min(total, max(first, g.first_kept(prompt_tokens)))
+        # The decode recomputes the prompt's last token, whose window may reach one block further
+        # back than first_kept(n): vLLM allocates that block when it counts n - 1 tokens loaded (a
+        # composite's plan), a null block when it counts n (it then reads no KV there).
+        start = min(total, max(first, g.first_kept(max(0, prompt_tokens - 1))))
+        must = min(total, max(first, g.first_kept(prompt_tokens)))
+        while start < must and ids[start] == NULL_BLOCK:
+            start += 1
         blocks = [int(b) for b in ids[start:total]]
         if len(blocks) < total - start or NULL_BLOCK in blocks:
             raise ValueError(f"KV cache group {g.index}: decode blocks [{start}, {total}) are not all allocated "

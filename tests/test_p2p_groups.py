@@ -44,6 +44,12 @@ def test_plan_pulls_the_full_group_whole_and_the_sliding_group_inside_its_window
     assert plan([SLIDING, FULL], [sliding_ids, full_ids], 15, n) == [(15, [41, 42]), (15, full_ids[15:])]
     # A prompt shorter than the window: every block of both.
     assert plan([SLIDING, FULL], [[7, 8], [9, 10]], 0, 40) == [(0, [7, 8]), (0, [9, 10])]
+    # n = 543: the last prompt token's window starts in block 14, first_kept(543) is 15. vLLM
+    # allocates block 14 when it counts 542 tokens loaded (a composite's plan): it is pulled; when
+    # it counts 543 (the P2P tier alone) block 14 is null: the pull starts at 15.
+    full_ids = list(range(100, 117))
+    assert plan([SLIDING, FULL], [[0] * 14 + [40, 41, 42], full_ids], 0, 543)[0] == (14, [40, 41, 42])
+    assert plan([SLIDING, FULL], [[0] * 15 + [41, 42], full_ids], 0, 543)[0] == (15, [41, 42])
 
 
 @pytest.mark.unit
