@@ -104,6 +104,11 @@ def test_hybrid_handoff_matches_reference_window_only(hma_pd):
                          lambda v: v >= want, 10)
     assert pulled == want
     assert d.metric("vllm:mctier_p2p_pulls_total", kind="ok") >= 1
+    # 543 tokens: the last token's window starts in block 14, a block before first_kept(543) = 15
+    # (n - window + 1 = 480 is a multiple of the block size). Pulled, or refused by the prefill and
+    # recomputed (a composite's plan): the reference's tokens either way.
+    edge = prompt_ids(543, 95 if preset == "tiny-swa" else 96)
+    assert _handoff(url, edge)["choices"][0]["token_ids"] == reference_tokens(ref, edge, MAX_TOKENS)
 
 
 def test_hybrid_handoff_negative_control_corrupted_sliding_group(hma_pd):
