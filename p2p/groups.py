@@ -34,9 +34,10 @@ MAX_GROUPS = 64  # KV cache groups a pull may name (a model has a few)
 
 def plan(groups: Sequence[KVGroup], block_ids: Sequence[Sequence[int]], first: int,
          prompt_tokens: int) -> list[tuple[int, list[int]]]:
-    """Per group, ``(start_block, local block ids)`` of the blocks a handoff of a
-    ``prompt_tokens``-token prompt fills, of which the ``first`` leading blocks came from the
-    decode's own prefix cache. ValueError when a block to fill is missing or null."""
+    """Per group, ``(start_block, local block ids)`` of the blocks a handoff of a prompt's first
+    ``prompt_tokens`` tokens fills (the whole prompt for the P2P tier alone, all but its last
+    token in a composite's plan), of which the ``first`` leading blocks came from the decode's
+    own prefix cache. ValueError when a block to fill is missing or null."""
     if len(block_ids) != len(groups):
         raise ValueError(f"{len(block_ids)} block tables for {len(groups)} KV cache groups")
     total = -(-prompt_tokens // groups[0].block_size)

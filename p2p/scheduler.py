@@ -176,7 +176,7 @@ class P2PScheduler:
         """``block_ids``: the request's block ids; with KV cache groups one list per group (the
         pull then runs to the prompt's end: :meth:`plan_groups`)."""
         if self.groups is not None:
-            self.plan_groups(request, start_token // self.block_size, block_ids, expected_s)
+            self.plan_groups(request, start_token // self.block_size, block_ids, expected_s, end_token)
             return
         p = request.kv_transfer_params
         self._handled(p["transfer_id"])
@@ -234,15 +234,17 @@ class P2PScheduler:
         # Blocks below `first` came from the local prefix cache; pull only the rest.
         self.plan_load(request, first * self.block_size, n, ids)
 
-    def plan_groups(self, request, first: int, block_ids, expected_s: float | None = None) -> None:
-        """Pull each KV cache group's blocks from block ``first`` on (a sliding group's inside its
-        window only: :func:`p2p.groups.plan`) at that group's block ids."""
+    def plan_groups(self, request, first: int, block_ids, expected_s: float | None = None,
+                    end_token: int | None = None) -> None:
+        """Pull each KV cache group's blocks from block ``first`` up to token ``end_token`` (the
+        prompt's end by default; a sliding group's inside the window only: :func:`p2p.groups.plan`)
+        at that group's block ids."""
         p = request.kv_transfer_params
         self._handled(p["transfer_id"])
         prompt = request.prompt_token_ids or ()
         error = ""
         try:
-            per_group = group_plan(self.groups, block_ids, first, len(prompt))
+            per_group = group_plan(self.groups, block_ids, first, len(prompt) if end_token is None else end_token)
         except ValueError as e:
             per_group, error = [], str(e)
             self.stats.inc("failures:layout")
