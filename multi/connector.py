@@ -12,9 +12,13 @@ connector (a ``kvcore.tier.Tier``), plans every request over them
 this class only dispatches by role. A request may force a source with
 ``kv_transfer_params.kv_source``; the plan comes back in ``kv_transfer_params.kv_plan``.
 
-It declares vLLM's ``SupportsHMA`` (vLLM checks the class): its built-in tiers (store, P2P) both
-move KV cache groups, so with the hybrid allocator on each group is loaded at its own block ids,
-a sliding-window group inside its window. With a sliding-window group a plan loads from one
+``TieredConnector`` does not declare vLLM's ``SupportsHMA``: with it vLLM turns its hybrid
+allocator off, and it refuses what it then cannot move whole
+(:func:`kvcore.vllm_glue.require_full_attention`). ``TieredHMAConnector`` (``"kv_connector":
+"TieredHMAConnector"``, same module and keys) is the same composite declaring ``SupportsHMA``
+(vLLM checks the class): its built-in tiers (store, P2P) both move KV cache groups, so with the
+hybrid allocator on each group is loaded at its own block ids, a sliding-window group inside its
+window. With a sliding-window group a plan loads from one
 tier at most (:meth:`multi.scheduler.TieredScheduler._decide`: a store range ending before the
 prompt's end would need sliding blocks vLLM allocated as null), and a failed load fails the
 whole request (``failed_recving``). A grouped layout with a tier that does not declare
@@ -40,6 +44,7 @@ from kvcore.vllm_glue import (
     block_size_of,
     bytes_per_token,
     register_connector_name,
+    require_full_attention,
     warn_pipeline_parallel,
 )
 from multi.config import TieredConfig, TierSpec, load_config
@@ -50,6 +55,7 @@ from multi.worker import TieredWorker
 
 logger = get_logger("multi.connector")
 register_connector_name("TieredConnector", "multi.connector", "TieredConnector")
+register_connector_name("TieredHMAConnector", "multi.connector", "TieredHMAConnector")
 
 
 def _tier_config(vllm_config, spec: TierSpec, cfg: TieredConfig):
@@ -65,17 +71,23 @@ def _tier_config(vllm_config, spec: TierSpec, cfg: TieredConfig):
     return out
 
 
-class TieredConnector(KVConnectorBase_V1, SupportsHMA):
+class TieredConnector(KVConnectorBase_V1):
+    who = "multi TieredConnector"
+    hma = False  # declares SupportsHMA (TieredHMAConnector)
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.cfg = load_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         self.grouped = False  # KV cache groups (kvcore.kvgroups.named): block ids per group
-        if kv_cache_config is not None:  # before the tiers: one error that names the composite
-            groups = kv_groups(vllm_config, kv_cache_config, "multi TieredConnector")
+        groups = []
+        if kv_cache_config is not None and not self.hma:  # before the tiers: one error naming the composite
+            require_full_attention(vllm_config, kv_cache_config, self.who)
+        elif kv_cache_config is not None:
+            groups = kv_groups(vllm_config, kv_cache_config, self.who)
             self.grouped = named(groups)
             plain = [s.name for s in self.cfg.tier_specs() if not issubclass(s.connector_class(), SupportsHMA)]
             if self.grouped and plain:
-                raise ConfigError(f"multi TieredConnector: model {vllm_config.model_config.model!r} has KV cache "
+                raise ConfigError(f"{self.who}: model {vllm_config.model_config.model!r} has KV cache "
                                   f"groups (vLLM's hybrid allocator) and tier(s) {plain} do not declare SupportsHMA: "
                                   f"serve it with --disable-hybrid-kv-cache-manager or without those tiers")
         if role == KVConnectorRole.SCHEDULER:
@@ -203,3 +215,12 @@ class TieredConnector(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self) -> None:
         (self._worker or self._sched).shutdown()
+
+
+class TieredHMAConnector(TieredConnector, SupportsHMA):
+    """``TieredConnector`` declaring vLLM's ``SupportsHMA`` (module docstring): load it with
+    ``"kv_connector": "TieredHMAConnector"``; every tier it is configured with must declare it too
+    for a model with KV cache groups."""
+
+    who = "multi TieredHMAConnector"
+    hma = True

@@ -8,8 +8,12 @@ does (and the layouts vLLM computes for these models, checked without an engine)
   of a prompt far longer than the window gives the greedy ids of a no-connector engine with the
   hybrid allocator on too, each group saved and loaded at its own block ids under keys that name
   it, a sliding group's window only; noise in a sliding group's objects changes the tokens.
-* ``P2PConnector`` and ``TieredConnector`` declare ``SupportsHMA`` too: the P2P handoff of both
-  models with the hybrid allocator on, and with the composite as the decode, is
+* ``TieredConnector`` lacks ``SupportsHMA``: vLLM turns its hybrid allocator off.
+  ``tiny-swa-all`` keeps one ``SlidingWindowSpec`` group even so, whose pages behind the
+  window vLLM frees: such an engine does not start, its log names the refusal (the connector,
+  the model, the group kind, the way out).
+* ``P2PConnector`` and ``TieredHMAConnector`` declare ``SupportsHMA``: the P2P handoff of both
+  models with the hybrid allocator on, and with that composite as the decode, is
   ``tests/test_p2p_hma_e2e.py``.
 """
 
@@ -20,6 +24,7 @@ import time
 import numpy as np
 import pytest
 
+from kvcore.procs import free_port
 from tests.harness import (
     BLOCK,
     Engine,
@@ -36,6 +41,38 @@ pytestmark = pytest.mark.e2e
 CHUNK = 64  # store_kv's chunk_tokens
 PREFIX = 512  # 8 chunks, far beyond the 64-token window
 MAX_TOKENS = 8
+WHO = {"tiered": "multi TieredConnector"}
+
+
+def _kv(connector: str, master: str) -> dict:
+    if connector == "p2p":
+        return {"kv_connector": "P2PConnector", "kv_connector_module_path": "p2p", "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"bootstrap_port": free_port()}}
+    return {"kv_connector": "TieredConnector", "kv_connector_module_path": "multi", "kv_role": "kv_producer",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"store": {"master": master, "chunk_tokens": CHUNK},
+                                          "p2p": {"bootstrap_port": free_port()}}}
+
+
+# One engine suffices: the connectors without SupportsHMA share the check
+# (tests/test_layouts_hybrid.py constructs each of them, in both roles, against the real layout).
+@pytest.mark.parametrize("connector", ["tiered"])
+def test_every_layer_sliding_model_is_refused_at_startup(store_cluster, connector):
+    model = str(model_dir("tiny-swa-all"))
+    e = Engine(f"swa-all-{connector}", 0, kv_config=_kv(connector, store_cluster.master_addr), model=model)
+    try:
+        # The worker's connector refuses while the engine core initializes its KV cache; the
+        # server then exits (a hang would time out here and still has to show the refusal).
+        with pytest.raises((RuntimeError, TimeoutError)):
+            e.wait_ready()
+        log = e.proc.log_path.read_text(errors="replace")
+    finally:
+        e.stop()
+    assert f"{WHO[connector]}: model '{model}' has a KV cache layout this connector cannot save or load whole" \
+        in log, e.proc.tail(80)
+    assert "SlidingWindowSpec (window 64 tokens)" in log and "--disable-sliding-window" in log
+
+
 HMA_CHUNK = 128  # 4 blocks: a sliding group's object holds the last 2, its 64-token window's
 HMA_PROMPT = PREFIX + 88  # 4 whole chunks, the 600-token prompt far longer than the window
 KV_HEADS, HEAD_SIZE = 2, 64  # the tiny presets' (multi.cli.models.PRESETS)

@@ -97,8 +97,12 @@ CONNECTORS = {
             "kv_connector_extra_config": {}},
     "tiered": {"kv_connector": "TieredConnector", "kv_connector_module_path": "multi", "kv_role": "kv_both",
                "kv_connector_extra_config": {"store": {"master": "127.0.0.1:1", "chunk_tokens": CHUNK}, "p2p": {}}},
+    "tiered-hma": {"kv_connector": "TieredHMAConnector", "kv_connector_module_path": "multi", "kv_role": "kv_both",
+                   "kv_connector_extra_config": {"store": {"master": "127.0.0.1:1", "chunk_tokens": CHUNK},
+                                                 "p2p": {}}},
 }
-WHO = {"store": "mcstore StoreConnector", "p2p": "p2p P2PConnector", "tiered": "multi TieredConnector"}
+WHO = {"store": "mcstore StoreConnector", "p2p": "p2p P2PConnector", "tiered": "multi TieredConnector",
+       "tiered-hma": "multi TieredHMAConnector"}
 
 
 @pytest.fixture(scope="module")
@@ -116,63 +120,31 @@ def swa():
     return out
 
 
-def test_interleaved_sliding_window_model_with_the_allocator_off_keeps_every_page(swa):
-    """``tiny-swa`` with the hybrid allocator turned off by the operator
-    (``--disable-hybrid-kv-cache-manager``): vLLM promotes the sliding layer to full attention, one
-    group with a page for every token of both layers (the window only limits what attention reads).
-    Every connector serves it as one full-attention group (keys as before groups)."""
+@pytest.mark.parametrize("connector", ["tiered"])
+def test_interleaved_sliding_window_model_keeps_every_page(swa, connector):
+    """``tiny-swa``: ``TieredConnector`` lacks SupportsHMA, so vLLM turns its hybrid
+    allocator off and promotes the sliding layer to full attention: one group, a page for every
+    token of both layers (the window only limits what attention reads). Accepted: the tiers move
+    whole pages."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from kvcore.kvgroups import kv_groups, named
     from kvcore.vllm_glue import require_full_attention
     from kvcore.vllm_layout import engine_kv_cache_layout, engine_vllm_config
 
-    for connector in CONNECTORS:
-        vc = engine_vllm_config(str(model_dir("tiny-swa")), CONNECTORS[connector], block_size=BS, dtype="bfloat16")
-        vc.scheduler_config.disable_hybrid_kv_cache_manager = True
-        layout = engine_kv_cache_layout(vc)
-        (group,) = layout.kv_cache_groups
-        assert len(group.layer_names) == 2 and type(group.kv_cache_spec) is FullAttentionSpec
-        assert group.kv_cache_spec.sliding_window == 64
-        require_full_attention(vc, layout, WHO[connector])
-        assert not named(kv_groups(vc, layout, WHO[connector]))
-    # With the hybrid allocator on (vLLM's choice for every connector here: all declare
-    # SupportsHMA) the same model has two groups, which require_full_attention would refuse.
-    vc, layout = swa["tiny-swa", "tiered"]
-    assert vc.scheduler_config.disable_hybrid_kv_cache_manager is False
-    assert [type(g.kv_cache_spec).__name__ for g in layout.kv_cache_groups] == ["SlidingWindowSpec",
-                                                                               "FullAttentionSpec"]
+    vc, layout = swa["tiny-swa", connector]
+    assert vc.scheduler_config.disable_hybrid_kv_cache_manager is True
+    (group,) = layout.kv_cache_groups
+    assert len(group.layer_names) == 2 and type(group.kv_cache_spec) is FullAttentionSpec
+    assert group.kv_cache_spec.sliding_window == 64
+    require_full_attention(vc, layout, WHO[connector])
+    # With the hybrid allocator on (vLLM's choice without a connector) the same model has two
+    # groups, and the sliding one frees pages behind the window: that the check would refuse.
+    hma = engine_vllm_config(str(model_dir("tiny-swa")), CONNECTORS[connector], block_size=BS, dtype="bfloat16")
+    hma.scheduler_config.disable_hybrid_kv_cache_manager = False
+    kinds = [type(g.kv_cache_spec).__name__ for g in engine_kv_cache_layout(hma).kv_cache_groups]
+    assert kinds == ["SlidingWindowSpec", "FullAttentionSpec"]
     with pytest.raises(ConfigError, match="2 KV cache groups"):
-        require_full_attention(vc, layout, WHO["tiered"])
-
-
-def test_the_composite_keeps_the_hybrid_allocator_and_refuses_a_tier_without_it(swa):
-    """``TieredConnector`` declares SupportsHMA (its built-in tiers both do): vLLM keeps its hybrid
-    allocator on. A grouped layout with a configured tier that does not declare it is refused by
-    name, before any tier is built."""
-    import copy
-
-    from kvcore.vllm_glue import KVConnectorRole, SupportsHMA
-    from multi.connector import TieredConnector
-
-    assert issubclass(TieredConnector, SupportsHMA)
-    for preset in ("tiny-swa", "tiny-swa-all"):
-        vc, layout = swa[preset, "tiered"]
-        assert vc.scheduler_config.disable_hybrid_kv_cache_manager is False
-        vc = copy.copy(vc)
-        vc.kv_transfer_config = copy.deepcopy(vc.kv_transfer_config)
-        vc.kv_transfer_config.kv_connector_extra_config["tiers"] = [
-            {"name": "plain", "connector": "tests.test_layouts_hybrid:PlainTier"}]
-        with pytest.raises(ConfigError) as e:
-            TieredConnector(vc, KVConnectorRole.SCHEDULER, layout)
-        msg = str(e.value)
-        assert msg.startswith(f"multi TieredConnector: model '{model_dir(preset)}' has KV cache groups"), msg
-        assert "['plain'] do not declare SupportsHMA" in msg and "--disable-hybrid-kv-cache-manager" in msg
-
-
-class PlainTier(Tier):
-    """A tier connector class that does not declare SupportsHMA (never built: the composite
-    refuses it first)."""
+        require_full_attention(hma, engine_kv_cache_layout(hma), WHO[connector])
 
 
 def test_the_p2p_tier_keeps_the_hybrid_allocator_and_serves_every_group(swa):
@@ -221,11 +193,66 @@ def test_layouts_the_p2p_tier_refuses_are_named(kinds, needles):
             assert needle in msg, (needle, msg)
 
 
+def test_the_hma_composite_keeps_the_hybrid_allocator_and_refuses_a_tier_without_it(swa):
+    """``TieredHMAConnector`` declares SupportsHMA (its built-in tiers both do): vLLM keeps its
+    hybrid allocator on (``TieredConnector`` does not). A grouped layout with a configured tier
+    that does not declare it is refused by name, before any tier is built."""
+    import copy
+
+    from kvcore.vllm_glue import KVConnectorRole, SupportsHMA
+    from multi.connector import TieredConnector, TieredHMAConnector
+
+    assert issubclass(TieredHMAConnector, SupportsHMA) and not issubclass(TieredConnector, SupportsHMA)
+    for preset in ("tiny-swa", "tiny-swa-all"):
+        vc, layout = swa[preset, "tiered-hma"]
+        assert vc.scheduler_config.disable_hybrid_kv_cache_manager is False
+        vc = copy.copy(vc)
+        vc.kv_transfer_config = copy.deepcopy(vc.kv_transfer_config)
+        vc.kv_transfer_config.kv_connector_extra_config["tiers"] = [
+            {"name": "plain", "connector": "tests.test_layouts_hybrid:PlainTier"}]
+        with pytest.raises(ConfigError) as e:
+            TieredHMAConnector(vc, KVConnectorRole.SCHEDULER, layout)
+        msg = str(e.value)
+        assert msg.startswith(f"multi TieredHMAConnector: model '{model_dir(preset)}' has KV cache groups"), msg
+        assert "['plain'] do not declare SupportsHMA" in msg and "--disable-hybrid-kv-cache-manager" in msg
+
+
+class PlainTier(Tier):
+    """A tier connector class that does not declare SupportsHMA (never built: the composite
+    refuses it first)."""
+
+
 def test_interleaved_window_is_part_of_the_fingerprint(swa):
     from kvcore.vllm_glue import kv_fingerprint_fields
 
     vc, layout = swa["tiny-swa", "store"]
     assert kv_fingerprint_fields(vc, layout)["groups"][0]["sliding_window"] == 64
+
+
+@pytest.mark.parametrize("connector", ["tiered"])
+def test_every_layer_sliding_model_is_refused_at_construction(swa, connector):
+    """``tiny-swa-all``: every layer slides, so the specs are uniform and vLLM keeps one
+    SlidingWindowSpec group even with the hybrid allocator off; its pages behind the window are
+    freed (null blocks in the block table). The connectors without SupportsHMA refuse it in both
+    roles, before they touch Mooncake."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    from kvcore.vllm_glue import KVConnectorRole
+    from mcstore.connector import StoreConnector
+    from multi.connector import TieredConnector
+    from p2p.connector import P2PConnector
+
+    vc, layout = swa["tiny-swa-all", connector]
+    assert vc.scheduler_config.disable_hybrid_kv_cache_manager is True
+    (group,) = layout.kv_cache_groups
+    assert type(group.kv_cache_spec) is SlidingWindowSpec and group.kv_cache_spec.sliding_window == 64
+    cls = {"store": StoreConnector, "p2p": P2PConnector, "tiered": TieredConnector}[connector]
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ConfigError) as e:
+            cls(vc, role, layout)
+        msg = str(e.value)
+        assert msg.startswith(f"{WHO[connector]}: model '{model_dir('tiny-swa-all')}'"), msg
+        assert "SlidingWindowSpec (window 64 tokens)" in msg and "--disable-sliding-window" in msg
 
 
 def test_the_store_tier_keeps_the_hybrid_allocator_and_serves_every_group(swa):

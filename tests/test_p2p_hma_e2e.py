@@ -6,7 +6,7 @@ sliding group's window only (``p2p.groups``): the bytes pulled are exactly that,
 ids are a no-connector engine's (hybrid allocator on too) for the same one-pass prefill.
 Negative control: the sliding group's bytes corrupted in transit (the decode's
 ``debug_corrupt_received_kv`` limited to that group) change the tokens. The same handoff with
-the composite (``TieredConnector``, store and P2P tiers, which declares ``SupportsHMA`` too) as
+the composite declaring ``SupportsHMA`` (``TieredHMAConnector``, store and P2P tiers) as
 the decode, for ``tiny-swa``.
 """
 
@@ -35,7 +35,7 @@ def _decode_kv(connector: str, p2p: dict, request) -> dict:
                 "kv_load_failure_policy": "recompute", "kv_connector_extra_config": p2p}
     master = request.getfixturevalue("store_cluster").master_addr
     # The plan is forced to the prefill instance (default_source): the test is about the handoff.
-    return {"kv_connector": "TieredConnector", "kv_connector_module_path": "multi", "kv_role": "kv_consumer",
+    return {"kv_connector": "TieredHMAConnector", "kv_connector_module_path": "multi", "kv_role": "kv_consumer",
             "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {
                 "store": {"master": master, "chunk_tokens": 128}, "p2p": p2p, "default_source": "p2p"}}
 
