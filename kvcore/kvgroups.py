@@ -12,7 +12,8 @@ last ``tail_blocks`` blocks before ``n``.
 :func:`kv_groups` classifies an engine's groups and refuses (:class:`kvcore.errors.ConfigError`)
 what no tier can move: Mamba/SSM state (per-request state, not a page per token block),
 chunked-local attention (its pages of earlier chunks are freed; no test model here exercises
-it), and any spec the tiers do not know. The tiers that do not declare ``SupportsHMA`` keep
+it), and any spec the tiers do not know. The store tier, the P2P tier and ``TieredHMAConnector``
+declare ``SupportsHMA``; ``TieredConnector`` does not and keeps
 :func:`kvcore.vllm_glue.require_full_attention`.
 """
 

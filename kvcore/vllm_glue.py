@@ -313,7 +313,7 @@ def _group_kind(spec) -> tuple[str, str | None]:
         return name, "a Mamba group holds per-request state, not one page per token block"
     # Exact types only: a subclass (e.g. R-SWA, sink attention) may keep fewer pages than tokens.
     if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
-        # With the hybrid allocator off (the P2P tier and the composite do not declare SupportsHMA), vLLM
+        # With the hybrid allocator off (TieredConnector does not declare SupportsHMA), vLLM
         # promotes sliding-window layers of a mixed model to full attention: a page for
         # every token, the window only limits what attention reads.
         window = spec.sliding_window or spec.attention_chunk_size
@@ -323,7 +323,7 @@ def _group_kind(spec) -> tuple[str, str | None]:
 
 def require_full_attention(vllm_config, kv_cache_config, who: str) -> None:
     """Refuse (:class:`kvcore.errors.ConfigError`) a KV cache layout the tiers without
-    ``SupportsHMA`` (the P2P tier, the composite) cannot move whole; the store tier serves KV
+    ``SupportsHMA`` (``TieredConnector``) cannot move whole; the store and P2P tiers serve KV
     cache groups instead (:func:`kvcore.kvgroups.kv_groups`).
 
     Such a tier saves, loads or pulls a request's pages of *every* layer at the block ids of

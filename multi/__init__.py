@@ -2,15 +2,16 @@
 :mod:`multi.calibration`); the router behind ``mctier proxy`` (:mod:`multi.router`) and the
 ``mctier`` command line (:mod:`multi.cli`) are packages of their own.
 
-``TieredConnector`` is exported lazily so that the CLI imports without vLLM.
+``TieredConnector`` and ``TieredHMAConnector`` (the same composite declaring vLLM's
+``SupportsHMA``: :mod:`multi.connector`) are exported lazily so that the CLI imports without vLLM.
 """
 
-__all__ = ["TieredConnector"]
+__all__ = ["TieredConnector", "TieredHMAConnector"]
 
 
 def __getattr__(name: str):
-    if name == "TieredConnector":
-        from multi.connector import TieredConnector
+    if name in __all__:
+        import multi.connector
 
-        return TieredConnector
+        return getattr(multi.connector, name)
     raise AttributeError(f"module 'multi' has no attribute {name!r}")

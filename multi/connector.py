@@ -11,6 +11,20 @@ connector (a ``kvcore.tier.Tier``), plans every request over them
 (:mod:`multi.scheduler`) and joins their worker-side results (:mod:`multi.worker`);
 this class only dispatches by role. A request may force a source with
 ``kv_transfer_params.kv_source``; the plan comes back in ``kv_transfer_params.kv_plan``.
+
+``TieredConnector`` does not declare vLLM's ``SupportsHMA``: with it vLLM turns its hybrid
+allocator off, and it refuses what it then cannot move whole
+(:func:`kvcore.vllm_glue.require_full_attention`). ``TieredHMAConnector`` (``"kv_connector":
+"TieredHMAConnector"``, same module and keys) is the same composite declaring ``SupportsHMA``
+(vLLM checks the class): its built-in tiers (store, P2P) both move KV cache groups, so with the
+hybrid allocator on each group is loaded at its own block ids, a sliding-window group inside its
+window. With a sliding-window group a plan loads from one
+tier at most (:meth:`multi.scheduler.TieredScheduler._decide`: a store range ending before the
+prompt's end would need sliding blocks vLLM allocated as null), and a failed load fails the
+whole request (``failed_recving``). A grouped layout with a tier that does not declare
+``SupportsHMA`` is refused at start-up by name (``--disable-hybrid-kv-cache-manager`` then
+promotes a mixed model's sliding layers to full attention); Mamba/SSM and chunked-local groups
+are refused as by the tiers (:func:`kvcore.kvgroups.kv_groups`).
 """
 
 from __future__ import annotations
@@ -18,12 +32,15 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from kvcore.errors import ConfigError
+from kvcore.kvgroups import kv_groups, named
 from kvcore.log import get_logger
 from kvcore.vllm_glue import (
     KVConnectorBase_V1,
     KVConnectorRole,
     KVConnectorTransferResults,
     KVTransferConfig,
+    SupportsHMA,
     block_size_of,
     bytes_per_token,
     register_connector_name,
@@ -38,6 +55,7 @@ from multi.worker import TieredWorker
 
 logger = get_logger("multi.connector")
 register_connector_name("TieredConnector", "multi.connector", "TieredConnector")
+register_connector_name("TieredHMAConnector", "multi.connector", "TieredHMAConnector")
 
 
 def _tier_config(vllm_config, spec: TierSpec, cfg: TieredConfig):
@@ -54,11 +72,24 @@ def _tier_config(vllm_config, spec: TierSpec, cfg: TieredConfig):
 
 
 class TieredConnector(KVConnectorBase_V1):
+    who = "multi TieredConnector"
+    hma = False  # declares SupportsHMA (TieredHMAConnector)
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.cfg = load_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
-        if kv_cache_config is not None:  # before the tiers: one error that names the composite
-            require_full_attention(vllm_config, kv_cache_config, "multi TieredConnector")
+        self.grouped = False  # KV cache groups (kvcore.kvgroups.named): block ids per group
+        groups = []
+        if kv_cache_config is not None and not self.hma:  # before the tiers: one error naming the composite
+            require_full_attention(vllm_config, kv_cache_config, self.who)
+        elif kv_cache_config is not None:
+            groups = kv_groups(vllm_config, kv_cache_config, self.who)
+            self.grouped = named(groups)
+            plain = [s.name for s in self.cfg.tier_specs() if not issubclass(s.connector_class(), SupportsHMA)]
+            if self.grouped and plain:
+                raise ConfigError(f"{self.who}: model {vllm_config.model_config.model!r} has KV cache "
+                                  f"groups (vLLM's hybrid allocator) and tier(s) {plain} do not declare SupportsHMA: "
+                                  f"serve it with --disable-hybrid-kv-cache-manager or without those tiers")
         if role == KVConnectorRole.SCHEDULER:
             warn_pipeline_parallel(vllm_config, "multi TieredConnector", logger)
         # Cheapest first: the order plans fill a prompt in.
@@ -68,7 +99,9 @@ class TieredConnector(KVConnectorBase_V1):
         self._worker: TieredWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._sched = TieredScheduler(tiers, self.cfg.policy, block_size_of(kv_cache_config),
-                                          bytes_per_token(kv_cache_config), self.cfg.default_source)
+                                          bytes_per_token(kv_cache_config), self.cfg.default_source,
+                                          grouped=self.grouped,
+                                          sliding=self.grouped and any(g.window is not None for g in groups))
         else:
             self._worker = TieredWorker(tiers)
 
@@ -95,6 +128,17 @@ class TieredConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
+        """vLLM calls this (not request_finished) on a connector that declares SupportsHMA: the
+        tiers get each group's block ids with KV cache groups, else the one group's."""
+        return self._sched.request_finished(request, block_ids if self.grouped else block_ids[0])
+
+    def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
+        """The groups the planned load restores: those of the tier it loads from (the P2P tier:
+        every group), vLLM's default when it loads from none."""
+        tier = self._sched.loading_tier(request) if self._sched is not None else None
+        return (tier or super()).get_loaded_kv_cache_group_ids(request)
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_push_work()
@@ -171,3 +215,12 @@ class TieredConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         (self._worker or self._sched).shutdown()
+
+
+class TieredHMAConnector(TieredConnector, SupportsHMA):
+    """``TieredConnector`` declaring vLLM's ``SupportsHMA`` (module docstring): load it with
+    ``"kv_connector": "TieredHMAConnector"``; every tier it is configured with must declare it too
+    for a model with KV cache groups."""
+
+    who = "multi TieredHMAConnector"
+    hma = True

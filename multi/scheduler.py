@@ -56,8 +56,12 @@ class _Decision:
 
 class TieredScheduler:
     def __init__(self, tiers: dict[str, Tier], policy: PolicyConfig, block_size: int, bytes_per_token: float,
-                 default_source: str = "auto"):
+                 default_source: str = "auto", grouped: bool = False, sliding: bool = False):
         self.tiers = tiers  # name -> tier connector (scheduler role), cheapest first
+        # KV cache groups: tiers get block ids per group, a failed load fails the whole request
+        # (no block ids for it: multi.worker); with a sliding-window group a plan loads from one
+        # tier at most (_decide).
+        self.grouped, self.sliding = grouped, sliding
         self.model = CostModel(policy)
         self.block_size = block_size
         self.bytes_per_token = bytes_per_token
@@ -118,6 +122,12 @@ class TieredScheduler:
                    # Every request the engine holds passed here first and leaves at request_finished.
                    busy=len(self._decisions) - (request.request_id in self._decisions))
         plan, plans, reason = self.model.choose(x, force)
+        if self.sliding and sum(s.source in self.tiers for s in plan.segments) > 1:
+            # vLLM allocates a sliding group's blocks before the window of the whole load's end as
+            # null: a tier whose range ends earlier would need those. One source per plan.
+            single = [p for p in plans if sum(s.source in self.tiers for s in p.segments) <= 1]
+            plan = min(single, key=lambda p: p.seconds)
+            reason += "; one source (a sliding-window group)"
         if force != "auto":
             self.stats.own_inc(f"forced:{force}")
         ranges = {s.source: (s.start, s.end) for s in plan.segments if s.source in self.tiers}
@@ -138,11 +148,13 @@ class TieredScheduler:
                 self.stats.own_inc(f"planned_tokens:{seg.source}", seg.tokens)
         loads: dict[str, list[int]] = {}
         if num_external_tokens > 0:
-            ids = first_group_block_ids(blocks)
+            ids = [list(g) for g in blocks.get_block_ids()] if self.grouped else first_group_block_ids(blocks)
             for name, (start, end) in d.ranges.items():
                 # The plan's estimate for this tier sets how long the load may take.
                 self.tiers[name].plan_load(request, start, end, ids, expected_s=d.plan.parts.get(f"{name}_s"))
-                loads[name] = blocks_of(start, end, self.block_size, ids)
+                # With groups no block ids: a failed load fails the request (vLLM 0.32 takes no
+                # block-level failures with several groups).
+                loads[name] = [] if self.grouped else blocks_of(start, end, self.block_size, ids)
                 remote = d.plan.parts.get(f"{name}_remote_s", 0.0) if self.tiers[name].remote_prefill else 0.0
                 if not d.sync:  # a synchronous load is learned from the worker's timing: nothing waits beyond it
                     self._planned.setdefault(rid, {})[name] = (time.monotonic(), remote)
@@ -247,6 +259,12 @@ class TieredScheduler:
                                            "parts": {k: round(v, 6) for k, v in d.plan.parts.items()},
                                            "busy": d.busy}
         return bool(holders), params or None
+
+    def loading_tier(self, request) -> Tier | None:
+        """The tier the request's plan loads from (the last, with several), None when none."""
+        d = self._decisions.get(request.request_id)
+        names = list(d.ranges) if d is not None else []
+        return self.tiers[names[-1]] if names else None
 
     def has_pending_push_work(self) -> bool:
         return any(tier.has_pending_push_work() for tier in self.tiers.values())

@@ -172,7 +172,9 @@ class TieredWorker:
         failed_tiers = self._failed.pop(rid, set())
         blocks = self._load_blocks.pop(rid, {})
         if failed_tiers and not all(blocks.get(t) for t in failed_tiers):
+            # Also finished: vLLM releases a request from its wait for KV only by finished_recving.
             out.failed_recving.add(rid)
+            out.finished_recving.add(rid)
             return
         for t in failed_tiers:
             # Keep what the other tiers delivered: vLLM recomputes from the first invalid block.

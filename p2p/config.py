@@ -106,6 +106,9 @@ class P2PConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     debug_corrupt_received_kv: Annotated[bool | str, doc(
         "TEST ONLY: true flips the sign of every received KV value; a path does so while that file "
         "exists. Host-resident KV only (the CPU platform).")] = False
+    debug_corrupt_kv_groups: Annotated[list[int] | None, doc(
+        "TEST ONLY: with KV cache groups, the groups (vLLM's group indices) debug_corrupt_received_kv "
+        "corrupts; null: every group.")] = None
 
     def __post_init__(self):
         if self.mooncake_protocol:

@@ -6,6 +6,11 @@ Load with ``{"kv_connector": "P2PConnector", "kv_connector_module_path": "p2p",
 Dispatches by role to :class:`p2p.scheduler.P2PScheduler` (EngineCore process) and
 :class:`p2p.worker.P2PWorker` (Worker process). It is also the P2P tier of a
 composite (``kvcore.tier.Tier``: lookup, plan_load, release, load reports).
+
+It declares vLLM's ``SupportsHMA``: with the hybrid allocator on, the handoff moves each KV
+cache group's blocks at that group's block ids, a sliding-window group's inside the window only
+(:mod:`p2p.groups`); Mamba/SSM state and chunked-local attention are refused at start-up by
+name (:func:`kvcore.kvgroups.kv_groups`).
 """
 
 from __future__ import annotations
@@ -13,14 +18,15 @@ from __future__ import annotations
 from typing import Any
 
 from kvcore import shmspin
+from kvcore.kvgroups import kv_groups, named
 from kvcore.log import get_logger
 from kvcore.tier import LoadReport, Tier
 from kvcore.vllm_glue import (
     KVConnectorBase_V1,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
     register_connector_name,
-    require_full_attention,
     warn_pipeline_parallel,
 )
 from p2p.config import LOAD_PRIOR, load_config
@@ -34,15 +40,18 @@ logger = get_logger("p2p.connector")
 IDLE_STEP_S = shmspin.IDLE_STEP_S
 
 
-class P2PConnector(KVConnectorBase_V1, Tier):
+class P2PConnector(KVConnectorBase_V1, SupportsHMA, Tier):
     name = "p2p"
     remote_prefill = True  # the prefill instance computes the KV after the request arrives
     load_prior = LOAD_PRIOR
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        # KV cache groups (p2p.groups); None: one full-attention group, moved as before groups.
+        self.groups = None
         if kv_cache_config is not None:
-            require_full_attention(vllm_config, kv_cache_config, "p2p P2PConnector")
+            groups = kv_groups(vllm_config, kv_cache_config, "p2p P2PConnector")
+            self.groups = groups if named(groups) else None
         ktc = vllm_config.kv_transfer_config
         role_name = ktc.kv_role
         self.cfg = load_config(ktc.kv_connector_extra_config, role_name)
@@ -59,11 +68,12 @@ class P2PConnector(KVConnectorBase_V1, Tier):
         if role == KVConnectorRole.SCHEDULER:
             warn_pipeline_parallel(vllm_config, "p2p P2PConnector", logger)
             self.scheduler = P2PScheduler(vllm_config, self.cfg, role_name,
-                                          idle_step_s=IDLE_STEP_S if cpu_ranks else 0.0)
+                                          idle_step_s=IDLE_STEP_S if cpu_ranks else 0.0, groups=self.groups)
         else:
             from p2p.worker import P2PWorker
 
-            self.worker = P2PWorker(vllm_config, self.cfg, self.engine_id, kv_cache_config, role_name)
+            self.worker = P2PWorker(vllm_config, self.cfg, self.engine_id, kv_cache_config, role_name,
+                                    groups=self.groups)
 
     # ---------------- tier contract (kvcore.tier) ----------------
     def lookup(self, request) -> int:
@@ -80,6 +90,11 @@ class P2PConnector(KVConnectorBase_V1, Tier):
         return self.worker.reports.take() if self.worker is not None else []
 
     # ---------------- scheduler side ----------------
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.scheduler is not None:  # pins of sliding-window blocks still to send (p2p.groups)
+            self.scheduler.bind_kv_cache_manager(kv_cache_manager)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -95,6 +110,19 @@ class P2PConnector(KVConnectorBase_V1, Tier):
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
+        """vLLM calls this (not request_finished) on a connector that declares SupportsHMA."""
+        return self.scheduler.request_finished(request, block_ids if self.groups is not None else block_ids[0])
+
+    def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
+        """A handoff fills every KV cache group (the request's own blocks, a sliding group's
+        window), not only the prefix-cacheable ones vLLM assumes by default."""
+        cfg = getattr(self, "_kv_cache_config", None)
+        if cfg is None:
+            return super().get_loaded_kv_cache_group_ids(request)
+        ids = getattr(cfg, "transfer_group_ids", None)  # vLLM's KVCacheConfig: groups that transfer KV
+        return tuple(ids) if ids is not None else tuple(range(len(cfg.kv_cache_groups)))
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_push_work()

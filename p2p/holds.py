@@ -11,6 +11,10 @@ before its hold waits (WAIT heartbeats every second) at most the ``wait_s`` the 
 side allowed; a pull for a transfer whose prefill was aborted is answered ERROR at
 once. Holds are never re-read after release.
 
+With KV cache groups a hold keeps each group's block ids (null where vLLM freed a sliding
+group's blocks) and a pull names a range per group: it is served only when every block it names
+is held and not null (:func:`p2p.groups.serve_ranges`), else answered ERROR and the hold let go.
+
 A hold has exactly one consumer: prefill and decode must have the same TP size (a pull
 with another ``tp_size`` is refused), so decode rank r reads only from prefill rank r's
 side channel, and the first PullDone ends the hold. Heterogeneous TP (several decode
@@ -45,6 +49,7 @@ from kvcore.geometry import Region
 from kvcore.log import Throttle, get_logger
 from kvcore.metrics import TierStats
 from kvcore.mooncake_json import P2PHANDSHAKE
+from p2p.groups import serve_ranges
 from p2p.protocol import (
     MAX_TO_PREFILL,
     DoneAck,
@@ -76,6 +81,9 @@ class Hold:
     expires: float
     fence: object = None
     prompt: str = ""  # p2p.protocol.prompt_digest of its prompt
+    # With KV cache groups (p2p.groups): each group's block ids of the prompt (null where vLLM
+    # freed them); block_ids is then the first group's. None: one group.
+    groups: list[list[int]] | None = None
 
 
 @dataclass
@@ -124,8 +132,12 @@ class SideChannel:
         self._thread.start()
 
     # -- called from the worker thread --
-    def add_hold(self, req_id: str, transfer_id: str, block_ids: list[int], fence=None, prompt: str = "") -> None:
-        self._inbox.put(("hold", req_id, transfer_id, list(block_ids), fence, prompt))
+    def add_hold(self, req_id: str, transfer_id: str, block_ids: list[int], fence=None, prompt: str = "",
+                 groups: list[list[int]] | None = None) -> None:
+        """``groups``: with KV cache groups, each group's block ids (``block_ids`` is ignored)."""
+        groups = [list(g) for g in groups] if groups is not None else None
+        self._inbox.put(("hold", req_id, transfer_id, groups[0] if groups else list(block_ids), fence, prompt,
+                         groups))
         self._wake()
 
     def abort(self, transfer_id: str) -> None:
@@ -233,8 +245,8 @@ class SideChannel:
             except queue.Empty:
                 return
             if item[0] == "hold":
-                _, req_id, tid, blocks, fence, prompt = item
-                hold = Hold(req_id, tid, blocks, now, now + self.abort_timeout_s, fence, prompt)
+                _, req_id, tid, blocks, fence, prompt, groups = item
+                hold = Hold(req_id, tid, blocks, now, now + self.abort_timeout_s, fence, prompt, groups)
                 self._inc("holds:opened")
                 if tid in self._holds:
                     # Another request already holds this transfer id: it keeps its consumer, and
@@ -354,10 +366,9 @@ class SideChannel:
             self._send(w.ident, PullReply(Status.ERROR, tid, error="prompt mismatch: the held request has another "
                                                                    "prompt"))
             return True
-        end = req.start_block + req.num_blocks
-        if req.start_block < 0 or end > len(hold.block_ids):
-            self._send(w.ident, PullReply(Status.ERROR, tid, error=(
-                f"asked for blocks [{req.start_block}, {end}) but the prefill holds {len(hold.block_ids)}")))
+        blocks = self._blocks_for(req, hold)
+        if isinstance(blocks, str):
+            self._send(w.ident, PullReply(Status.ERROR, tid, error=blocks))
             self._inc("rejected:bad_range")
             self._release(hold, "released")  # that consumer will not come back for it
             return True
@@ -365,6 +376,21 @@ class SideChannel:
             hold.fence.synchronize()  # CUDA: the prefill's KV writes are complete
             hold.fence = None
         self._send(w.ident, PullReply(Status.READY, tid, te_addr=self.te_addr, te_metadata=self.te_metadata,
-                                      regions=self.regions, block_ids=hold.block_ids[req.start_block:end],
-                                      fingerprint=self.fingerprint))
+                                      regions=self.regions, block_ids=blocks, fingerprint=self.fingerprint))
         return True
+
+    @staticmethod
+    def _blocks_for(req: PullRequest, hold: Hold) -> list[int] | str:
+        """The held block ids a pull asks for (with groups, each group's in turn), or why it
+        cannot have them."""
+        if hold.groups is not None or req.ranges:
+            if hold.groups is None or not req.ranges:
+                return (f"KV cache groups mismatch: the pull names {len(req.ranges)} group range(s), the prefill "
+                        f"holds {len(hold.groups) if hold.groups is not None else 'one un-grouped'} block list(s)")
+            if req.start_block or req.num_blocks != sum(r.count for r in req.ranges):
+                return "a pull by group ranges has start_block 0 and num_blocks their total"
+            return serve_ranges(hold.groups, [(r.start, r.count) for r in req.ranges])
+        end = req.start_block + req.num_blocks
+        if req.start_block < 0 or end > len(hold.block_ids):
+            return f"asked for blocks [{req.start_block}, {end}) but the prefill holds {len(hold.block_ids)}"
+        return hold.block_ids[req.start_block:end]

@@ -15,7 +15,8 @@ Two channels. Only the first is vLLM's MooncakeConnector's own:
   side and a ``P2PConnector`` on the other do not interoperate. The messages:
 
   D -> P :class:`PullRequest`  (blocks ``[start_block, start_block+num_blocks)`` of the
-         request ``transfer_id``; ``num_blocks == 0`` means "release, I will not pull")
+         request ``transfer_id``, or with KV cache groups one :class:`BlockRange` per group;
+         ``num_blocks == 0`` means "release, I will not pull")
   P -> D :class:`PullReply`    WAIT (heartbeat while P still prefills), READY (P's regions,
          block ids, and the name of its Transfer Engine with the metadata server that
          name is registered in, "" for P2PHANDSHAKE: see p2p.transfer), RELEASED, or ERROR
@@ -41,7 +42,7 @@ import enum
 import hashlib
 import hmac
 import time
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
 import msgspec
 
@@ -58,6 +59,17 @@ Id = Annotated[str, msgspec.Meta(max_length=256)]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
 Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+MAX_GROUPS = 64  # KV cache groups a pull may name (p2p.groups.MAX_GROUPS)
+# A READY reply's block ids: at most what MAX_TO_DECODE can carry anyway (5 bytes each).
+BlockIds = Annotated[list[Count], msgspec.Meta(max_length=MAX_TO_DECODE // 5)]
+
+
+class BlockRange(NamedTuple):
+    """Blocks ``[start, start + count)`` of one KV cache group of the held request (on the wire a
+    two-element array: any other length is refused)."""
+
+    start: Count
+    count: Count
 
 
 class RegisterPayload(msgspec.Struct, omit_defaults=True):
@@ -93,6 +105,9 @@ class PullRequest(msgspec.Struct, tag="pull", omit_defaults=True):
     wait_s: float = 30.0  # how long P may wait for the prefill to finish (capped: p2p.holds.MAX_WAIT_S)
     fingerprint: Id = ""  # the decode engine's KV fingerprint (kvcore.identity)
     prompt: Id = ""  # prompt_digest of the decode request's prompt ("": a release)
+    # With KV cache groups (p2p.groups): each group's blocks, in group order; ``start_block`` is 0
+    # and ``num_blocks`` their total. Empty: one group, ``[start_block, start_block+num_blocks)``.
+    ranges: Annotated[list[BlockRange], msgspec.Meta(max_length=MAX_GROUPS)] = []
     ts: float = 0.0
     mac: bytes = b""
 
@@ -102,7 +117,7 @@ class PullReply(msgspec.Struct, tag="reply", omit_defaults=True):
     transfer_id: str
     te_addr: str = ""
     regions: list[Region] = []
-    block_ids: list[int] = []
+    block_ids: BlockIds = []  # with groups: each group's, one group after the other
     error: str = ""
     te_metadata: str = ""  # the metadata server te_addr is registered in; "" = P2PHANDSHAKE
     fingerprint: str = ""  # the prefill engine's KV fingerprint (READY)

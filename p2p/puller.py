@@ -49,7 +49,8 @@ from kvcore.log import DegradeWatch, get_logger
 from kvcore.metrics import TierStats
 from kvcore.mooncake_json import P2PHANDSHAKE, metadata_kind
 from p2p import bootstrap
-from p2p.protocol import MAX_TO_DECODE, REFUSALS, EngineEntry, PullRequest, Status, encode, sign
+from p2p.groups import pair_groups
+from p2p.protocol import MAX_TO_DECODE, REFUSALS, BlockRange, EngineEntry, PullRequest, Status, encode, sign
 from p2p.release import release_hold
 from p2p.sidecall import PullFailed, await_reply, send_done
 from p2p.transfer import TransferEngineHandle
@@ -71,6 +72,9 @@ class PullJob:
     block_ids: list[int]  # local destination blocks; empty = release only
     deadline: float  # time.monotonic()
     prompt: str = ""  # p2p.protocol.prompt_digest of the request's prompt
+    # With KV cache groups (p2p.groups): (start block, local block ids) of each group, in group
+    # order; block_ids is then every group's ids, one group after the other. None: one group.
+    groups: list[tuple[int, list[int]]] | None = None
 
 
 @dataclass
@@ -91,8 +95,14 @@ class Puller:
                  stats_lock: threading.Lock, *,
                  tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1, num_workers: int = 4,
                  bootstrap_timeout_s: float = 5.0, peer_silence_timeout_s: float = 10.0,
-                 corrupt: bool = False, secret: bytes | None = None, fingerprint: str = ""):
+                 corrupt: bool = False, secret: bytes | None = None, fingerprint: str = "",
+                 group_geometries: list[KVGeometry] | None = None, corrupt_groups: list[int] | None = None):
         self.geometry, self.engine = geometry, engine
+        # With KV cache groups: the page geometry of each group's layers (a block id means a
+        # page of that group's layers only), in group order; corrupt_groups: the groups (their
+        # positions) debug corruption touches (None: all).
+        self.group_geometries = group_geometries
+        self.corrupt_groups = corrupt_groups
         self._stats, self._stats_lock = stats, stats_lock
         self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = tp_rank, tp_size, pp_rank, pp_size
         self.bootstrap_timeout_s = bootstrap_timeout_s
@@ -256,9 +266,16 @@ class Puller:
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_TO_DECODE)
             sock.connect(addr)
             wait_s = max(0.0, job.deadline - time.monotonic())
+            ranges = [BlockRange(start, len(ids)) for start, ids in job.groups or ()]
+            if release or job.groups is None:
+                ranges = []
+            elif self.group_geometries is None or len(job.groups) != len(self.group_geometries):
+                raise PullFailed("protocol", f"a pull of {len(job.groups)} KV cache group(s) on a worker of "
+                                             f"{len(self.group_geometries or ())}")
             sock.send(encode(sign(PullRequest(job.transfer_id, job.req_id, self.tp_rank, self.tp_size,
-                                              job.start_block, len(job.block_ids), wait_s,
-                                              fingerprint=self.fingerprint, prompt=job.prompt), self.secret)))
+                                              0 if ranges else job.start_block, len(job.block_ids), wait_s,
+                                              fingerprint=self.fingerprint, prompt=job.prompt, ranges=ranges),
+                                  self.secret)))
             reply = await_reply(sock, job.transfer_id, addr, job.deadline, self.silence_s, self.secret)
             t2 = time.monotonic()
             timings["metadata"] = t2 - t1
@@ -279,7 +296,7 @@ class Puller:
                                              f"{theirs}, this one through {ours}: set the same metadata_server "
                                              f"on both sides")
             try:
-                local, remote, lens = self.geometry.pair_ranges(job.block_ids, reply.regions, reply.block_ids)
+                local, remote, lens, spans = self._pairs(job, reply)
             except ValueError as e:
                 raise PullFailed("protocol", str(e)) from None
             self._read(job, reply.te_addr, local, remote, lens,
@@ -289,7 +306,9 @@ class Puller:
             if time.monotonic() > job.deadline:
                 raise PullFailed("timeout", f"transfer finished after the deadline ({t3 - t0:.1f}s)")
             if self.corrupt is True or (isinstance(self.corrupt, str) and os.path.exists(self.corrupt)):
-                _flip_signs(local, lens)
+                for gi, (a, b) in enumerate(spans):
+                    if self.corrupt_groups is None or gi in self.corrupt_groups:
+                        _flip_signs(local[a:b], lens[a:b])
             nbytes = sum(lens)
             self._inc("bytes:pulled", nbytes)
             self._inc("descriptors:pulled", len(lens))
@@ -315,6 +334,17 @@ class Puller:
                 if ready:  # P answered READY but we failed: let it free its blocks now
                     send_done(sock, job.transfer_id, job.req_id, False, "decode-side failure", self.secret)
                 sock.close(0)
+
+    def _pairs(self, job: PullJob, reply) -> tuple[list[int], list[int], list[int], list[tuple[int, int]]]:
+        """(local addrs, remote addrs, lengths, each group's span of them) of the pull: with KV
+        cache groups each group's local blocks paired with the prefill's blocks of that group,
+        over that group's layers only. ValueError when the reply does not fit the request."""
+        if len(reply.block_ids) != len(job.block_ids):
+            raise ValueError(f"the prefill sent {len(reply.block_ids)} block ids for {len(job.block_ids)} asked")
+        if job.groups is None:
+            local, remote, lens = self.geometry.pair_ranges(job.block_ids, reply.regions, reply.block_ids)
+            return local, remote, lens, [(0, len(lens))]
+        return pair_groups(self.group_geometries, [ids for _, ids in job.groups], reply.regions, reply.block_ids)
 
     def _read(self, job: PullJob, peer: str, local: list[int], remote: list[int], lens: list[int],
               hint: str) -> None:

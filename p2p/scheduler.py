@@ -15,6 +15,11 @@ connector facade and by a composite that splits a request's prompt between sourc
 * :meth:`P2PScheduler.release` ``(request)``: tell the prefill instance to free its
   blocks without pulling.
 
+With KV cache groups (vLLM's hybrid allocator on; :mod:`p2p.groups`) ``block_ids`` are one list
+per group: the pull covers each group's blocks at that group's ids (a sliding group's window
+only), the prefill holds each group's, and pins the window blocks of a prefill request that
+runs on after its prompt (:class:`p2p.groups.SendPins`).
+
 Prefill side: :meth:`request_finished` holds the blocks of a finished
 ``do_remote_decode`` request (returns ``True``) until the worker reports the request in
 ``finished_sending``; an aborted prefill is not held and its transfer id is marked so a
@@ -38,11 +43,13 @@ from typing import Any
 import msgspec
 
 from kvcore import trust
+from kvcore.kvgroups import KVGroup
 from kvcore.log import get_logger
 from kvcore.tier import blocks_of, load_deadline_s
 from kvcore.vllm_glue import KVConnectorMetadata, first_group_block_ids, request_finished_normally
 from p2p.bootstrap import check_url
 from p2p.config import P2PConfig, normalize_url
+from p2p.groups import SendPins, held, plan as group_plan
 from p2p.metrics import P2PStats
 from p2p.protocol import prompt_digest
 
@@ -62,12 +69,17 @@ class RecvSpec(msgspec.Struct):
     block_ids: list[int]
     timeout_s: float  # the pull's deadline, prefill wait included (kvcore.tier.load_deadline_s)
     prompt: str = ""  # p2p.protocol.prompt_digest of the request's prompt ("": a release)
+    # With KV cache groups (p2p.groups): each group's (start block, local block ids); block_ids
+    # is then all of them, group after group. None: one group.
+    groups: list[tuple[int, list[int]]] | None = None
+    error: str = ""  # the handoff cannot be planned: the worker fails the request at once
 
 
 class P2PMetadata(KVConnectorMetadata):
     def __init__(self):
         self.recvs: list[RecvSpec] = []
-        self.holds: list[tuple[str, str, list[int], str]] = []  # (req_id, transfer_id, block_ids, prompt digest)
+        # (req_id, transfer_id, block_ids, prompt digest, each group's block ids or None: one group)
+        self.holds: list[tuple[str, str, list[int], str, list[list[int]] | None]] = []
         self.aborted: list[str] = []  # transfer ids of prefills that will not be held
 
 
@@ -85,8 +97,14 @@ def remote_prefill_params(params: dict | None) -> tuple[dict | None, str]:
 
 
 class P2PScheduler:
-    def __init__(self, vllm_config, cfg: P2PConfig, role_name: str, idle_step_s: float = 0.0):
+    def __init__(self, vllm_config, cfg: P2PConfig, role_name: str, idle_step_s: float = 0.0,
+                 groups: list[KVGroup] | None = None):
         self.cfg = cfg
+        # KV cache groups (p2p.groups), None: one full-attention group (blocks as before groups).
+        self.groups = groups
+        # Prefill side: sliding-window blocks still to send, held past vLLM freeing them.
+        self.pins = SendPins(groups) if groups is not None and role_name in ("kv_producer", "kv_both") else None
+        self._kv_cache_manager = None
         # Pause of a step that schedules no tokens (the engine only waits for KV or for
         # pulls of its holds); see P2PConnector for when it is not 0.
         self.idle_step_s = idle_step_s
@@ -102,6 +120,12 @@ class P2PScheduler:
         # Signed parameters stay good while a request may wait in the engine's queue and its
         # prefill's hold lasts; the API server's middleware checks freshness at arrival.
         self.max_age_s = trust.MAX_AGE_S + (cfg.abort_timeout_s or 0.0)
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        self._kv_cache_manager = kv_cache_manager
+
+    def _pool(self):
+        return getattr(self._kv_cache_manager, "block_pool", None)
 
     def _refuse_once(self, request, counter: str, message: str) -> None:
         """Count and log refused parameters once per request (vLLM asks again after a preemption)."""
@@ -147,8 +171,13 @@ class P2PScheduler:
             return 0
         return len(request.prompt_token_ids or ())
 
-    def plan_load(self, request, start_token: int, end_token: int, block_ids: list[int],
+    def plan_load(self, request, start_token: int, end_token: int, block_ids,
                   expected_s: float | None = None) -> None:
+        """``block_ids``: the request's block ids; with KV cache groups one list per group (the
+        pull then runs to the prompt's end: :meth:`plan_groups`)."""
+        if self.groups is not None:
+            self.plan_groups(request, start_token // self.block_size, block_ids, expected_s, end_token)
+            return
         p = request.kv_transfer_params
         self._handled(p["transfer_id"])
         first = start_token // self.block_size
@@ -188,20 +217,55 @@ class P2PScheduler:
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if self.pins is not None and (request.kv_transfer_params or {}).get("do_remote_decode"):
+            self.pins.watch(request)  # its window blocks are pinned once its prompt is computed
         if not self.is_consumer or self.params(request) is None:
             return
         if num_external_tokens <= 0:
             self.release(request, "no external tokens allocated")
             return
         n = len(request.prompt_token_ids or ())
-        ids = first_group_block_ids(blocks)
         total = -(-n // self.block_size)
         first = total - -(-num_external_tokens // self.block_size)
+        if self.groups is not None:
+            self.plan_groups(request, first, blocks.get_block_ids())
+            return
+        ids = first_group_block_ids(blocks)
         # Blocks below `first` came from the local prefix cache; pull only the rest.
         self.plan_load(request, first * self.block_size, n, ids)
 
+    def plan_groups(self, request, first: int, block_ids, expected_s: float | None = None,
+                    end_token: int | None = None) -> None:
+        """Pull each KV cache group's blocks from block ``first`` up to token ``end_token`` (the
+        prompt's end by default; a sliding group's inside the window only: :func:`p2p.groups.plan`)
+        at that group's block ids."""
+        p = request.kv_transfer_params
+        self._handled(p["transfer_id"])
+        prompt = request.prompt_token_ids or ()
+        error = ""
+        try:
+            per_group = group_plan(self.groups, block_ids, first, len(prompt) if end_token is None else end_token)
+        except ValueError as e:
+            per_group, error = [], str(e)
+            self.stats.inc("failures:layout")
+            logger.warning("request %s: cannot plan the handoff (%s); recomputing it locally", request.request_id, e)
+        timeout = load_deadline_s(self.cfg.transfer_timeout_s, expected_s, cap_s=self.cfg.abort_timeout_s)
+        self._meta.recvs.append(RecvSpec(request.request_id, p["transfer_id"],
+                                         normalize_url(p["remote_bootstrap_addr"]), p["remote_engine_id"], 0,
+                                         [b for _, ids in per_group for b in ids], timeout, prompt_digest(prompt),
+                                         groups=per_group or None, error=error))
+        p["do_remote_prefill"] = False  # one transfer per request
+
     # -- prefill side --
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: the request's block ids; with KV cache groups, one list per group
+        (vLLM's ``request_finished_all_groups``)."""
+        hold, params = self._request_finished(request, block_ids)
+        if self.pins is not None:
+            self.pins.finished(request.request_id, hold, self._pool())
+        return hold, params
+
+    def _request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         p = request.kv_transfer_params
         if not p:
             return False, None
@@ -222,19 +286,28 @@ class P2PScheduler:
             except trust.Refused as e:
                 self._refuse_once(request, f"refused:{e.kind}", f"transfer parameters refused ({e}); blocks not held")
                 return False, None
-        if not request_finished_normally(request) or not block_ids:
+        if not request_finished_normally(request) or not (any(block_ids) if self.groups is not None else block_ids):
             self._meta.aborted.append(tid)
             self.stats.inc("holds:aborted")
             return False, None
-        n_blocks = -(-len(request.prompt_token_ids or ()) // self.block_size)
-        self._meta.holds.append((request.request_id, tid, list(block_ids[:n_blocks]),
-                                 prompt_digest(request.prompt_token_ids or ())))
+        n = len(request.prompt_token_ids or ())
+        n_blocks = -(-n // self.block_size)
+        digest = prompt_digest(request.prompt_token_ids or ())
+        if self.groups is not None:
+            per_group = held(block_ids, n, self.block_size)
+            if self.pins is not None:
+                per_group = self.pins.fill(request.request_id, per_group)
+            self._meta.holds.append((request.request_id, tid, per_group[0], digest, per_group))
+        else:
+            self._meta.holds.append((request.request_id, tid, list(block_ids[:n_blocks]), digest, None))
         self._held[request.request_id] = time.monotonic()
         return True, None
 
     def finished_sending(self, req_ids) -> None:
         for r in req_ids or ():
             self._held.pop(r, None)
+            if self.pins is not None:
+                self.pins.sent(r, self._pool())
 
     def has_pending_push_work(self) -> bool:
         if not self._held:
@@ -247,6 +320,8 @@ class P2PScheduler:
     def build_connector_meta(self, idle: bool = False) -> P2PMetadata:
         """This step's metadata; ``idle``: the step schedules no tokens (it pauses
         ``idle_step_s``, unless it starts a pull, which the pause would only delay)."""
+        if self.pins is not None:
+            self.pins.step(self._kv_cache_manager)
         meta, self._meta = self._meta, P2PMetadata()
         if idle and self.idle_step_s and not meta.recvs:
             time.sleep(self.idle_step_s)

@@ -41,8 +41,11 @@ logger = get_logger("p2p.worker")
 
 
 class P2PWorker:
-    def __init__(self, vllm_config, cfg: P2PConfig, engine_id: str, kv_cache_config, role_name: str):
+    def __init__(self, vllm_config, cfg: P2PConfig, engine_id: str, kv_cache_config, role_name: str,
+                 groups: list | None = None):
         self.cfg = cfg
+        # KV cache groups (kvcore.kvgroups.KVGroup, p2p.groups); None: one group of every layer.
+        self.groups = groups
         self.engine_id = engine_id
         self.kv_cache_config = kv_cache_config
         self.secret = cfg.secret()
@@ -73,6 +76,12 @@ class P2PWorker:
         platform.current().prepare_worker()
         num_blocks = getattr(self.kv_cache_config, "num_blocks", None)
         self.geometry = KVGeometry.from_kv_caches(kv_caches, num_blocks)
+        # With KV cache groups the groups' layers share KV tensors, and a block id means a page of
+        # one group's layers: each group is paired over its own layers (p2p.puller).
+        group_geos = None
+        if self.groups:
+            group_geos = [KVGeometry.from_kv_caches({n: kv_caches[n] for n in g.layers}, num_blocks)
+                          for g in self.groups]
         self.engine = TransferEngineHandle(self.cfg.te_hostname, self.cfg.protocol, self.cfg.device_name,
                                            self.cfg.metadata_server)
         warn_exposed_transfer_engine(self.cfg.te_hostname, self.cfg.protocol, "p2p", logger)
@@ -97,9 +106,17 @@ class P2PWorker:
                 bootstrap_timeout_s=self.cfg.bootstrap_timeout_s,
                 peer_silence_timeout_s=self.cfg.peer_silence_timeout_s,
                 corrupt=self.cfg.debug_corrupt_received_kv, secret=self.secret, fingerprint=self.fingerprint,
+                group_geometries=group_geos, corrupt_groups=self._corrupt_groups(),
             )
             if self.cfg.debug_corrupt_received_kv:
                 logger.warning("debug_corrupt_received_kv is ON: received KV is deliberately corrupted (tests only)")
+
+    def _corrupt_groups(self) -> list[int] | None:
+        """Positions of the groups ``debug_corrupt_kv_groups`` names (None: every group)."""
+        want = self.cfg.debug_corrupt_kv_groups
+        if want is None or not self.groups:
+            return None
+        return [i for i, g in enumerate(self.groups) if g.index in want]
 
     def _start_producer(self) -> None:
         from p2p.holds import SideChannel
@@ -124,8 +141,8 @@ class P2PWorker:
             return
         if self.side is not None:
             fence = platform.current().kv_ready_fence() if meta.holds else None
-            for req_id, tid, blocks, prompt in meta.holds:
-                self.side.add_hold(req_id, tid, blocks, fence, prompt)
+            for req_id, tid, blocks, prompt, groups in meta.holds:
+                self.side.add_hold(req_id, tid, blocks, fence, prompt, groups=groups)
             for tid in meta.aborted:
                 self.side.abort(tid)
         if self.puller is not None:
@@ -133,8 +150,16 @@ class P2PWorker:
 
             now = time.monotonic()
             for r in meta.recvs:
+                if r.error:
+                    # Not planned (p2p.groups.plan): the request fails now and is recomputed; the
+                    # prefill side is told to let its blocks go.
+                    self._failed.add(r.req_id)
+                    self.puller.submit(PullJob(r.req_id, r.transfer_id, r.bootstrap_url, r.engine_id, 0, [],
+                                               now + r.timeout_s))
+                    continue
                 self.puller.submit(PullJob(r.req_id, r.transfer_id, r.bootstrap_url, r.engine_id, r.start_block,
-                                           list(r.block_ids), now + r.timeout_s, r.prompt))
+                                           list(r.block_ids), now + r.timeout_s, r.prompt,
+                                           [(s, list(ids)) for s, ids in r.groups] if r.groups is not None else None))
         elif meta.recvs:
             logger.error("P2P: %d pulls scheduled on a producer-only worker; ignored", len(meta.recvs))
 
@@ -143,6 +168,11 @@ class P2PWorker:
         if self.side is not None:
             res.finished_sending = self.side.take_finished()
         if self.puller is not None:
+            for rid in self._failed:  # handoffs that could not be planned
+                res.finished_recving.add(rid)
+                res.failed_recving.add(rid)
+                self.reports.add(LoadReport("p2p", rid, 0, 0.0, False))
+            self._failed.clear()
             for r in self.puller.take_results():
                 if not r.block_ids:
                     continue  # a release: no request waits for it

@@ -8,12 +8,13 @@ does (and the layouts vLLM computes for these models, checked without an engine)
   of a prompt far longer than the window gives the greedy ids of a no-connector engine with the
   hybrid allocator on too, each group saved and loaded at its own block ids under keys that name
   it, a sliding group's window only; noise in a sliding group's objects changes the tokens.
-* ``P2PConnector`` and ``TieredConnector`` lack ``SupportsHMA``: vLLM turns its hybrid allocator
-  off. ``tiny-swa-all`` keeps one ``SlidingWindowSpec`` group even so, whose pages behind the
+* ``TieredConnector`` lacks ``SupportsHMA``: vLLM turns its hybrid allocator off.
+  ``tiny-swa-all`` keeps one ``SlidingWindowSpec`` group even so, whose pages behind the
   window vLLM frees: such an engine does not start, its log names the refusal (the connector,
-  the model, the group kind, the way out). ``tiny-swa`` gets one group with a page for every
-  token of every layer: a P2P handoff gives the greedy ids of a no-connector engine with the
-  hybrid allocator off too (the same KV layout and kernels) that computed the same split.
+  the model, the group kind, the way out).
+* ``P2PConnector`` and ``TieredHMAConnector`` declare ``SupportsHMA``: the P2P handoff of both
+  models with the hybrid allocator on, and with that composite as the decode, is
+  ``tests/test_p2p_hma_e2e.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import time
 
 import numpy as np
 import pytest
-import requests
 
 from kvcore.procs import free_port
 from tests.harness import (
@@ -33,7 +33,6 @@ from tests.harness import (
     prompt_ids,
     reference_tokens,
     start_engines,
-    start_proxy,
 )
 from tests.store_util import all_keys, raw_client, store_kv, wait_saved
 
@@ -42,7 +41,7 @@ pytestmark = pytest.mark.e2e
 CHUNK = 64  # store_kv's chunk_tokens
 PREFIX = 512  # 8 chunks, far beyond the 64-token window
 MAX_TOKENS = 8
-WHO = {"p2p": "p2p P2PConnector", "tiered": "multi TieredConnector"}
+WHO = {"tiered": "multi TieredConnector"}
 
 
 def _kv(connector: str, master: str) -> dict:
@@ -72,16 +71,6 @@ def test_every_layer_sliding_model_is_refused_at_startup(store_cluster, connecto
     assert f"{WHO[connector]}: model '{model}' has a KV cache layout this connector cannot save or load whole" \
         in log, e.proc.tail(80)
     assert "SlidingWindowSpec (window 64 tokens)" in log and "--disable-sliding-window" in log
-
-
-@pytest.fixture(scope="module")
-def swa_ref():
-    """No connector, hybrid allocator off: the KV layout the P2P engines get. Its process starts
-    here; the test waits for it after its own engines, which start beside it."""
-    e = Engine("swa-ref", 0, model=model_dir("tiny-swa"), dev_mode=True,
-               extra_args=["--disable-hybrid-kv-cache-manager"])
-    yield e
-    e.stop()
 
 
 HMA_CHUNK = 128  # 4 blocks: a sliding group's object holds the last 2, its 64-token window's
@@ -197,39 +186,3 @@ def test_hybrid_negative_control_corrupted_sliding_group_changes_tokens(hma, sto
     assert cached_tokens(r) == PREFIX
     want = reference_tokens(ref, q, MAX_TOKENS, cached_prefix=PREFIX, writers=[p])
     assert r["choices"][0]["token_ids"] != want
-
-
-def test_interleaved_model_p2p_handoff_matches_reference(swa_ref):
-    model = model_dir("tiny-swa")
-    boot_port = free_port()
-    p = Engine("swa-p2p-P", 0, model=model, kv_config={
-        "kv_connector": "P2PConnector", "kv_connector_module_path": "p2p", "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"bootstrap_port": boot_port, "abort_timeout_s": 300}})
-    d = Engine("swa-p2p-D", 1, model=model, kv_config={
-        "kv_connector": "P2PConnector", "kv_connector_module_path": "p2p", "kv_role": "kv_consumer",
-        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"transfer_timeout_s": 30}})
-    proxy = None
-    try:
-        start_engines(p, d)
-        swa_ref.wait_ready()
-        proxy, url = start_proxy("swa-proxy", f"{p.url}@http://127.0.0.1:{boot_port}", d.url, 120, wait_s=90)
-        # The P2P tier pulls the whole prompt's KV (the partial last block too), computed in
-        # the prefill's one pass: the reference is that one pass (as in tests/test_p2p_e2e.py).
-        prompt = prompt_ids(PREFIX + 1, 43)
-        r = requests.post(f"{url}/v1/completions", timeout=120, json={
-            "model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True})
-        assert r.status_code == 200, r.text
-        body = r.json()
-        assert cached_tokens(body) >= PREFIX == (len(prompt) - 1) // BLOCK * BLOCK
-        want = reference_tokens(swa_ref, prompt, MAX_TOKENS)
-        assert body["choices"][0]["token_ids"] == want
-        deadline = time.monotonic() + 10  # the counters reach /metrics a step or two later
-        while d.metric("vllm:mctier_p2p_pulls_total", kind="ok") < 1 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert d.metric("vllm:mctier_p2p_pulls_total", kind="ok") >= 1
-    finally:
-        if proxy is not None:
-            proxy.stop(grace=5)
-        p.stop()
-        d.stop()

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvcore.errors import ConfigError
+from kvcore.tier import Tier
 from tests.harness import model_dir
 
 pytestmark = pytest.mark.unit
@@ -96,8 +97,12 @@ CONNECTORS = {
             "kv_connector_extra_config": {}},
     "tiered": {"kv_connector": "TieredConnector", "kv_connector_module_path": "multi", "kv_role": "kv_both",
                "kv_connector_extra_config": {"store": {"master": "127.0.0.1:1", "chunk_tokens": CHUNK}, "p2p": {}}},
+    "tiered-hma": {"kv_connector": "TieredHMAConnector", "kv_connector_module_path": "multi", "kv_role": "kv_both",
+                   "kv_connector_extra_config": {"store": {"master": "127.0.0.1:1", "chunk_tokens": CHUNK},
+                                                 "p2p": {}}},
 }
-WHO = {"store": "mcstore StoreConnector", "p2p": "p2p P2PConnector", "tiered": "multi TieredConnector"}
+WHO = {"store": "mcstore StoreConnector", "p2p": "p2p P2PConnector", "tiered": "multi TieredConnector",
+       "tiered-hma": "multi TieredHMAConnector"}
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +120,9 @@ def swa():
     return out
 
 
-@pytest.mark.parametrize("connector", ["p2p", "tiered"])
+@pytest.mark.parametrize("connector", ["tiered"])
 def test_interleaved_sliding_window_model_keeps_every_page(swa, connector):
-    """``tiny-swa``: the P2P tier and the composite lack SupportsHMA, so vLLM turns its hybrid
+    """``tiny-swa``: ``TieredConnector`` lacks SupportsHMA, so vLLM turns its hybrid
     allocator off and promotes the sliding layer to full attention: one group, a page for every
     token of both layers (the window only limits what attention reads). Accepted: the tiers move
     whole pages."""
@@ -142,6 +147,81 @@ def test_interleaved_sliding_window_model_keeps_every_page(swa, connector):
         require_full_attention(hma, engine_kv_cache_layout(hma), WHO[connector])
 
 
+def test_the_p2p_tier_keeps_the_hybrid_allocator_and_serves_every_group(swa):
+    """``P2PConnector`` declares SupportsHMA: vLLM keeps its hybrid allocator on, and the connector
+    takes both sliding-window layouts (the handoff moves each group at its own
+    block ids: ``p2p.groups``). With the allocator off by the operator's choice ``tiny-swa-all``
+    still has its one sliding group, also served."""
+    from kvcore.vllm_glue import KVConnectorRole, SupportsHMA
+    from kvcore.vllm_layout import engine_kv_cache_layout, engine_vllm_config
+    from p2p.connector import P2PConnector
+
+    assert issubclass(P2PConnector, SupportsHMA)
+    want = {"tiny-swa": [(1, 64), (1, None)], "tiny-swa-all": [(2, 64)]}
+    for preset, groups in want.items():
+        vc, layout = swa[preset, "p2p"]
+        assert vc.scheduler_config.disable_hybrid_kv_cache_manager is False
+        # (The worker role reads its groups in the same constructor; it needs vLLM's TP group.)
+        c = P2PConnector(vc, KVConnectorRole.SCHEDULER, layout)
+        assert [(len(g.layers), g.window) for g in c.groups] == groups
+        assert c.scheduler.groups == c.groups
+        assert c.get_loaded_kv_cache_group_ids(None) == tuple(range(len(groups)))
+    off = engine_vllm_config(str(model_dir("tiny-swa-all")), CONNECTORS["p2p"], block_size=BS, dtype="bfloat16")
+    off.scheduler_config.disable_hybrid_kv_cache_manager = True
+    c = P2PConnector(off, KVConnectorRole.SCHEDULER, engine_kv_cache_layout(off))
+    assert [(len(g.layers), g.window) for g in c.groups] == [(2, 64)]
+
+
+@pytest.mark.parametrize("kinds,needles", [
+    (("full", "mamba"), ["group 1: MambaSpec", "Mamba/SSM state"]),
+    (("chunked",), ["ChunkedLocalAttentionSpec (chunk 128 tokens)", "earlier chunks"]),
+])
+def test_layouts_the_p2p_tier_refuses_are_named(kinds, needles):
+    """What stays unsupported with SupportsHMA (Mamba/SSM state, chunked-local attention) is
+    refused by name when the P2P connector is built, before it touches Mooncake."""
+    from kvcore.vllm_glue import KVConnectorRole
+    from kvcore.vllm_layout import engine_vllm_config
+    from p2p.connector import P2PConnector
+
+    vc = engine_vllm_config(str(model_dir("tiny")), CONNECTORS["p2p"], block_size=BS, dtype="bfloat16")
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ConfigError) as e:
+            P2PConnector(vc, role, _layout(*kinds))
+        msg = str(e.value)
+        assert msg.startswith("p2p P2PConnector: model ") and "cannot save or load" in msg, msg
+        for needle in needles:
+            assert needle in msg, (needle, msg)
+
+
+def test_the_hma_composite_keeps_the_hybrid_allocator_and_refuses_a_tier_without_it(swa):
+    """``TieredHMAConnector`` declares SupportsHMA (its built-in tiers both do): vLLM keeps its
+    hybrid allocator on (``TieredConnector`` does not). A grouped layout with a configured tier
+    that does not declare it is refused by name, before any tier is built."""
+    import copy
+
+    from kvcore.vllm_glue import KVConnectorRole, SupportsHMA
+    from multi.connector import TieredConnector, TieredHMAConnector
+
+    assert issubclass(TieredHMAConnector, SupportsHMA) and not issubclass(TieredConnector, SupportsHMA)
+    for preset in ("tiny-swa", "tiny-swa-all"):
+        vc, layout = swa[preset, "tiered-hma"]
+        assert vc.scheduler_config.disable_hybrid_kv_cache_manager is False
+        vc = copy.copy(vc)
+        vc.kv_transfer_config = copy.deepcopy(vc.kv_transfer_config)
+        vc.kv_transfer_config.kv_connector_extra_config["tiers"] = [
+            {"name": "plain", "connector": "tests.test_layouts_hybrid:PlainTier"}]
+        with pytest.raises(ConfigError) as e:
+            TieredHMAConnector(vc, KVConnectorRole.SCHEDULER, layout)
+        msg = str(e.value)
+        assert msg.startswith(f"multi TieredHMAConnector: model '{model_dir(preset)}' has KV cache groups"), msg
+        assert "['plain'] do not declare SupportsHMA" in msg and "--disable-hybrid-kv-cache-manager" in msg
+
+
+class PlainTier(Tier):
+    """A tier connector class that does not declare SupportsHMA (never built: the composite
+    refuses it first)."""
+
+
 def test_interleaved_window_is_part_of_the_fingerprint(swa):
     from kvcore.vllm_glue import kv_fingerprint_fields
 
@@ -149,7 +229,7 @@ def test_interleaved_window_is_part_of_the_fingerprint(swa):
     assert kv_fingerprint_fields(vc, layout)["groups"][0]["sliding_window"] == 64
 
 
-@pytest.mark.parametrize("connector", ["p2p", "tiered"])
+@pytest.mark.parametrize("connector", ["tiered"])
 def test_every_layer_sliding_model_is_refused_at_construction(swa, connector):
     """``tiny-swa-all``: every layer slides, so the specs are uniform and vLLM keeps one
     SlidingWindowSpec group even with the hybrid allocator off; its pages behind the window are

@@ -7,9 +7,10 @@ Models are defined by what they are for, not by one shape:
   window), for what the tiers do with such models (``kvcore.kvgroups``,
   ``kvcore.vllm_glue.require_full_attention``): ``tiny-swa`` interleaves sliding and full
   layers (Gemma-2 style ``layer_types``), ``tiny-swa-all`` slides on every layer (Mistral
-  style ``sliding_window``). The store tier (``SupportsHMA``) serves both with vLLM's hybrid
-  allocator on; with a connector that lacks it, vLLM allocates every layer's pages for every
-  token of ``tiny-swa`` (served) but frees ``tiny-swa-all``'s behind the window (refused);
+  style ``sliding_window``). The store and P2P tiers and ``TieredHMAConnector`` (``SupportsHMA``)
+  serve both with vLLM's hybrid allocator on; with ``TieredConnector`` (no ``SupportsHMA``) vLLM
+  allocates every layer's pages for every token of ``tiny-swa`` (served) but frees
+  ``tiny-swa-all``'s behind the window (refused);
 - ``small`` is the model on which loading versus recomputing is a real decision: a
   2K-token prefill should take 1 to 3 s in a vLLM engine on one core of the machine
   at hand. Its shape is picked from ``LADDER`` by measuring: each rung (cheapest
