@@ -49,8 +49,10 @@ class KVGroup:
         return -(-(self.window - 1 + self.extra) // self.block_size)
 
 
-def _kind(spec) -> tuple[str, int | None, int, str | None]:
-    """``(description, window, extra, why it is refused or None)`` of one group's spec."""
+def spec_kind(spec) -> tuple[str, int | None, int, str | None]:
+    """``(description, window, extra, why it is refused or None)`` of one group's spec, for a
+    tier that serves groups (a sliding group is accepted: ``window`` says its window). The
+    tiers without ``SupportsHMA`` refuse windows too (:func:`kvcore.vllm_glue.require_full_attention`)."""
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
@@ -62,7 +64,7 @@ def _kind(spec) -> tuple[str, int | None, int, str | None]:
 
     name = type(spec).__name__
     if isinstance(spec, UniformTypeKVCacheSpecs):
-        inner = [_kind(s) for s in spec.kv_cache_specs.values()]
+        inner = [spec_kind(s) for s in spec.kv_cache_specs.values()]
         bad = next((why for *_, why in inner if why), None)
         windows = {(w, x) for _, w, x, _ in inner}
         if bad is None and len(windows) > 1:
@@ -89,7 +91,7 @@ def _kind(spec) -> tuple[str, int | None, int, str | None]:
 def kv_groups(vllm_config, kv_cache_config, who: str) -> list[KVGroup]:
     """The engine's KV cache groups, or :class:`ConfigError` naming the group no tier can move."""
     groups = kv_cache_config.kv_cache_groups
-    kinds = [_kind(g.kv_cache_spec) for g in groups]
+    kinds = [spec_kind(g.kv_cache_spec) for g in groups]
     why = next((w for *_, w in kinds if w), None) if kinds else "no KV cache group at all"
     sizes = {g.kv_cache_spec.block_size for g in groups}
     if why is None and len(sizes) > 1:

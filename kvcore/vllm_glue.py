@@ -286,39 +286,15 @@ def bytes_per_token(kv_cache_config) -> float:
 
 
 def _group_kind(spec) -> tuple[str, str | None]:
-    """``(description, why a tier cannot move it whole or None)`` of one group's spec."""
-    from vllm.v1.kv_cache_interface import (
-        ChunkedLocalAttentionSpec,
-        FullAttentionSpec,
-        MambaSpec,
-        MLAAttentionSpec,
-        SlidingWindowSpec,
-        UniformTypeKVCacheSpecs,
-    )
+    """``(description, why a tier cannot move it whole or None)`` of one group's spec: the
+    classification of :func:`kvcore.kvgroups.spec_kind`, where a sliding window is refused too."""
+    from kvcore.kvgroups import spec_kind
 
-    name = type(spec).__name__
-    if isinstance(spec, UniformTypeKVCacheSpecs):
-        inner = [_group_kind(s) for s in spec.kv_cache_specs.values()]
-        bad = next((why for _, why in inner if why), None)
-        return f"{name} of {sorted({d for d, _ in inner})}", bad
-    if isinstance(spec, SlidingWindowSpec):
-        return (f"{name} (window {spec.sliding_window} tokens)",
-                "vLLM frees a sliding-window group's pages behind the window, so a save would copy, and a "
-                "load overwrite, pages that belong to no token of the request any more")
-    if isinstance(spec, ChunkedLocalAttentionSpec):
-        return (f"{name} (chunk {spec.attention_chunk_size} tokens)",
-                "vLLM frees a chunked-local group's pages of earlier chunks, so a save would copy, and a load "
-                "overwrite, pages that belong to no token of the request any more")
-    if isinstance(spec, MambaSpec):
-        return name, "a Mamba group holds per-request state, not one page per token block"
-    # Exact types only: a subclass (e.g. R-SWA, sink attention) may keep fewer pages than tokens.
-    if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
-        # With the hybrid allocator off (TieredConnector does not declare SupportsHMA), vLLM
-        # promotes sliding-window layers of a mixed model to full attention: a page for
-        # every token, the window only limits what attention reads.
-        window = spec.sliding_window or spec.attention_chunk_size
-        return (f"{name} (layers with a {window}-token window included)" if window else name), None
-    return name, "not a full-attention spec the tiers know to keep a page for every token"
+    desc, window, _, why = spec_kind(spec)
+    if why is None and window is not None:
+        why = ("vLLM frees a sliding-window group's pages behind the window, so a save would copy, and a "
+               "load overwrite, pages that belong to no token of the request any more")
+    return desc, why
 
 
 def require_full_attention(vllm_config, kv_cache_config, who: str) -> None:

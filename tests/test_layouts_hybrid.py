@@ -72,7 +72,7 @@ def test_a_page_for_every_token_is_accepted(kind):
     (("sliding",), ["SlidingWindowSpec (window 64 tokens)", "behind the window", "--disable-sliding-window"]),
     (("chunked",), ["ChunkedLocalAttentionSpec (chunk 128 tokens)", "earlier chunks"]),
     (("mamba",), ["MambaSpec", "per-request state"]),
-    (("rswa",), ["RSWASpec", "not a full-attention spec"]),
+    (("rswa",), ["RSWASpec", "not an attention spec the tiers know"]),
     (("uniform-sliding",), ["UniformTypeKVCacheSpecs", "behind the window"]),
     (("full", "sliding"), ["2 KV cache groups", "group 0: FullAttentionSpec", "group 1: SlidingWindowSpec",
                            "only the first group's blocks"]),
