@@ -6,7 +6,9 @@ of ours, side by side in one run (not a test).
     MCTIER_SIMULATE_CPU=avx2 .venv/bin/python -m bench.no_reuse      (the slow CPU class)
 
 Arms (``--arms``), each one engine pinned to core 1 (``tiny`` model, block size 32), started
-fresh for its run and stopped after it; the client runs on core 0:
+fresh for its run and stopped after it; the client runs on core 0 (with ``--reserve-core`` each
+engine's processes may use both cores and only its forward is bound to core 1, vLLM's layout
+with a core reserved for the rest: a tier's I/O threads go there, ``io_cpus`` auto):
 
 - ``plain``: no connector.
 - ``store``: ``StoreConnector``, ``kv_both`` (looks up, saves every full chunk of every prompt).
@@ -138,7 +140,8 @@ def run_arm(dep: Deployment, arm: str, master: str, model: str, runs: Path, rnd:
     # (vllm.benchmarks.datasets.RandomDataset), on a 2,048-token vocabulary a prompt often starts
     # where an earlier one did; in a shared namespace a run hit what earlier runs stored.
     url, proc = dep.engine(name, model, ENGINE_CORE, kv_config(arm, master, f"nr{rnd}{arm.replace('-', '')}"),
-                           cwd=a.before if arm.endswith(BEFORE) else None)
+                           cwd=a.before if arm.endswith(BEFORE) else None,
+                           cpus={ENGINE_CORE, CLIENT_CORE} if a.reserve_core else None)
     try:
         dep.wait_http(url, proc)
         complete(url, ids(a.input_len, random.Random(f"warm-{name}")), max_tokens=4)  # untimed
@@ -223,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARM:JSON",
                     help="one more arm NAME: ARM (store or tiered) with JSON added to its store config, e.g. "
                          "store-nowait=store:'{\"lookup_wait_ms\": 0}'")
+    ap.add_argument("--reserve-core", action="store_true",
+                    help="every arm's engine started on both cores with its forward (OpenMP) on core 1, as vLLM "
+                         "lays out an engine with reserved cores: its other processes and a tier's I/O threads "
+                         "(io_cpus auto) share core 0 with the client")
     ap.add_argument("--before", metavar="DIR",
                     help="also run each connector arm from DIR (an export of an earlier commit: `git archive`), "
                          "as ARM-before, side by side with this tree's")
@@ -253,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     info = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "before": a.before, "machine": machine(model),
             "rounds": a.rounds,
             "prompts": a.prompts, "arms": arms, "input_len": a.input_len, "output_len": a.output_len,
-            "concurrency": a.concurrency, "quick": a.quick}
+            "concurrency": a.concurrency, "quick": a.quick, "reserve_core": a.reserve_core}
     dep = Deployment(out / "logs")
     results: dict[str, list] = {arm: [] for arm in arms}
     errors: dict[str, str] = {}

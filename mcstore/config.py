@@ -22,7 +22,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from kvcore import mooncake_json, shmspin
+from kvcore import iocpus, mooncake_json, shmspin
 from kvcore.config import doc, load, parse_size
 from kvcore.errors import ConfigError
 from kvcore.mooncake_json import P2PHANDSHAKE, metadata_conn_string, split_host_port
@@ -36,6 +36,7 @@ SYNC_LOAD_MAX_CPU = 32 << 20
 
 # Nice 10: nice 19 starved background loads while the engine decoded (docs/benchmarks/store-streams.md).
 LOAD_THREAD_NICE_CPU = 10
+SAVE_THREAD_NICE_CPU = 0  # pending measurement
 
 # Where the composite's (and the router's) load-time fit for this tier starts.
 LOAD_PRIOR = LoadPrior(latency_s=0.02, bandwidth_gbps=1.0)
@@ -151,6 +152,15 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Nice value of the worker's load thread, which polls each Mooncake get without pause, so that "
         "the poll leaves the core to the transfer. 0: as the engine's other threads; null: "
         f"{LOAD_THREAD_NICE_CPU} on a CPU engine, 0 elsewhere (not measured there). Within [0, 19].")] = None
+    io_cpus: Annotated[str, doc(
+        "CPUs of the worker's load and save threads and of Mooncake's transfer threads: 'auto' (the CPUs "
+        "the engine was started on minus vLLM's OpenMP compute lists, VLLM_CPU_OMP_THREADS_BIND; where "
+        "vLLM reserves cores for a KV connector; nothing moves when none is left), 'none' (they stay on "
+        "the worker's core), or a CPU list such as '0,2-3' (kvcore.iocpus).")] = "auto"
+    save_thread_nice: Annotated[int | None, doc(
+        "Nice value of the worker's save thread, which also polls each Mooncake put without pause. 0: "
+        f"as the engine's other threads; null: {SAVE_THREAD_NICE_CPU} on a CPU engine, 0 elsewhere (not "
+        "measured there). Within [0, 19].")] = None
     sync_load_max: Annotated[int | str | None, doc(
         "Bytes (an int, or a string such as \"32MB\"): a load of at most this many (per rank; all such "
         "loads of one step together) runs inside the step that schedules its request, before the forward "
@@ -212,8 +222,10 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.stage_above_ranges_per_region < 0:
             raise ConfigError("mcstore: stage_above_ranges_per_region must be >= 0 (0 = never), "
                               f"got {self.stage_above_ranges_per_region}")
-        if self.load_thread_nice is not None and not 0 <= self.load_thread_nice <= 19:
-            raise ConfigError(f"mcstore: load_thread_nice must be within [0, 19], got {self.load_thread_nice}")
+        self.io_cpus = iocpus.check_spec(self.io_cpus)
+        for name in ("load_thread_nice", "save_thread_nice"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 19:
+                raise ConfigError(f"mcstore: {name} must be within [0, 19], got {getattr(self, name)}")
         if not 0 <= self.lookup_wait_ms <= 100:
             raise ConfigError(f"mcstore: lookup_wait_ms must be within [0, 100], got {self.lookup_wait_ms}")
         if self.idle_step_ms is not None and not 0 <= self.idle_step_ms <= 1000:
@@ -239,6 +251,13 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.load_thread_nice is not None:
             return self.load_thread_nice
         return LOAD_THREAD_NICE_CPU if device_type == "cpu" else 0
+
+    def save_nice(self, device_type: str) -> int:
+        """Nice value of the save thread: ``save_thread_nice`` if set, else SAVE_THREAD_NICE_CPU
+        on a CPU engine and 0 on others."""
+        if self.save_thread_nice is not None:
+            return self.save_thread_nice
+        return SAVE_THREAD_NICE_CPU if device_type == "cpu" else 0
 
     def sync_load_bytes(self, device_type: str) -> int:
         """Bytes per step that load synchronously: ``sync_load_max`` if set, else

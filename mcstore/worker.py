@@ -29,6 +29,7 @@ import time
 from collections import Counter, deque
 from contextlib import contextmanager
 
+from kvcore import iocpus
 from kvcore.errors import ConfigError
 from kvcore.geometry import KVGeometry
 from kvcore.log import get_logger
@@ -68,7 +69,13 @@ class StoreWorker(Loads, Saves, WorkerNews):
         self.rank = rank
         self.load_enabled = load
         self.save_enabled = save
-        self.client = StoreClient(cfg, f"worker{rank}", segment=True)
+        # The I/O off the engine's compute cores when it has others (kvcore.iocpus): Mooncake's
+        # transfer threads start with the client, ours in _io_thread.
+        self.io_cpus = iocpus.resolve(cfg.io_cpus)
+        if self.io_cpus:
+            logger.info("mcstore worker%d: I/O threads on CPUs %s", rank, sorted(self.io_cpus))
+        with iocpus.threads_started_on(self.io_cpus, "mcstore"):
+            self.client = StoreClient(cfg, f"worker{rank}", segment=True)
         self.stats = StoreStats()
         self.reports = LoadReports()  # one per ended load, for a composite's calibration
         self.geo: KVGeometry | None = None
@@ -140,8 +147,9 @@ class StoreWorker(Loads, Saves, WorkerNews):
                     sum(self.chunk_blocks * g.block_bytes for g in self.geos), self.cfg.chunk_tokens)
 
     def _start_threads(self) -> None:
-        load_nice = self.cfg.load_nice(current_platform().device_type)
-        for name, fn, nice in (("load", self._load_loop, load_nice), ("save", self._save_loop, 0)):
+        dev = current_platform().device_type
+        for name, fn, nice in (("load", self._load_loop, self.cfg.load_nice(dev)),
+                               ("save", self._save_loop, self.cfg.save_nice(dev))):
             t = threading.Thread(target=self._io_thread, args=(fn, nice), name=f"mcstore-{name}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -159,6 +167,7 @@ class StoreWorker(Loads, Saves, WorkerNews):
         # to 5 times longer (docs/benchmarks/store-phases.md). Not the lowest priority either:
         # while the engine decodes, its forward passes would leave a nice-19 thread almost no
         # core (mcstore.config.LOAD_THREAD_NICE_CPU).
+        iocpus.pin_this_thread(self.io_cpus, "mcstore")
         if nice:
             try:
                 tid = threading.get_native_id()

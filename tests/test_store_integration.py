@@ -59,18 +59,50 @@ def _finish_load(w, rid):
     return w.get_block_ids_with_load_errors()
 
 
-@pytest.mark.parametrize("nice", [19, 0])
-def test_load_thread_runs_at_its_nice_value_and_the_save_thread_at_the_engines(store_cluster, nice):
+@pytest.mark.parametrize("load,save", [(19, 0), (0, 10)])
+def test_load_and_save_threads_run_at_their_nice_values(store_cluster, load, save):
     import os
 
-    w, _ = _worker(store_cluster.master_addr, load_thread_nice=nice)
+    w, _ = _worker(store_cluster.master_addr, load_thread_nice=load, save_thread_nice=save)
     try:
         threads = {t.name: t for t in w._threads}
         _until(lambda: all(t.native_id for t in threads.values()))
         base = os.getpriority(os.PRIO_PROCESS, 0)  # this test's own (the engine's, in an engine)
-        # The thread sets its own value as it starts.
-        _until(lambda: os.getpriority(os.PRIO_PROCESS, threads["mcstore-load"].native_id) == max(base, nice))
-        assert os.getpriority(os.PRIO_PROCESS, threads["mcstore-save"].native_id) == base
+        # Each thread sets its own value as it starts.
+        _until(lambda: os.getpriority(os.PRIO_PROCESS, threads["mcstore-load"].native_id) == max(base, load))
+        _until(lambda: os.getpriority(os.PRIO_PROCESS, threads["mcstore-save"].native_id) == max(base, save))
+    finally:
+        w.close()
+
+
+def _task_cpus() -> dict[int, set[int]]:
+    """Every thread of this process and the CPUs it may run on (from /proc)."""
+    import os
+
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            out[int(tid)] = os.sched_getaffinity(int(tid))
+        except OSError:  # ended meanwhile
+            continue
+    return out
+
+
+def test_io_cpus_puts_the_load_and_save_threads_and_mooncakes_own_on_those_cpus(store_cluster):
+    import os
+
+    io = {sorted(os.sched_getaffinity(0))[0]}
+    before, mine = _task_cpus(), os.sched_getaffinity(0)
+    w, _ = _worker(store_cluster.master_addr, io_cpus=",".join(map(str, io)))
+    try:
+        threads = {t.name: t for t in w._threads}
+        _until(lambda: all(t.native_id for t in threads.values()))
+        _until(lambda: all(os.sched_getaffinity(t.native_id) == io for t in threads.values()))
+        started = {tid: cpus for tid, cpus in _task_cpus().items() if tid not in before}
+        theirs = {tid: cpus for tid, cpus in started.items() if tid not in {t.native_id for t in threads.values()}}
+        assert theirs, "Mooncake's client started no thread of its own"
+        assert all(cpus == io for cpus in theirs.values()), theirs
+        assert os.sched_getaffinity(0) == mine  # the caller's own CPUs are restored
     finally:
         w.close()
 

@@ -155,6 +155,16 @@ def test_load_thread_nice_is_10_on_cpu_and_0_elsewhere_unless_set():
     assert load_config({"master": "h:1", "load_thread_nice": 0}, env={}).load_nice("cpu") == 0
 
 
+def test_save_thread_nice_defaults_to_the_cpu_constant_and_0_elsewhere_unless_set():
+    from mcstore.config import SAVE_THREAD_NICE_CPU
+
+    assert load_config({"master": "h:1"}, env={}).save_nice("cpu") == SAVE_THREAD_NICE_CPU
+    assert load_config({"master": "h:1"}, env={}).save_nice("cuda") == 0
+    assert load_config({"master": "h:1", "save_thread_nice": 7}, env={}).save_nice("cpu") == 7
+    assert load_config({"master": "h:1", "save_thread_nice": 0}, env={}).save_nice("cpu") == 0
+
+
+
 def test_idle_step_pause_by_engine_ranks_unless_set():
     from kvcore import shmspin
     from mcstore.config import IDLE_STEP_MS_ONE_RANK
@@ -185,6 +195,7 @@ def test_idle_step_pause_by_engine_ranks_unless_set():
     ({"master": "h:1", "stage_above_ranges_per_region": -1}, r"stage_above_ranges_per_region must be >= 0 \(0 = never\)"),
     ({"master": "h:1", "idle_step_ms": -1}, r"idle_step_ms must be within \[0, 1000\]"),
     ({"master": "h:1", "load_thread_nice": 20}, r"load_thread_nice must be within \[0, 19\]"),
+    ({"master": "h:1", "save_thread_nice": -1}, r"save_thread_nice must be within \[0, 19\]"),
     ({"master": "h:99999"}, "HOST:PORT"),
 ])
 def test_config_errors_are_clear(extra, needle):

@@ -70,8 +70,10 @@ class Deployment:
 
     def engine(self, name: str, model: str, core: int, kv_config: dict | None, *,
                python: str = sys.executable, env: dict[str, str] | None = None,
-               extra: list[str] | None = None, cwd: str | None = None) -> tuple[str, Proc]:
-        """An OpenAI server pinned whole to ``core``; ``python`` may be another virtualenv's
+               extra: list[str] | None = None, cwd: str | None = None,
+               cpus: set[int] | None = None) -> tuple[str, Proc]:
+        """An OpenAI server pinned whole to ``core`` (or, with ``cpus``, its processes on those
+        CPUs and its forward's OpenMP threads on ``core``); ``python`` may be another virtualenv's
         interpreter (the benchmarks run peers such as LMCache that way); ``extra`` are more
         ``vllm serve`` flags (e.g. ``--num-gpu-blocks-override`` to size the prefix cache);
         ``cwd``: the directory it runs in, whose packages it imports (default: this one's; a
@@ -79,7 +81,7 @@ class Deployment:
         port = free_port()
         argv = engine_argv(model, port, python=python, served_name="demo", kv_config=kv_config, extra=extra)
         proc = self.track(Proc(name, argv, self.log_dir / f"{name}.log", env={**engine_env(core), **(env or {})},
-                               cwd=cwd, cpus={core}))
+                               cwd=cwd, cpus=cpus or {core}))
         return f"http://127.0.0.1:{port}", proc
 
     def pd_pair(self, model: str, p_cfg: dict, d_cfg: dict, bootstrap_port: int,
