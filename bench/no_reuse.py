@@ -243,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         if not name or base not in ("store", "tiered"):
             raise SystemExit(f"--variant {v!r}: NAME=ARM:JSON with ARM store or tiered")
         VARIANTS[name] = (base, json.loads(extra or "{}"))
-        arms.append(name)
+        if name not in arms:  # also named in --arms: run once (a second run would hit the first's saves)
+            arms.append(name)
     if a.before:
         a.before = str(Path(a.before).resolve())
         arms += [x + BEFORE for x in arms if x in ARMS and x != "plain"]
