@@ -36,7 +36,10 @@ SYNC_LOAD_MAX_CPU = 32 << 20
 
 # Nice 10: nice 19 starved background loads while the engine decoded (docs/benchmarks/store-streams.md).
 LOAD_THREAD_NICE_CPU = 10
-SAVE_THREAD_NICE_CPU = 0  # pending measurement
+# Nice 10: an engine pinned to one core lost 1.17x TPOT to its saves at nice 0, 1.12x at 10 and
+# 1.09x at 19; at 19 a save starves while the engine decodes and holds its blocks that long
+# (docs/benchmarks/no-reuse.md).
+SAVE_THREAD_NICE_CPU = 10
 
 # Where the composite's (and the router's) load-time fit for this tier starts.
 LOAD_PRIOR = LoadPrior(latency_s=0.02, bandwidth_gbps=1.0)

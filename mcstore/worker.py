@@ -155,18 +155,16 @@ class StoreWorker(Loads, Saves, WorkerNews):
             self._threads.append(t)
 
     def _io_thread(self, loop, nice: int) -> None:
-        # Mooncake's batch get waits for its transfer by polling its status without a pause
-        # (perf shows the calling thread in TcpTransport::getTransferStatus throughout;
+        # Mooncake's batch get and put wait for their transfer by polling its status without a
+        # pause (perf shows the calling thread in TcpTransport::getTransferStatus throughout;
         # event-driven completion is a Mooncake build option, off by default). On an engine
         # pinned to one core, that poll takes the core from Mooncake's own TCP thread, which
-        # moves the bytes. A lower priority for the thread that polls (a per-thread nice
-        # value on Linux) leaves the core to the transfer. The thread's own Python work (the
-        # pick-up, the recheck, staged copies) runs at that priority too: a load starts about
-        # 1 ms later. Not the save thread: a save runs after its request, while the engine's
-        # worker busy-waits for the next step (kvcore.shmspin), and at nice 19 a save took up
-        # to 5 times longer (docs/benchmarks/store-phases.md). Not the lowest priority either:
-        # while the engine decodes, its forward passes would leave a nice-19 thread almost no
-        # core (mcstore.config.LOAD_THREAD_NICE_CPU).
+        # moves the bytes, and from the forward pass. A lower priority for the thread that
+        # polls (a per-thread nice value on Linux) leaves the core to both. The thread's own
+        # Python work runs at that priority too: a load starts about 1 ms later. Not the lowest
+        # priority: while the engine decodes, its forward passes would leave a nice-19 thread
+        # almost no core (mcstore.config.LOAD_THREAD_NICE_CPU, SAVE_THREAD_NICE_CPU). Better
+        # still, off the compute core altogether (io_cpus, kvcore.iocpus).
         iocpus.pin_this_thread(self.io_cpus, "mcstore")
         if nice:
             try:
