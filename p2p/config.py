@@ -28,7 +28,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from kvcore import mooncake_json
+from kvcore import iocpus, mooncake_json
 from kvcore.config import doc, load
 from kvcore.errors import ConfigError
 from kvcore.mooncake_json import P2PHANDSHAKE, metadata_conn_string
@@ -97,6 +97,10 @@ class P2PConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Decode side: seconds a prefill worker may send nothing (no WAIT heartbeat, no reply) before it "
         "is considered dead; positive.")] = 10.0
     num_workers: Annotated[int, doc("Decode side: concurrent pulls; at least 1.")] = 4
+    io_cpus: Annotated[str, doc(
+        "CPUs of the pull and side-channel threads and of the Transfer Engine's own threads: 'auto' (the "
+        "CPUs the engine was started on minus vLLM's OpenMP compute lists, VLLM_CPU_OMP_THREADS_BIND; "
+        "nothing moves when none is left), 'none', or a CPU list such as '0,2-3' (kvcore.iocpus).")] = "auto"
     secret_file: Annotated[str | None, doc(
         "File holding the deployment's shared secret (at least 16 bytes; docs/deploy.md, \"Trust model\"). "
         "With a secret, this engine acts on transfer parameters (kv_transfer_params) only when the router "
@@ -119,6 +123,10 @@ class P2PConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         except ConfigError as e:
             raise ConfigError(f"p2p: {e}") from None
         self.te_hostname = self.te_hostname.strip()
+        try:
+            self.io_cpus = iocpus.check_spec(self.io_cpus)
+        except ConfigError as e:
+            raise ConfigError(f"p2p: {e}") from None
         if not self.te_hostname or self.te_hostname.count(":") == 1:
             raise ConfigError(f"p2p: te_hostname must be a host without a port, got {self.te_hostname!r}")
         if self.bootstrap_port is None:

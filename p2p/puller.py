@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
+from kvcore import iocpus
 from kvcore.errors import MooncakeError
 from kvcore.geometry import KVGeometry
 from kvcore.log import DegradeWatch, get_logger
@@ -96,7 +97,8 @@ class Puller:
                  tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1, num_workers: int = 4,
                  bootstrap_timeout_s: float = 5.0, peer_silence_timeout_s: float = 10.0,
                  corrupt: bool = False, secret: bytes | None = None, fingerprint: str = "",
-                 group_geometries: list[KVGeometry] | None = None, corrupt_groups: list[int] | None = None):
+                 group_geometries: list[KVGeometry] | None = None, corrupt_groups: list[int] | None = None,
+                 io_cpus: set[int] | None = None):
         self.geometry, self.engine = geometry, engine
         # With KV cache groups: the page geometry of each group's layers (a block id means a
         # page of that group's layers only), in group order; corrupt_groups: the groups (their
@@ -109,7 +111,10 @@ class Puller:
         self.silence_s = peer_silence_timeout_s
         self.corrupt = corrupt
         self.secret, self.fingerprint = secret, fingerprint
-        self._pool = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="p2p-pull")
+        # Started on the first submit, from the worker's thread: placed off its compute core
+        # by the initializer (kvcore.iocpus).
+        self._pool = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="p2p-pull",
+                                        initializer=iocpus.pin_this_thread, initargs=(io_cpus, "p2p"))
         # Every handoff failing (a bootstrap server nobody reaches, say) is otherwise only a
         # warning per request: tokens stay right, the tier silently does nothing.
         self._watch = DegradeWatch(logger, f"P2P handoffs (decode rank {tp_rank})")

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from kvcore import platform
+from kvcore import iocpus, platform
 from kvcore.errors import ConfigError
 from kvcore.geometry import KVGeometry
 from kvcore.log import get_logger
@@ -82,8 +82,13 @@ class P2PWorker:
         if self.groups:
             group_geos = [KVGeometry.from_kv_caches({n: kv_caches[n] for n in g.layers}, num_blocks)
                           for g in self.groups]
-        self.engine = TransferEngineHandle(self.cfg.te_hostname, self.cfg.protocol, self.cfg.device_name,
-                                           self.cfg.metadata_server)
+        # The transfers off the engine's compute cores when it has others (kvcore.iocpus): the
+        # Transfer Engine's threads start with it, the side channel's with SideChannel, the pulls'
+        # in the Puller's pool.
+        self.io_cpus = iocpus.resolve(self.cfg.io_cpus)
+        with iocpus.threads_started_on(self.io_cpus, "p2p"):
+            self.engine = TransferEngineHandle(self.cfg.te_hostname, self.cfg.protocol, self.cfg.device_name,
+                                               self.cfg.metadata_server)
         warn_exposed_transfer_engine(self.cfg.te_hostname, self.cfg.protocol, "p2p", logger)
         # On the GPU of this worker's KV (its local rank), not a fixed cuda:0.
         self.engine.register(self.geometry.buffers, kv_device(kv_caches))
@@ -92,7 +97,8 @@ class P2PWorker:
                     len(self.geometry.regions),
                     self.geometry.num_blocks, self.geometry.block_bytes)
         if self.is_producer:
-            self._start_producer()
+            with iocpus.threads_started_on(self.io_cpus, "p2p"):
+                self._start_producer()
         if self.is_consumer:
             from p2p.puller import Puller
 
@@ -106,7 +112,7 @@ class P2PWorker:
                 bootstrap_timeout_s=self.cfg.bootstrap_timeout_s,
                 peer_silence_timeout_s=self.cfg.peer_silence_timeout_s,
                 corrupt=self.cfg.debug_corrupt_received_kv, secret=self.secret, fingerprint=self.fingerprint,
-                group_geometries=group_geos, corrupt_groups=self._corrupt_groups(),
+                group_geometries=group_geos, corrupt_groups=self._corrupt_groups(), io_cpus=self.io_cpus,
             )
             if self.cfg.debug_corrupt_received_kv:
                 logger.warning("debug_corrupt_received_kv is ON: received KV is deliberately corrupted (tests only)")

@@ -227,3 +227,32 @@ def test_mctier_master_cli_serves_and_stops(tmp_path):
         if cli.poll() is None:
             os.killpg(cli.pid, signal.SIGKILL)
             cli.wait(timeout=10)
+
+
+def test_p2p_io_cpus_puts_the_transfer_engines_threads_and_the_pulls_on_those_cpus():
+    """A P2P worker's transfers off the compute core (kvcore.iocpus): the Transfer Engine's
+    threads started inside ``threads_started_on`` and the Puller's pool threads (started
+    later, from the caller's thread) run on ``io_cpus``; the caller keeps its own CPUs."""
+    import threading
+
+    from kvcore import iocpus
+    from kvcore.metrics import TierStats
+    from p2p.puller import Puller
+    from p2p.transfer import TransferEngineHandle
+
+    io, mine = {sorted(os.sched_getaffinity(0))[0]}, os.sched_getaffinity(0)
+    before = set(map(int, os.listdir("/proc/self/task")))
+    h = None
+    try:
+        with iocpus.threads_started_on(io, "p2p"):
+            h = TransferEngineHandle()
+        started = set(map(int, os.listdir("/proc/self/task"))) - before
+        assert started, "the Transfer Engine started no thread of its own"
+        assert all(os.sched_getaffinity(t) == io for t in started)
+        assert os.sched_getaffinity(0) == mine
+        puller = Puller(None, h, TierStats(), threading.Lock(), num_workers=2, io_cpus=io)
+        assert puller._pool.submit(os.sched_getaffinity, 0).result(timeout=10) == io
+        puller._pool.shutdown(wait=True)
+    finally:
+        if h is not None:
+            h.close()
