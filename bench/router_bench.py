@@ -3,7 +3,7 @@
 engines, measured by vLLM's own client (``vllm bench serve``), side by side in one run, plus
 vLLM's client through the router over a 1P1D pair against one plain engine (not a test).
 
-    .venv/bin/python -m bench.router_bench [--quick] [--policies kv,...] [--workloads ...] [--out DIR]
+    .venv/bin/python -m bench.router_bench [--quick] [--policies kv,...] [--workloads ...] [--deployments ...] [--out DIR]
 
 ``make bench`` runs it. Deployments, one after the other on the same two cores (``small``
 model, block size 32, every engine's prefix cache cut to ``Scale.cache_blocks`` blocks with
@@ -288,12 +288,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="some of kv,round-robin,least-outstanding,direct,handoff (default all; plain has no handoff)")
     ap.add_argument("--ttft-slo", type=float,
                     help="admission target in seconds (default: bench.router_workloads.admission_target)")
+    ap.add_argument("--deployments", type=lambda v: v.split(","),
+                    help="some of pd,plain,serve (default all): re-measure only the deployments a change touches")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "router"))
     a = ap.parse_args(argv)
     known = set(POLICIES["pd"])
     if a.policies and not set(a.policies) <= known:
         ap.error(f"--policies: unknown {sorted(set(a.policies) - known)}; known: {sorted(known)}")
+    if a.deployments and not set(a.deployments) <= {"pd", "plain", "serve"}:
+        ap.error(f"--deployments: unknown {sorted(set(a.deployments) - {'pd', 'plain', 'serve'})}; known: pd,plain,serve")
 
     from kvcore.platform import engine_dtype, kv_bytes_per_token
 
@@ -317,8 +321,9 @@ def main(argv: list[str] | None = None) -> int:
 
     term_as_interrupt()
     t0 = time.monotonic()
-    errors = run_deployments(b.dep, {"pd": b.deployment_pd, "plain": b.deployment_plain,
-                                     "serve": b.deployment_serve}, "router")
+    parts = {"pd": b.deployment_pd, "plain": b.deployment_plain, "serve": b.deployment_serve}
+    errors = run_deployments(b.dep, {k: v for k, v in parts.items() if not a.deployments or k in a.deployments},
+                             "router")
     if errors:
         result["error"] = "; ".join(f"deployment {k}: {v}" for k, v in errors.items())
     result.update(rows=b.rows, serve_rows=b.serve_rows, seconds=round(time.monotonic() - t0),
