@@ -3,7 +3,7 @@
 engines, measured by vLLM's own client (``vllm bench serve``), side by side in one run, plus
 vLLM's client through the router over a 1P1D pair against one plain engine (not a test).
 
-    .venv/bin/python -m bench.router_bench [--quick] [--policies kv,...] [--workloads ...] [--out DIR]
+    .venv/bin/python -m bench.router_bench [--quick] [--policies kv,...] [--workloads ...] [--deployments ...] [--out DIR]
 
 ``make bench`` runs it. Deployments, one after the other on the same two cores (``small``
 model, block size 32, every engine's prefix cache cut to ``Scale.cache_blocks`` blocks with
@@ -24,8 +24,9 @@ engine holds):
 Workloads: :mod:`bench.router_workloads` (prefix, multi-turn chat, short prompts, no reuse,
 a scaled window of Mooncake's conversation trace; ``--quick``: prefix only, fewer prompts),
 and admission: the prefix workload open loop at twice the throughput the kv router reached
-on A unthrottled, kv router without and with ``--ttft-slo T`` (T: ``--ttft-slo`` or the p90
-TTFT of that unthrottled run), ``--goodput``.
+on A unthrottled, kv router without and with ``--ttft-slo T`` (T: ``--ttft-slo``, else the
+larger of the p90 TTFT of that unthrottled run and 1.25x its median TTFT of prompts nothing
+held, at least 0.5 s), ``--goodput``.
 
 Every router is its own ``mctier proxy`` process started fresh for its run, with the start-up
 probe (``--probe-timeout 60``, the fixed policies too, so their estimates mean the same) and
@@ -59,7 +60,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import machine, model_dir, output_dir, run_deployments, start_engines, start_router, term_as_interrupt  # noqa: E402
 from bench.router_report import plot, render_markdown, render_table, router_view, summarize  # noqa: E402
-from bench.router_workloads import FULL, OUTPUT, QUICK, SUFFIX, WORKLOADS, dataset_args, estimates, serve_args  # noqa: E402
+from bench.router_workloads import FULL, OUTPUT, QUICK, SUFFIX, WORKLOADS, admission_target, dataset_args, estimates, serve_args  # noqa: E402
 from kvcore.procs import Proc, free_port  # noqa: E402
 from mcstore.server import StoreCluster, client_env  # noqa: E402
 from multi.cli.deploy import Deployment, tiered_config  # noqa: E402
@@ -230,7 +231,7 @@ class Bench:
                                   "skipped": "no unthrottled prefix run to size the rate from"})
             return
         rate = 2.0 * ref["request_throughput"]
-        slo = self.a.ttft_slo or max(0.5, ref["p90_ttft_ms"] / 1e3)
+        slo = self.a.ttft_slo or admission_target(ref["p90_ttft_ms"] / 1e3, (ref.get("estimates") or {}).get("cold_ttft_s"))
         print(f"[router] admission: {rate:.2f} req/s (2x the {ref['policy']} router's "
               f"{ref['request_throughput']:.2f}), TTFT target {slo:.2f} s", flush=True)
         self.run("admission", "pd", "kv", kv_args, slo=slo, rate=rate)
@@ -285,13 +286,18 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"some of {','.join(WORKLOADS)},admission,serve")
     ap.add_argument("--policies", type=lambda v: v.split(","),
                     help="some of kv,round-robin,least-outstanding,direct,handoff (default all; plain has no handoff)")
-    ap.add_argument("--ttft-slo", type=float, help="admission target in seconds (default: p90 TTFT of the kv run)")
+    ap.add_argument("--ttft-slo", type=float,
+                    help="admission target in seconds (default: bench.router_workloads.admission_target)")
+    ap.add_argument("--deployments", type=lambda v: v.split(","),
+                    help="some of pd,plain,serve (default all): re-measure only the deployments a change touches")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "router"))
     a = ap.parse_args(argv)
     known = set(POLICIES["pd"])
     if a.policies and not set(a.policies) <= known:
         ap.error(f"--policies: unknown {sorted(set(a.policies) - known)}; known: {sorted(known)}")
+    if a.deployments and not set(a.deployments) <= {"pd", "plain", "serve"}:
+        ap.error(f"--deployments: unknown {sorted(set(a.deployments) - {'pd', 'plain', 'serve'})}; known: pd,plain,serve")
 
     from kvcore.platform import engine_dtype, kv_bytes_per_token
 
@@ -315,8 +321,9 @@ def main(argv: list[str] | None = None) -> int:
 
     term_as_interrupt()
     t0 = time.monotonic()
-    errors = run_deployments(b.dep, {"pd": b.deployment_pd, "plain": b.deployment_plain,
-                                     "serve": b.deployment_serve}, "router")
+    parts = {"pd": b.deployment_pd, "plain": b.deployment_plain, "serve": b.deployment_serve}
+    errors = run_deployments(b.dep, {k: v for k, v in parts.items() if not a.deployments or k in a.deployments},
+                             "router")
     if errors:
         result["error"] = "; ".join(f"deployment {k}: {v}" for k, v in errors.items())
     result.update(rows=b.rows, serve_rows=b.serve_rows, seconds=round(time.monotonic() - t0),

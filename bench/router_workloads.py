@@ -21,8 +21,10 @@ Workloads (16 output tokens, ``--ignore-eos``; all but ``trace`` and admission c
 Estimates (:func:`estimates`): from the decision log of a run, the routed requests in the
 order they arrived (the warm-up's left out) with a first token seen; ``ratio_after`` is the
 median of predicted / actual time to first token (``ttft_predicted_s`` / ``ttft_s``) over
-the requests after the first ``settle`` (50 in the full run), ``ratio_all`` over all, and
-``fallback_share`` the share of requests the kv policy's fallback routed.
+the requests after the first ``settle`` (50 in the full run), ``ratio_all`` over all,
+``fallback_share`` the share of requests the kv policy's fallback routed, and ``cold_ttft_s``
+the median time to first token of the requests of which nothing was held (no instance's
+cache, not the store: ``cached_target``, ``cached_prefill`` and ``store`` all 0).
 """
 
 from __future__ import annotations
@@ -134,6 +136,22 @@ def serve_args(prompts: int) -> list[str]:
             "--prefix-repetition-output-len", str(OUTPUT)]
 
 
+# The admission target is at least this times the unthrottled run's median TTFT of a prompt
+# nothing held (the estimates' +-25% band): admission rejects a request whose estimate
+# misses the target, and a rejected prompt is never computed, so under a target an idle
+# deployment misses for a new prefix no prefix ever gets cached and every request is
+# rejected (docs/benchmarks/router.md: 63 of 63 under 0.51 s with ~0.48 s cold prefills).
+COLD_MARGIN = 1.25
+
+
+def admission_target(p90_s: float, cold_s: float | None) -> float:
+    """The admission runs' TTFT target in seconds: the largest of 0.5, ``p90_s`` (the
+    unthrottled kv run's p90 TTFT) and :data:`COLD_MARGIN` times ``cold_s`` (its median TTFT
+    of prompts nothing held, :func:`estimates`' ``cold_ttft_s``; None: not measured), so that
+    above capacity tests the load, not a target an idle deployment misses."""
+    return max(0.5, p90_s, COLD_MARGIN * (cold_s or 0.0))
+
+
 def _median(xs: list[float]) -> float | None:
     s = sorted(xs)
     if not s:
@@ -154,7 +172,10 @@ def estimates(log: Path, skip: int, settle: int, policy: str) -> dict:
     ratios = [d["ttft_predicted_s"] / d["ttft_s"] for d in timed]
     after = ratios[settle:]
     modes = [d.get("mode") or policy for d in recs if d["kind"] != "reject"]
+    cold = [d["ttft_s"] for d in timed
+            if max(d.get("cached_target") or 0, d.get("cached_prefill") or 0, d.get("store") or 0) == 0]
     return {"requests": len(recs), "timed": len(timed), "settle": settle,
             "ratio_all": _median(ratios), "ratio_after": _median(after), "after_n": len(after),
+            "cold_ttft_s": _median(cold), "cold_n": len(cold),
             "fallback_share": sum(1 for m in modes if m.startswith("fallback")) / len(modes) if modes else None,
             "kinds": {k: sum(1 for d in recs if d["kind"] == k) for k in ("direct", "pd", "reject")}}

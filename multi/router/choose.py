@@ -43,9 +43,10 @@ Disaggregated (prefill and decode instances):
   the metrics and :mod:`multi.router.honesty` compare with the answer).
 
 Data-parallel (``plain`` instances): for each instance ``e``,
-``queue_e + min plan(N, L_e, store)`` with ``local_compute_weight = 1``; the cheapest wins.
-Ties (equal estimates, e.g. an idle pool) go to the instance with fewer requests in flight,
-then in turn.
+``queue_e + min plan(N, L_e, store)`` with ``local_compute_weight = 1``. Every instance
+within ``NEAR`` (1.25x) of the cheapest counts as equally fast; among them the one holding
+the longest prefix ``L_e`` wins, then the one with fewer requests in flight, then in turn
+(an idle pool takes turns).
 
 Fixed policies (they still estimate, so predicted-against-actual metrics exist for them):
 ``round-robin`` and ``least-outstanding`` as the earlier proxy (a P/D pair always handing
@@ -78,6 +79,13 @@ from p2p.config import LOAD_PRIOR as P2P_PRIOR
 
 POLICIES = ("kv", "least-outstanding", "round-robin", "direct", "handoff")
 WAIT_FLOOR_S = 1.0  # the instance fits' OnlineFit floor (multi.router.fits), read when a fit is made
+# Plain instances whose estimates are within this factor of the best count as equally fast:
+# the estimates' own accuracy target (+-25%, multi.router.honesty's LEAVE). Among them the
+# choice keeps affinity, then balance: a prompt placed where its prefix is not becomes that
+# prefix's home for its later requests (a conversation's next turns), so a choice by a
+# difference the estimates cannot vouch for piled conversations on one engine
+# (docs/benchmarks/router.md, multi-turn chat on plain engines).
+NEAR = 1.25
 
 
 @dataclass(frozen=True)
@@ -285,6 +293,15 @@ class Chooser(Ledger):
                 alternatives["direct"] = min(alternatives["direct"], whole.parts["ttft_s"])
         return cands, alternatives
 
+    @staticmethod
+    def _near_best(order: list[Instance], est: dict[str, float], match) -> Instance:
+        """The kv policy's plain instance: among those whose estimate is within :data:`NEAR`
+        of the best, the one holding the longest prefix of the prompt, then the one with
+        fewer requests in flight, then the first in ``order`` (the turn)."""
+        best = min(est.values())
+        near = [i for i in order if est[i.url] <= best * NEAR]
+        return min(near, key=lambda i: (-match(i), i.outstanding))
+
     def _choose_plain(self, pool: Pool, prompt: Prompt, match, now: float, policy: str) -> Route | None:
         store = prompt.store
         plain = pool.role("plain")
@@ -300,7 +317,7 @@ class Chooser(Ledger):
             order = [plain[(turn + j) % len(plain)] for j in range(len(plain))]
             if policy == "kv":
                 est = {i.url: self.direct_estimate(prompt, Candidate(i, match(i)), now).seconds for i in order}
-                e = min(order, key=lambda i: (est[i.url], i.outstanding))
+                e = self._near_best(order, est, match)
             else:  # direct (and handoff, which a plain pool cannot do)
                 e = min(order, key=lambda i: (i.outstanding, -match(i)))
         l_e = match(e)

@@ -1,0 +1,35 @@
+"""The router benchmark's admission target (``bench.router_workloads.admission_target``) and
+the cold TTFT it is read from (``estimates``' ``cold_ttft_s``), without engines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.router_workloads import admission_target, estimates
+
+pytestmark = pytest.mark.unit
+
+
+def _rec(t, n, ttft, cached=0, prefill=0, store=0):
+    return {"t": t, "n": n, "kind": "direct", "status": 200, "ttft_s": ttft, "ttft_predicted_s": ttft,
+            "cached_target": cached, "cached_prefill": prefill, "store": store, "mode": "kv"}
+
+
+def test_the_target_is_never_below_what_a_prompt_nothing_held_takes_idle(tmp_path):
+    # The full run's unthrottled kv prefix run: cold 1,056-token prompts took ~0.48 s, hits
+    # ~0.1 s, and its p90 (0.508 s) fell among the cold ones. Under that target admission
+    # rejected every cold prompt, so none was ever cached: 63 of 63 rejected.
+    log = tmp_path / "d.jsonl"
+    recs = [_rec(0.0, 60, 0.05)]  # the warm-up, skipped
+    recs += [_rec(1 + i, 1056, 0.46 + 0.01 * i) for i in range(5)]  # cold: median 0.48
+    recs += [_rec(10 + i, 1056, 0.1, cached=1024) for i in range(20)]  # prefix cache hits
+    recs += [_rec(40, 1056, 0.2, prefill=1024), _rec(41, 1056, 0.3, store=1024)]  # held elsewhere
+    log.write_text("\n".join(json.dumps(r) for r in recs))
+    e = estimates(log, 1, 8, "kv")
+    assert (e["cold_n"], e["cold_ttft_s"]) == (5, pytest.approx(0.48))
+    assert admission_target(0.508, e["cold_ttft_s"]) == pytest.approx(0.6)
+    # A p90 above the cold prompts' margin is the target; nothing measured: 0.5 s at least.
+    assert admission_target(1.72, 0.48) == pytest.approx(1.72)
+    assert admission_target(0.3, None) == 0.5
