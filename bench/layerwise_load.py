@@ -49,6 +49,7 @@ from bench.common import (  # noqa: E402
     term_as_interrupt,
 )
 from bench.engine_metrics import get, moved, scrape  # noqa: E402
+from bench.store_divergence import StoreWatch  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
 from multi.cli.deploy import Deployment  # noqa: E402
 
@@ -110,6 +111,7 @@ def run(a: argparse.Namespace) -> int:
     dep = Deployment(out / "logs")
     long = long_context_args(a.prefix + 2 * CHUNK + SUFFIX)
     reps: list[dict] = []
+    watch = None
     term_as_interrupt()
     try:
         dep.cluster = StoreCluster(log_dir=out / "logs", segment_size=a.segment_gb << 30).start()
@@ -123,10 +125,11 @@ def run(a: argparse.Namespace) -> int:
         w_url = started[0][0]
         readers = {k: (url, proc.pid) for k, (url, proc) in zip(arms, started[1:])}
         server_pids = [p.pid for p in (dep.cluster.server, dep.cluster.master) if p is not None]
+        watch = StoreWatch(dep.cluster)
         for rep in range(a.reps + 1):  # the first is a warm-up, not in the figures
             p = ids(a.prefix + rng.randrange(1, CHUNK), rng)
             stream(w_url, p, 1)
-            time.sleep(a.save_wait)  # the save of 256 MB takes about a second on this host
+            watch.wait_stored(p)
             q, q_own = p[:a.prefix] + ids(SUFFIX, rng), p[:a.prefix] + ids(SUFFIX, rng)
             res: dict = {"rep": rep}
             for who in rotated(list(arms), rep):
@@ -155,6 +158,8 @@ def run(a: argparse.Namespace) -> int:
             if rep:
                 reps.append(res)
     finally:
+        if watch is not None:
+            watch.close()
         dep.stop()
     rows = {who: summarise([r[who] for r in reps]) for who in ARMS if reps}
     result = {"machine": machine(model), "date": datetime.now(timezone.utc).isoformat(timespec="minutes"),
@@ -196,7 +201,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix", type=int, default=32768, help="tokens of the stored prefix (a multiple of 256)")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions (after one warm-up)")
     ap.add_argument("--groups", type=int, default=4, help="layerwise_load_groups of the layer-wise reader")
-    ap.add_argument("--save-wait", type=float, default=4.0, help="seconds between the writer's pass and the hits")
     ap.add_argument("--segment-gb", type=int, default=4, help="the store server's segment, GiB")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "layerwise_load"))
