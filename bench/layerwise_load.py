@@ -16,7 +16,9 @@ The greedy ids of every hit are checked against W's own prefix-cache hit of the 
 Around each hit the CPU time of every thread of the reader's processes and of the store
 server is read from ``/proc`` (``utime + stime``, by thread name: the store worker's I/O
 threads are named ``mcstore-load`` / ``mcstore-save``; the others keep their process's name),
-with the cores each may run on: whether the transfer's CPU work could overlap the forward.
+with the cores each may run on (``main``: a process's main thread; the worker's runs the
+forward pass): whether the transfer's CPU work could overlap the forward. ``--io-core N`` moves
+every other thread of the readers' worker processes (the store tier's, Mooncake's) to core N.
 Writes ``layerwise_load.json`` and ``layerwise_load.md`` to ``--out`` (default
 ``bench/results/layerwise_load``); exit status 1 if any token differed.
 """
@@ -80,7 +82,7 @@ def thread_cpu(pids: list[int]) -> dict[tuple[int, int], tuple[str, float, str]]
                             if ln.startswith("Cpus_allowed_list"))
             except (OSError, StopIteration):
                 continue
-            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            name = stat[stat.index("(") + 1:stat.rindex(")")] + (" main" if int(tid) == pid else "")
             f = stat[stat.rindex(")") + 2:].split()
             out[(pid, int(tid))] = (name, (int(f[11]) + int(f[12])) / TICK, cpus)
     return out
@@ -94,6 +96,28 @@ def cpu_delta(before: dict, after: dict) -> dict[str, float]:
         if d > 0:
             out[f"{name} [cpus {cpus}]"] += d
     return {k: round(v, 3) for k, v in out.most_common()}
+
+
+def move_io_threads(pids: list[int], core: int) -> list[str]:
+    """Every thread but the main one of the process of ``pids`` whose main thread is vLLM's
+    worker (``VLLM::Worker``: it runs the forward pass on its main thread, one OpenMP thread per
+    bound core, and the store tier's threads and Mooncake's transfer threads besides) moved to
+    ``core``: what an engine with its I/O threads off its compute core would do. The names moved."""
+    moved_names = []
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() != "VLLM::Worker":
+                continue
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, {core})
+                moved_names.append(Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip())
+            except OSError:
+                pass
+    return moved_names
 
 
 def tree(pid: int) -> list[int]:
@@ -126,6 +150,10 @@ def run(a: argparse.Namespace) -> int:
         readers = {k: (url, proc.pid) for k, (url, proc) in zip(arms, started[1:])}
         server_pids = [p.pid for p in (dep.cluster.server, dep.cluster.master) if p is not None]
         watch = StoreWatch(dep.cluster)
+        if a.io_core is not None:
+            for who, (_, pid) in readers.items():
+                print(f"[layerwise_load] {who}: threads moved to core {a.io_core}: "
+                      f"{Counter(move_io_threads(tree(pid), a.io_core))}", flush=True)
         for rep in range(a.reps + 1):  # the first is a warm-up, not in the figures
             p = ids(a.prefix + rng.randrange(1, CHUNK), rng)
             stream(w_url, p, 1)
@@ -163,7 +191,7 @@ def run(a: argparse.Namespace) -> int:
         dep.stop()
     rows = {who: summarise([r[who] for r in reps]) for who in ARMS if reps}
     result = {"machine": machine(model), "date": datetime.now(timezone.utc).isoformat(timespec="minutes"),
-              "prefix": a.prefix, "reps": a.reps, "groups": a.groups, "rows": rows, "per_rep": reps}
+              "prefix": a.prefix, "reps": a.reps, "groups": a.groups, "io_core": a.io_core, "rows": rows, "per_rep": reps}
     (out / "layerwise_load.md").write_text(table(result))
     print("\n" + table(result))
     return check.write(out / "layerwise_load.json", result, "layerwise_load")
@@ -184,7 +212,8 @@ def table(result: dict) -> str:
     m = result["machine"]
     lines = [f"Run {result['date']}, {m['cpu']} ({m['isa']}; engines in {m['dtype']}), {m['cores']} cores, "
              f"small model, prefix {result['prefix']} tokens, {result['reps']} repetitions (medians), "
-             f"{result['groups']} layer groups.", "",
+             f"{result['groups']} layer groups, readers' I/O threads on "
+             f"{'their engine core' if result['io_core'] is None else 'core %d' % result['io_core']}.", "",
              "| reader | hit ms | floor ms | hit /floor | cached | load ms | forward waited ms | MB loaded |",
              "|---|---|---|---|---|---|---|---|"]
     for who, r in result["rows"].items():
@@ -202,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions (after one warm-up)")
     ap.add_argument("--groups", type=int, default=4, help="layerwise_load_groups of the layer-wise reader")
     ap.add_argument("--segment-gb", type=int, default=4, help="the store server's segment, GiB")
+    ap.add_argument("--io-core", type=int, default=None,
+                    help="move the readers' worker threads but the main one (store and Mooncake I/O) to this core")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "layerwise_load"))
     a = ap.parse_args(argv)
