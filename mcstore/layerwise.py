@@ -145,6 +145,7 @@ class LayerLoads:
 
     def _start_layers(self, jobs: list[LoadJob], t0: float) -> None:
         """Queue ``jobs`` as this step's :class:`LayerUnit`, ahead of the step's background loads."""
+        self._end_layers()  # an earlier step's unit whose results nobody collected (vLLM always does)
         self._unit = LayerUnit(jobs, t0)
         self._load_q.put((self._unit, None))
 
