@@ -212,6 +212,33 @@ class StoreClient:
         self._after(rcs, t0, "batch_get_into_multi_buffers")
         return rcs
 
+    def session_start(self, keys: list[str]) -> list[int]:
+        """Mooncake's get session: the master's replica lookup of ``keys`` once, cached in this
+        client for :meth:`get_ranges` (and a read lease on each found object: a remove of one is
+        refused with OBJECT_HAS_LEASE meanwhile); 0 per key found, else a status code."""
+        t0 = time.monotonic()
+        rcs = list(self.store.batch_get_session_start(keys))
+        self._after(rcs, t0, "batch_get_session_start")
+        return rcs
+
+    def session_end(self, keys: list[str]) -> None:
+        """End the get session of ``keys`` (drops the cached replicas). Raises nothing."""
+        try:
+            self.store.batch_get_session_end(keys)
+        except Exception:  # noqa: BLE001 - nothing to do about a failed clean-up
+            pass
+
+    def get_ranges(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]],
+                   offsets: list[list[int]]) -> list[int]:
+        """Byte ranges of objects in a get session (:meth:`session_start`): key ``i``'s bytes
+        ``[offsets[i][j], offsets[i][j] + sizes[i][j])`` into ``ptrs[i][j]`` (registered memory).
+        Per key the bytes read (``sum(sizes[i])``), or a status code: INVALID_PARAMS (-600) for a
+        range past the object's end or a key outside the session."""
+        t0 = time.monotonic()
+        rcs = list(self.store.batch_get_into_multi_buffer_ranges(keys, ptrs, sizes, offsets))
+        self._after([rc for rc in rcs if rc != -600], t0, "batch_get_into_multi_buffer_ranges")
+        return rcs
+
     def fetch(self, key: str, max_bytes: int) -> bytes | None:
         """A small object's bytes (through the client's local buffer); None when it is absent,
         larger than ``max_bytes``, the breaker is open or the call failed. Raises nothing."""

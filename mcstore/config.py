@@ -34,6 +34,10 @@ IDLE_STEP_MS_ONE_RANK = 2.0
 # In-step loads up to 32 MiB: sooner TTFT to 16K tokens, a step stalls ~30 ms (docs/benchmarks/store-phases.md).
 SYNC_LOAD_MAX_CPU = 32 << 20
 
+# With layer-wise loads the step no longer waits for all of a load before its forward: in-step
+# loads up to 512 MiB (the 32K-token hit of the benchmarks' small model is 256 MB).
+LAYERWISE_SYNC_MAX_CPU = 512 << 20
+
 # Nice 10: nice 19 starved background loads while the engine decoded (docs/benchmarks/store-streams.md).
 LOAD_THREAD_NICE_CPU = 10
 # Nice 10: an engine pinned to one core lost 1.17x TPOT to its saves at nice 0, 1.12x at 10 and
@@ -169,8 +173,19 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "loads of one step together) runs inside the step that schedules its request, before the forward "
         "(vLLM's synchronous load), instead of in the background while the request waits for a later "
         "step; never while a background load is under way. The step, and every request in it, waits for "
-        f"the load. 0: always in the background; null: {SYNC_LOAD_MAX_CPU >> 20} MiB on a CPU engine, 0 "
+        f"the load (with layerwise_load, only for its first layers). 0: always in the background; null: "
+        f"{SYNC_LOAD_MAX_CPU >> 20} MiB on a CPU engine ({LAYERWISE_SYNC_MAX_CPU >> 20} MiB with layerwise_load), 0 "
         "elsewhere (not measured there).")] = None
+    layerwise_load: Annotated[bool, doc(
+        "Load a synchronous load's whole chunks layer by layer (mcstore.layerwise): the step starts the "
+        "ranged gets of the first layers and its forward pass begins at once, each attention layer "
+        "waiting (vLLM's wait_for_layer_load) only for its own layers' bytes. With it, a null "
+        f"sync_load_max is {LAYERWISE_SYNC_MAX_CPU >> 20} MiB on a CPU engine. Loads that stay whole-object: "
+        "background ones, staged (scattered) chunks, part objects and leading blocks of a chunk, and layouts "
+        "with KV cache groups (the hybrid allocator).")] = False
+    layerwise_load_groups: Annotated[int, doc(
+        "Layer-wise loads: the layers are split into this many consecutive groups (fewer if the model has "
+        "fewer layers), one ranged Mooncake get each, in layer order; at least 1.")] = 4
 
     lookup_blocking: Annotated[bool, doc(
         "Ask the master inside vLLM's scheduling step, once per request, and answer at once (the lookup "
@@ -233,6 +248,8 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"mcstore: lookup_wait_ms must be within [0, 100], got {self.lookup_wait_ms}")
         if self.idle_step_ms is not None and not 0 <= self.idle_step_ms <= 1000:
             raise ConfigError(f"mcstore: idle_step_ms must be within [0, 1000], got {self.idle_step_ms}")
+        if self.layerwise_load_groups < 1:
+            raise ConfigError(f"mcstore: layerwise_load_groups must be >= 1, got {self.layerwise_load_groups}")
         if self.save_retry_s < 0 or self.save_queue_chunks < 1:
             raise ConfigError("mcstore: save_retry_s must be >= 0 and save_queue_chunks >= 1")
         if self.enable_ssd_offload and not self.ssd_offload_path:
@@ -263,11 +280,14 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return SAVE_THREAD_NICE_CPU if device_type == "cpu" else 0
 
     def sync_load_bytes(self, device_type: str) -> int:
-        """Bytes per step that load synchronously: ``sync_load_max`` if set, else
-        SYNC_LOAD_MAX_CPU on a CPU engine and 0 (never) on others."""
+        """Bytes per step that load synchronously: ``sync_load_max`` if set, else on a CPU engine
+        LAYERWISE_SYNC_MAX_CPU with ``layerwise_load`` and SYNC_LOAD_MAX_CPU without, and 0
+        (never) on others."""
         if self.sync_load_max is not None:
             return self.sync_load_max
-        return SYNC_LOAD_MAX_CPU if device_type == "cpu" else 0
+        if device_type != "cpu":
+            return 0
+        return LAYERWISE_SYNC_MAX_CPU if self.layerwise_load else SYNC_LOAD_MAX_CPU
 
     @property
     def master_host_port(self) -> tuple[str, int]:

@@ -205,7 +205,8 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA, Tier):
         self._worker.start_load_kv(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+        if self._worker is not None:
+            self._worker.wait_layer(layer_name)  # a no-op unless this step loads layer-wise
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
         return None

@@ -73,6 +73,9 @@ class Loads:
                 job, deadline = self._load_q.get(timeout=0.5)
             except queue.Empty:
                 continue
+            if deadline is None:  # a step's layer-wise loads (mcstore.layerwise), which book themselves
+                self._run_layers(job)
+                continue
             try:
                 failed = self._load(job, deadline)
             except Exception as e:  # noqa: BLE001 - a load must end, whatever happened
@@ -119,6 +122,13 @@ class Loads:
             if time.monotonic() > deadline:
                 # Bytes may be in place, but too late to be trusted as on time: recompute.
                 cause, gone, ok = "timeout", False, [False] * n
+        return self._book_load(job, ok, cause, gone, t0)
+
+    def _book_load(self, job: LoadJob, ok: list[bool], cause: str | None, gone: bool, t0: float) -> list[int]:
+        """Account for load ``job`` started at ``t0`` whose chunk ``i`` arrived whole iff ``ok[i]``
+        (the first failure's ``cause``, ``gone``: it was a miss): stats, load report, KV events,
+        log. The blocks to recompute: those of the first chunk not ok and of every one after it."""
+        n = len(job.chunks)
         first_bad = next((i for i in range(n) if not ok[i]), n)
         loaded = job.chunks[:first_bad]
         nbytes = sum(len(c.block_ids) * self._block_bytes(c) for c in loaded)

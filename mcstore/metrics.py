@@ -12,6 +12,10 @@ time goes can be read off any engine's /metrics:
   chunk, several per get; a chunk needed from a later block on, alone), then their pages
   copied into place;
 - ``load_recheck``: the master round trip that confirms the loaded objects still exist;
+- layer-wise loads (``layerwise_load``, :mod:`mcstore.layerwise`): ``load_session`` (the get
+  session's replica lookup at the master), ``load_layer_first`` (the first layer group's ranged
+  get), ``load_layers`` (every group's, digests included) and ``load_layer_wait`` (per step, how
+  long the forward pass waited in ``wait_for_layer_load`` in all);
 - ``save_queue``: from the step that queued the save until the save thread took it
   (includes waiting for the forward pass that writes the pages);
 - ``save_exists``: the master round trip that skips chunks already stored;
@@ -56,7 +60,8 @@ SPEC = MetricSpec(
         "load": "Duration of one request's store load",
         "save": "Duration of one save batch",
         "phase": "Time in one phase of a load or save (phase=load_queue|load_transfer|load_staging|"
-                 "load_copy|load_recheck|save_queue|save_exists|save_transfer|save_dirs)",
+                 "load_copy|load_recheck|load_session|load_layer_first|load_layers|load_layer_wait|save_queue|"
+                 "save_exists|save_transfer|save_dirs)",
     },
     op_labels={"phase": "phase"},
 )

@@ -4,7 +4,8 @@ Loads and saves run on two background threads, off the forward path (a synchrono
 step waits for its load before the forward: ``sync_load_max``; a save starts at the next step),
 straight between the registered KV pages and the store (zero copy; except a load of a chunk whose
 blocks are scattered, or needed from a later block on, which goes through host staging:
-:mod:`mcstore.loads`). A stored object is one
+:mod:`mcstore.loads`; with ``layerwise_load`` a synchronous load's step waits per layer
+instead: :mod:`mcstore.layerwise`). A stored object is one
 chunk of one TP rank: the chunk's pages in canonical order (layer-major, then
 block order; see ``KVGeometry.ranges``), so its bytes do not depend on the block
 ids it was saved from or is loaded into. The load path is in :mod:`mcstore.loads`.
@@ -35,12 +36,14 @@ from kvcore.geometry import KVGeometry
 from kvcore.log import get_logger
 from kvcore.pages import PageViews
 from kvcore.platform import current as current_platform, wait_fence
+from kvcore.procs import name_thread
 from kvcore.tier import LoadReports
 from kvcore.vllm_glue import KVConnectorTransferResults
 from mcstore.client import StoreClient
 from mcstore.config import StoreConfig
 from mcstore.events import StoreWorkerMeta, WorkerNews
 from mcstore.keys import KeySpace
+from mcstore.layerwise import LayerLoads
 from mcstore.loads import _TRAILER_SLOTS, Loads
 from mcstore.metrics import StoreStats
 from mcstore.objects import TRAILER as _TRAILER, pack_trailer, trailer  # noqa: F401  (tests import trailer here)
@@ -53,7 +56,7 @@ _PREEMPT_WAIT_S = 5.0
 SAVE_HOLD_S = 0.02  # a queued save starts at the next step, or this long after it was queued
 
 
-class StoreWorker(Loads, Saves, WorkerNews):
+class StoreWorker(Loads, LayerLoads, Saves, WorkerNews):
     def __init__(self, cfg: StoreConfig, keys: KeySpace, block_size: int, num_blocks: int,
                  rank: int, *, load: bool, save: bool, events: bool = False, groups: list | None = None):
         self.cfg = cfg
@@ -141,6 +144,7 @@ class StoreWorker(Loads, Saves, WorkerNews):
         self._region_pre = self._region_pres[0]
         # Scattered chunks load through host staging (mcstore.loads): the threshold in ranges.
         self.stage_above = int(self.cfg.stage_above_ranges_per_region * len(self.geo.regions))
+        self._layers_setup()  # layer-wise loads (mcstore.layerwise)
         self._start_threads()
         logger.info("mcstore worker: %d KV group(s), %s KV regions, %d bytes per %d-token chunk",
                     len(self.geos), "+".join(str(len(g.regions)) for g in self.geos),
@@ -166,6 +170,7 @@ class StoreWorker(Loads, Saves, WorkerNews):
         # almost no core (mcstore.config.LOAD_THREAD_NICE_CPU, SAVE_THREAD_NICE_CPU). Better
         # still, off the compute core altogether (io_cpus, kvcore.iocpus).
         iocpus.pin_this_thread(self.io_cpus, "mcstore")
+        name_thread(threading.current_thread().name)  # mcstore-load / mcstore-save in top -H, perf
         if nice:
             try:
                 tid = threading.get_native_id()
@@ -197,9 +202,13 @@ class StoreWorker(Loads, Saves, WorkerNews):
 
     def start_load_kv(self, meta: StoreMetadata) -> None:
         now = time.monotonic()
+        layered = [job for job in meta.loads if self._layerwise(job)]
+        if layered:  # first: the forward waits for their first layers (mcstore.layerwise)
+            self._start_layers(layered, now)
         for job in meta.loads:
-            self._load_q.put((job, now + job.timeout_s))
-        sync = [job for job in meta.loads if job.sync]
+            if job not in layered:
+                self._load_q.put((job, now + job.timeout_s))
+        sync = [job for job in meta.loads if job.sync and job not in layered]
         if sync:
             self._wait_sync(sync, now)
 
@@ -288,6 +297,7 @@ class StoreWorker(Loads, Saves, WorkerNews):
                 self._lock.wait(left)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._end_layers()  # this step's layer-wise loads, into this step's load errors
         with self._lock:
             for rid in finished_req_ids:
                 if rid in self._pending_saves:
@@ -317,6 +327,7 @@ class StoreWorker(Loads, Saves, WorkerNews):
                                           failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._end_layers()  # vLLM calls get_finished first; this covers a caller that does not
         with self._lock:
             out, self._step_errors = self._step_errors, set()
         return out
