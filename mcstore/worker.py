@@ -167,8 +167,7 @@ class StoreWorker(Loads, LayerLoads, Saves, WorkerNews):
         # polls (a per-thread nice value on Linux) leaves the core to both. The thread's own
         # Python work runs at that priority too: a load starts about 1 ms later. Not the lowest
         # priority: while the engine decodes, its forward passes would leave a nice-19 thread
-        # almost no core (mcstore.config.LOAD_THREAD_NICE_CPU, SAVE_THREAD_NICE_CPU). Better
-        # still, off the compute core altogether (io_cpus, kvcore.iocpus).
+        # almost no core (mcstore.config.*_THREAD_NICE_CPU). Better: off the compute core (io_cpus).
         iocpus.pin_this_thread(self.io_cpus, "mcstore")
         name_thread(threading.current_thread().name)  # mcstore-load / mcstore-save in top -H, perf
         if nice:
