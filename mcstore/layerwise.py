@@ -189,8 +189,8 @@ class LayerLoads:
                 self._lock.wait(left if left > 0 else 1.0)
             self._unit = None
             for job in u.jobs:
-                failed = self._done_loads.pop(job.req_id)
-                if u.given_up or unwaited:
+                failed = self._done_loads.pop(job.req_id, None)
+                if failed is None or u.given_up or unwaited:  # None: never booked (logged)
                     failed = [b for c in job.chunks for b in c.block_ids]
                 self._step_errors.update(failed)
             self.stats.observe("phase:load_layer_wait", u.wait_s)
@@ -218,16 +218,20 @@ class LayerLoads:
             u.done = 1 << 30  # every group is as in as it will be: no layer waits any longer
             self._lock.notify_all()
         pos = 0
-        for j, job in enumerate(u.jobs):
-            n = len(job.chunks)
-            cause, gone = why.get(j, (None, False))
-            failed = self._book_load(job, ok[pos:pos + n], cause, gone, u.t0)
-            pos += n
+        try:
+            for j, job in enumerate(u.jobs):
+                n = len(job.chunks)
+                cause, gone = why.get(j, (None, False))
+                failed = self._book_load(job, ok[pos:pos + n], cause, gone, u.t0)
+                pos += n
+                with self._lock:
+                    self._done_loads[job.req_id] = failed
+        except Exception as e:  # noqa: BLE001 - the step waits for u.ended: it must come
+            logger.exception("mcstore: booking a layer-wise load failed: %s", e)
+        finally:
             with self._lock:
-                self._done_loads[job.req_id] = failed
-        with self._lock:
-            u.ended = True
-            self._lock.notify_all()
+                u.ended = True
+                self._lock.notify_all()
 
     def _fetch_layers(self, u: LayerUnit, items: list, ok: list[bool], why: dict) -> None:
         """Group by group, the unit's objects' byte ranges into their pages (``ok[i]`` := item

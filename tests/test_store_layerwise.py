@@ -175,3 +175,24 @@ def test_layerwise_load_catches_one_corrupted_layer_and_a_wrong_size(store_clust
         raw.close()
         w.close()
         w2.close()
+
+
+@pytest.mark.integration
+def test_layerwise_load_whose_booking_fails_still_ends_the_step_with_every_block_failed(store_cluster, _client_env,
+                                                                                      monkeypatch):
+    w, buf = _worker(store_cluster.master_addr)
+    try:
+        buf.normal_()
+        link = f"mct/lw/book-{time.monotonic_ns()}"
+        _save(w, [link], [[1, 2]])
+
+        def broken(*a, **k):
+            raise RuntimeError("bookkeeping broke")
+
+        monkeypatch.setattr(w, "_book_load", broken)
+        t0 = time.monotonic()
+        errors = _sync_load(w, "b", [ChunkIO(link, 0, [20, 21])], [f"layer{i}" for i in range(LAYERS)])
+        assert errors == {20, 21}  # recomputed, and the step did not wait for the unit's deadline
+        assert time.monotonic() - t0 < 5
+    finally:
+        w.close()
