@@ -16,6 +16,8 @@ connector's transfers (``OMPProcessManager.reserve_cpu_num`` in vLLM's
   ``OMP_PLACES``; when nothing is left (an engine pinned whole to its compute cores, as
   ``taskset -c 1``), the threads stay where they are. With ``VLLM_CPU_OMP_THREADS_BIND=auto``
   only this rank's list is known (``OMP_PLACES``): set the list explicitly for TP > 1 there.
+  Several engines on one host each started on every CPU: another engine's compute cores look
+  free to this one (docs/deploy.md, "CPU engines: a core for the connector").
 - ``none``: the threads stay where they are.
 - a list: exactly those CPUs (those the host does not have are an error).
 
