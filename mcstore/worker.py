@@ -43,7 +43,7 @@ from mcstore.client import StoreClient
 from mcstore.config import StoreConfig
 from mcstore.events import StoreWorkerMeta, WorkerNews
 from mcstore.keys import KeySpace
-from mcstore.layerwise import LayerLoads
+from mcstore.layerwise import LayerLoads, region_offsets
 from mcstore.loads import _TRAILER_SLOTS, Loads
 from mcstore.metrics import StoreStats
 from mcstore.objects import TRAILER as _TRAILER, pack_trailer, trailer  # noqa: F401  (tests import trailer here)
@@ -134,13 +134,7 @@ class StoreWorker(Loads, LayerLoads, Saves, WorkerNews):
                 self.client.register(t.data_ptr(), t.numel())
         # Region r of a stored object of n blocks starts n * _region_pre[r] bytes in: after the
         # object's pages of regions < r (per group).
-        self._region_pres = []
-        for geo in self.geos:
-            pre, off = [], 0
-            for r in geo.regions:
-                pre.append(off)
-                off += r.page_bytes
-            self._region_pres.append(pre)
+        self._region_pres = [region_offsets(geo.regions) for geo in self.geos]
         self._region_pre = self._region_pres[0]
         # Scattered chunks load through host staging (mcstore.loads): the threshold in ranges.
         self.stage_above = int(self.cfg.stage_above_ranges_per_region * len(self.geo.regions))
