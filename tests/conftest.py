@@ -80,3 +80,15 @@ def store_cluster(tmp_path_factory):
     ).start()
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def raw(store_cluster):
+    """A pure Mooncake client of ``store_cluster`` in the test process (no segment), one per
+    module. Modules with their own cluster (``test_tp2_e2e``, ``test_faults_store``) define
+    their own ``raw``."""
+    from tests.store_util import raw_client
+
+    s = raw_client(store_cluster.master_addr)
+    yield s
+    s.close()

@@ -202,6 +202,15 @@ def start_proxy(name: str, prefill: str | list[str], decode: str | list[str], ti
     return proc, f"http://{host}:{port}"
 
 
+KV_HEADS, HEAD_SIZE = 2, 64  # the tiny presets' (multi.cli.models.PRESETS)
+
+
+def page_bytes(engine: Engine) -> int:
+    """One layer's page of one block in the engine's KV cache, for the tiny presets (CPU: K and
+    V rows of every KV head)."""
+    return 2 * BLOCK * KV_HEADS * HEAD_SIZE * {"float32": 4, "bfloat16": 2, "float16": 2}[engine.dtype]
+
+
 def cached_tokens(resp: dict) -> int:
     details = (resp.get("usage") or {}).get("prompt_tokens_details") or {}
     return int(details.get("cached_tokens") or 0)

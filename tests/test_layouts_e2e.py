@@ -30,11 +30,12 @@ from tests.harness import (
     Engine,
     cached_tokens,
     model_dir,
+    page_bytes,
     prompt_ids,
     reference_tokens,
     start_engines,
 )
-from tests.store_util import all_keys, raw_client, store_kv, wait_saved
+from tests.store_util import all_keys, store_kv, wait_saved
 
 pytestmark = pytest.mark.e2e
 
@@ -75,7 +76,6 @@ def test_every_layer_sliding_model_is_refused_at_startup(store_cluster, connecto
 
 HMA_CHUNK = 128  # 4 blocks: a sliding group's object holds the last 2, its 64-token window's
 HMA_PROMPT = PREFIX + 88  # 4 whole chunks, the 600-token prompt far longer than the window
-KV_HEADS, HEAD_SIZE = 2, 64  # the tiny presets' (multi.cli.models.PRESETS)
 
 
 @pytest.fixture(scope="module")
@@ -100,18 +100,6 @@ def hma(store_cluster):
         for pair in out.values():
             for e in pair:
                 e.stop()
-
-
-@pytest.fixture(scope="module")
-def raw(store_cluster):
-    s = raw_client(store_cluster.master_addr)
-    yield s
-    s.close()
-
-
-def _page_bytes(engine: Engine) -> int:
-    """One layer's page of one block in the engine's KV cache (CPU: K and V rows of every KV head)."""
-    return 2 * BLOCK * KV_HEADS * HEAD_SIZE * {"float32": 4, "bfloat16": 2, "float16": 2}[engine.dtype]
 
 
 def _save(engine: Engine, prompt: list[int], cluster, groups: int) -> dict[int, list[str]]:
@@ -144,7 +132,7 @@ def test_hybrid_store_hit_matches_reference_window_only(hma, store_cluster, raw,
     p = prompt_ids(HMA_PROMPT, seed)
     q = p[:PREFIX] + prompt_ids(100, seed + 1)
     by_group = _save(s, p, store_cluster, len(layers))
-    page = _page_bytes(s)
+    page = page_bytes(s)
     assert sorted(by_group) == sorted(layers)
     for g, keys in by_group.items():
         blocks = 2 if g in sliding else HMA_CHUNK // BLOCK

@@ -16,7 +16,17 @@ import pytest
 import requests
 
 from kvcore.procs import free_port
-from tests.harness import BLOCK, Engine, cached_tokens, model_dir, prompt_ids, reference_tokens, start_engines, start_proxy
+from tests.harness import (
+    BLOCK,
+    Engine,
+    cached_tokens,
+    model_dir,
+    page_bytes,
+    prompt_ids,
+    reference_tokens,
+    start_engines,
+    start_proxy,
+)
 from tests.support import wait_metric
 
 pytestmark = pytest.mark.e2e
@@ -24,7 +34,6 @@ pytestmark = pytest.mark.e2e
 PREFIX = 512  # far beyond the 64-token window
 MAX_TOKENS = 8
 WINDOW = 64
-KV_HEADS, HEAD_SIZE = 2, 64  # the tiny presets' (multi.cli.models.PRESETS)
 # (sliding group, layers of each group) with the hybrid allocator on (tests/test_layouts_hybrid.py)
 LAYOUT = {"tiny-swa": (0, {0: 1, 1: 1}), "tiny-swa-all": (0, {0: 2})}
 
@@ -78,11 +87,6 @@ def _handoff(url: str, prompt: list[int]) -> dict:
     return r.json()
 
 
-def _page_bytes(engine: Engine) -> int:
-    """One layer's page of one block (CPU: K and V rows of every KV head)."""
-    return 2 * BLOCK * KV_HEADS * HEAD_SIZE * {"float32": 4, "bfloat16": 2, "float16": 2}[engine.dtype]
-
-
 def test_hybrid_handoff_matches_reference_window_only(hma_pd):
     """Each group pulled at its own block ids: the full group's every prompt block, the sliding
     group's blocks from the window of the prompt's end on only; the tokens are the reference's."""
@@ -101,7 +105,7 @@ def test_hybrid_handoff_matches_reference_window_only(hma_pd):
     total = -(-n // BLOCK)
     kept = total - max(0, n - WINDOW + 1) // BLOCK  # vLLM's first kept block of the window
     assert (kept, total) == ((3, 17) if connector == "p2p" else (2, 16))  # a sliding group's 3 of 17
-    want = sum((kept if g == sliding else total) * k for g, k in layers.items()) * _page_bytes(d)
+    want = sum((kept if g == sliding else total) * k for g, k in layers.items()) * page_bytes(d)
     pulled = wait_metric(lambda: d.metric("vllm:mctier_p2p_bytes_total", kind="pulled") - before,
                          lambda v: v >= want, 10)
     assert pulled == want

@@ -21,7 +21,7 @@ import pytest
 
 from mcstore.worker import trailer as worker_trailer
 from tests.harness import Engine, cached_tokens, prompt_ids, start_engines
-from tests.store_util import all_keys, kill_mid_put, multi_kv, raw_client, store_kv, wait_saved
+from tests.store_util import all_keys, kill_mid_put, multi_kv, store_kv, wait_saved
 
 pytestmark = pytest.mark.e2e
 
@@ -47,13 +47,6 @@ def engines(store_cluster, tmp_path_factory):
     yield a, b
     a.stop()
     b.stop()
-
-
-@pytest.fixture(scope="module")
-def raw(store_cluster):
-    s = raw_client(store_cluster.master_addr)
-    yield s
-    s.close()
 
 
 def _shared(seed: int, tail_seed: int, n_tail: int = 100) -> tuple[list[int], list[int]]:

@@ -20,7 +20,7 @@ import zmq
 
 from kvcore.procs import free_port
 from tests.harness import Engine, cached_tokens, prompt_ids
-from tests.store_util import all_keys, raw_client, store_kv, wait_saved
+from tests.store_util import all_keys, store_kv, wait_saved
 from tests.support import frozen, wait_metric
 
 pytestmark = pytest.mark.e2e
@@ -74,13 +74,6 @@ def engine(store_cluster):
     yield e, sub
     sub.close()
     e.stop()
-
-
-@pytest.fixture(scope="module")
-def raw(store_cluster):
-    s = raw_client(store_cluster.master_addr)
-    yield s
-    s.close()
 
 
 def _mooncake(events, kind: str) -> list:

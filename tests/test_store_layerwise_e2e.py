@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 
 from mcstore.objects import TRAILER
-from tests.harness import BLOCK, Engine, cached_tokens, prompt_ids, start_engines
-from tests.store_util import all_keys, raw_client, store_kv, wait_saved
+from tests.harness import Engine, cached_tokens, page_bytes, prompt_ids, start_engines
+from tests.store_util import all_keys, store_kv, wait_saved
 from tests.support import wait_for
 
 pytestmark = pytest.mark.e2e
 
 CHUNK = 64  # store_kv's chunk_tokens: 2 blocks
 PREFIX = 512  # 8 chunks
-KV_HEADS, HEAD_SIZE, LAYERS = 2, 64, 2  # the tiny model (multi/cli/models.py)
+LAYERS = 2  # the tiny model (multi/cli/models.py)
 DTYPES = {"float32": np.float32, "bfloat16": np.float16, "float16": np.float16}
 
 
@@ -37,18 +37,6 @@ def engines(store_cluster):
     yield {"V": v, "N": n}
     v.stop()
     n.stop()
-
-
-@pytest.fixture(scope="module")
-def raw(store_cluster):
-    s = raw_client(store_cluster.master_addr)
-    yield s
-    s.close()
-
-
-def _page_bytes(engine: Engine) -> int:
-    """One layer's page of one block (CPU: K and V rows of every KV head)."""
-    return 2 * BLOCK * KV_HEADS * HEAD_SIZE * np.dtype(DTYPES[engine.dtype]).itemsize
 
 
 def _save(engine: Engine, prompt: list[int], cluster) -> list[str]:
@@ -110,7 +98,7 @@ def test_corrupted_layer_is_caught_and_recomputed(engines, baseline, store_clust
     p = prompt_ids(PREFIX + 20, 5)
     q = p[:PREFIX] + prompt_ids(100, 6)
     keys = _save(v, p, store_cluster)
-    page = _page_bytes(v)
+    page = page_bytes(v)
     assert {raw.get_size(k) for k in keys} == {LAYERS * 2 * page + TRAILER.size}
     _noise_layer(raw, keys, 1, page, DTYPES[v.dtype], np.random.default_rng(5))
     fails0 = v.metric("vllm:mctier_store_failures_total", kind="load_checksum")
@@ -127,7 +115,7 @@ def test_negative_control_corrupted_layer_changes_tokens(engines, baseline, stor
     p = prompt_ids(PREFIX + 20, 7)
     q = p[:PREFIX] + prompt_ids(100, 8)
     keys = _save(n, p, store_cluster)
-    page = _page_bytes(n)
+    page = page_bytes(n)
     assert {raw.get_size(k) for k in keys} == {LAYERS * 2 * page}
     _noise_layer(raw, keys, 1, page, DTYPES[n.dtype], np.random.default_rng(7))
     r, layered = _hit(n, q)

@@ -16,7 +16,6 @@ from mcstore.config import load_config
 from mcstore.keys import KeySpace, fingerprint
 from mcstore.scheduler import StoreScheduler
 from mcstore.server import CLIENT_ENV
-from tests.store_util import raw_client
 from tests.support import frozen
 
 pytestmark = pytest.mark.integration
@@ -69,13 +68,6 @@ def _answers(s: StoreScheduler, reqs, timeout_s: float = 10.0, max_call_s: list 
         s.build_connector_meta(_step())
         time.sleep(0.002)  # the step's forward
     return out
-
-
-@pytest.fixture(scope="module")
-def raw(store_cluster):
-    c = raw_client(store_cluster.master_addr)
-    yield c
-    c.close()
 
 
 def test_lookups_of_one_step_go_as_one_batch_and_answer_as_the_lookup_blocking(store_cluster, raw):

@@ -20,7 +20,7 @@ import pytest
 
 from mcstore.keys import EngineMeta
 from tests.harness import Engine, cached_tokens, prompt_ids, start_engines
-from tests.store_util import all_keys, raw_client, store_kv
+from tests.store_util import all_keys, store_kv
 from tests.support import Call, engine_worker, frozen, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -47,13 +47,6 @@ def engines(store_cluster):
     yield w, r, t
     for e in (w, r, t):
         e.stop()
-
-
-@pytest.fixture(scope="module")
-def raw(store_cluster):
-    s = raw_client(store_cluster.master_addr)
-    yield s
-    s.close()
 
 
 def _ks(raw, store_cluster):
