@@ -175,7 +175,8 @@ def _hit_metrics(url: str, m0: dict) -> dict:
             "load_s": get(d, "vllm:mctier_store_load_seconds_sum"),
             "lookup_s": get(d, "vllm:mctier_store_lookup_seconds_sum") / n_lookups if n_lookups else None,
             "failures": get(d, "vllm:mctier_store_failures_total"),
-            "sync_loads": get(d, "vllm:mctier_store_loads_total", kind="sync")}
+            "sync_loads": get(d, "vllm:mctier_store_loads_total", kind="sync"),
+            "layer_wait_s": get(d, "vllm:mctier_store_phase_seconds_sum", phase="load_layer_wait")}
 
 
 def run(a: argparse.Namespace) -> int:
@@ -189,7 +190,7 @@ def run(a: argparse.Namespace) -> int:
     arms = {"store": {}, **settings(a.arm, "--arm")}  # the StoreConnector readers: name -> their settings
     cpus = engine_cpus(a.reserve_core)
     io_core = 0 if a.reserve_core else 1  # where the readers' I/O threads run: the raw get's core
-    rows, watch = [], None
+    rows, watch, per_rep = [], None, []
     term_as_interrupt()
     try:
         dep.cluster = StoreCluster(log_dir=out / "logs", segment_size=a.segment_gb << 30).start()
@@ -248,6 +249,7 @@ def run(a: argparse.Namespace) -> int:
                 if rep:
                     objects.append(objs)
                     misses.append(miss.ttft)
+            per_rep.append({"prefix_tokens": n_pfx, "cases": per})
             for arm in arms:
                 for case in CASES:
                     rows.append(summarise(n_pfx, case, arm, per[case], objects, misses))
@@ -258,7 +260,7 @@ def run(a: argparse.Namespace) -> int:
         dep.stop()
     result = {"machine": machine(model), "date": datetime.now(timezone.utc).isoformat(timespec="minutes"),
               "commit": commit(), "reps": a.reps, "chunk_tokens": CHUNK, "reserve_core": a.reserve_core,
-              "arms": arms, "rows": rows, "lookups": lookups, "pids": sorted(set(dep.started))}
+              "arms": arms, "rows": rows, "per_rep": per_rep, "lookups": lookups, "pids": sorted(set(dep.started))}
     (out / "store_divergence.md").write_text(table(rows, result))
     print("\n" + table(rows, result))
     return check.write(out / "store_divergence.json", result, "store_divergence")
@@ -285,7 +287,7 @@ def summarise(n_pfx: int, case: str, arm: str, reps: list[dict], objects: list[d
             "store_vs_floor": s / floor if s and floor else None, "tiered_vs_store": t / s if t and s else None,
             "floor_cached": m("writer", "cached"), "own_cached": m(arm, "own_cached"), "store_cached": m(arm, "cached"),
             "tiered_cached": m("tiered", "cached") if tiered else None, "partial_tokens": m(arm, "partial_tokens"),
-            "loaded_bytes": m(arm, "loaded_bytes"), "load_s": m(arm, "load_s"),
+            "loaded_bytes": m(arm, "loaded_bytes"), "load_s": m(arm, "load_s"), "layer_wait_s": m(arm, "layer_wait_s"),
             "lookup_s": m(arm, "lookup_s"), "tiered_lookup_s": m("tiered", "lookup_s") if tiered else None,
             "tiered_sync_loads": sum(r["tiered"]["sync_loads"] for r in reps) if tiered else None,
             "store_sync_loads": sum(r[arm]["sync_loads"] for r in reps),
