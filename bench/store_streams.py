@@ -9,7 +9,7 @@ load takes the engine's core in slices while the steps go on. This benchmark sho
 costs the decode streams of the engine that reads, and what the arriving request gains.
 
 A Mooncake master and store server on loopback, one writer engine (core 0) and two readers
-(core 1) with ``StoreConnector`` on the ``small`` model: ``sync`` (the default settings) and
+(core 1, ``kv_consumer``: they never save) with ``StoreConnector`` on the ``small`` model: ``sync`` (the default settings) and
 ``background`` (``sync_load_max`` 0), and one more per ``--arm`` (settings of its own, e.g.
 another ``load_thread_nice``; ``--reserve-core``: every engine in vLLM's layout with a reserved
 core, :func:`bench.common.engine_cpus`), taking turns (order rotating) in one run. Per prefix length and
@@ -77,6 +77,13 @@ from multi.cli.deploy import Deployment  # noqa: E402
 READERS = {"sync": {}, "background": {"sync_load_max": 0}}
 STREAM_PROMPT = 64
 HIT_TOKENS = 4
+
+
+def reader_config(master: str, extra: dict) -> dict:
+    """A reader's config: ``kv_consumer``, so that it never saves. A ``kv_both`` reader saved
+    the hit's prompt (since key version 4 its tail block too, a part object), and the readers
+    after it in the rotation loaded the whole prompt from the store instead of the prefix."""
+    return {**store_config(master, **extra), "kv_role": "kv_consumer"}
 
 
 async def window(url: str, prompt: list[int], ticks: list[list[tuple[float, int]]]):
@@ -150,7 +157,7 @@ def run(a: argparse.Namespace) -> int:
         cpus = engine_cpus(a.reserve_core)
         (w_url, _), *started = start_engines(
             dep, model, [("streams-writer", 0, store_config(master), cpus),
-                         *((f"streams-{name}", 1, store_config(master, **extra), cpus) for name, extra in arms.items())],
+                         *((f"streams-{name}", 1, reader_config(master, extra), cpus) for name, extra in arms.items())],
             extra=long)
         readers = dict(zip(arms, started))
         for n_pfx in prefixes:
