@@ -143,6 +143,28 @@ def long_context_args(tokens: int, positions: int = MODEL_POSITIONS) -> list[str
     return ["--max-model-len", str(tokens), "--hf-overrides", json.dumps({"max_position_embeddings": tokens})]
 
 
+def commit() -> str:
+    """This tree's short commit id (``MCTIER_COMMIT`` or "unknown" outside a git checkout)."""
+    import subprocess
+
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip() or os.environ.get("MCTIER_COMMIT", "unknown")
+
+
+RESERVE_CORE_HELP = ("each engine started on every CPU of the host with only its forward (OpenMP, "
+                     "VLLM_CPU_OMP_THREADS_BIND) on its own core, as vLLM lays out an engine with reserved cores: "
+                     "its other processes and a tier's I/O threads (io_cpus auto) go to the others")
+
+
+def engine_cpus(reserve_core: bool) -> dict:
+    """:meth:`Deployment.engine` keyword arguments of an engine's CPU layout: none (pinned whole
+    to its core), or with ``reserve_core`` started on every CPU of the host, its forward's
+    OpenMP threads still bound to its core: vLLM's layout with cores reserved for the rest
+    (``--reserve-core`` of the benchmarks; ``io_cpus: auto`` then puts a tier's I/O threads,
+    and Mooncake's, off the compute core)."""
+    return {"cpus": set(range(os.cpu_count() or 1))} if reserve_core else {}
+
+
 def run_deployments(dep: Deployment, deployments: dict[str, Callable[[], object]], tag: str) -> dict[str, str]:
     """Run each deployment's part of a benchmark (name -> callable) in turn, each on cores of
     its own: everything ``dep`` started is stopped after each one, and at the end, also on

@@ -1,6 +1,6 @@
 """Layer-wise store loads against whole ones, and where the CPU time of a hit goes (not a test).
 
-    .venv/bin/python -m bench.layerwise_load [--prefix 32768] [--reps 3] [--groups 4]
+    .venv/bin/python -m bench.layerwise_load [--prefix 32768] [--reps 3] [--groups 4] [--reserve-core]
 
 A Mooncake master and store server on loopback and, on the ``small`` model: a writer W
 (``StoreConnector``, ``kv_producer``) on core 0, and three ``kv_consumer`` readers on core 1
@@ -17,8 +17,11 @@ Around each hit the CPU time of every thread of the reader's processes and of th
 server is read from ``/proc`` (``utime + stime``, by thread name: the store worker's I/O
 threads are named ``mcstore-load`` / ``mcstore-save``; the others keep their process's name),
 with the cores each may run on (``main``: a process's main thread; the worker's runs the
-forward pass): whether the transfer's CPU work could overlap the forward. ``--io-core N`` moves
-every other thread of the readers' worker processes (the store tier's, Mooncake's) to core N.
+forward pass): whether the transfer's CPU work could overlap the forward. ``--reserve-core``:
+every engine started on both cores with only its forward bound to its core
+(:func:`bench.common.engine_cpus`, vLLM's layout with a reserved core), so that the readers'
+``io_cpus: auto`` puts their I/O threads (the store tier's, Mooncake's) on core 0, as a deployment
+with a core for the connector does (replaces moving them from outside, the former ``--io-core``).
 Writes ``layerwise_load.json`` and ``layerwise_load.md`` to ``--out`` (default
 ``bench/results/layerwise_load``); exit status 1 if any token differed.
 """
@@ -41,7 +44,10 @@ sys.path.insert(0, str(ROOT))
 from bench.client import ids, reset_prefix_cache, stream  # noqa: E402
 from bench.common import (  # noqa: E402
     QUIET_S,
+    RESERVE_CORE_HELP,
     Checker,
+    commit,
+    engine_cpus,
     long_context_args,
     machine,
     model_dir,
@@ -58,6 +64,8 @@ from multi.cli.deploy import Deployment  # noqa: E402
 CHUNK, BLOCK, SUFFIX, MAX_TOKENS = 256, 32, 32, 4
 ARMS = {"whole": {}, "sync": {"sync_load_max": "1GB"}, "layerwise": {"layerwise_load": True}}
 TICK = os.sysconf("SC_CLK_TCK")
+LAYOUTS = {False: "pinned whole to one core each (the I/O threads on the engine's core)",
+           True: "started on every core, forward bound to one (--reserve-core: the readers' I/O threads on core 0)"}
 
 
 def store_config(master: str, role: str, **extra) -> dict:
@@ -98,28 +106,6 @@ def cpu_delta(before: dict, after: dict) -> dict[str, float]:
     return {k: round(v, 3) for k, v in out.most_common()}
 
 
-def move_io_threads(pids: list[int], core: int) -> list[str]:
-    """Every thread but the main one of the process of ``pids`` whose main thread is vLLM's
-    worker (``VLLM::Worker``: it runs the forward pass on its main thread, one OpenMP thread per
-    bound core, and the store tier's threads and Mooncake's transfer threads besides) moved to
-    ``core``: what an engine with its I/O threads off its compute core would do. The names moved."""
-    moved_names = []
-    for pid in pids:
-        try:
-            if Path(f"/proc/{pid}/comm").read_text().strip() != "VLLM::Worker":
-                continue
-            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                os.sched_setaffinity(tid, {core})
-                moved_names.append(Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip())
-            except OSError:
-                pass
-    return moved_names
-
-
 def tree(pid: int) -> list[int]:
     import psutil
 
@@ -142,18 +128,15 @@ def run(a: argparse.Namespace) -> int:
         master = dep.cluster.master_addr
         arms = {k: dict(v, **({"layerwise_load_groups": a.groups} if "layerwise_load" in v else {}))
                 for k, v in ARMS.items()}
-        specs = [("lw-writer", 0, store_config(master, "kv_producer"))]
-        specs += [(f"lw-{k}", 1, store_config(master, "kv_consumer", **v), {"env": {"VLLM_SERVER_DEV_MODE": "1"}})
+        cpus = engine_cpus(a.reserve_core)
+        specs = [("lw-writer", 0, store_config(master, "kv_producer"), cpus)]
+        specs += [(f"lw-{k}", 1, store_config(master, "kv_consumer", **v), {"env": {"VLLM_SERVER_DEV_MODE": "1"}, **cpus})
                   for k, v in arms.items()]
         started = start_engines(dep, model, specs, extra=long)
         w_url = started[0][0]
         readers = {k: (url, proc.pid) for k, (url, proc) in zip(arms, started[1:])}
         server_pids = [p.pid for p in (dep.cluster.server, dep.cluster.master) if p is not None]
         watch = StoreWatch(dep.cluster)
-        if a.io_core is not None:
-            for who, (_, pid) in readers.items():
-                print(f"[layerwise_load] {who}: threads moved to core {a.io_core}: "
-                      f"{Counter(move_io_threads(tree(pid), a.io_core))}", flush=True)
         for rep in range(a.reps + 1):  # the first is a warm-up, not in the figures
             p = ids(a.prefix + rng.randrange(1, CHUNK), rng)
             stream(w_url, p, 1)
@@ -191,7 +174,8 @@ def run(a: argparse.Namespace) -> int:
         dep.stop()
     rows = {who: summarise([r[who] for r in reps]) for who in ARMS if reps}
     result = {"machine": machine(model), "date": datetime.now(timezone.utc).isoformat(timespec="minutes"),
-              "prefix": a.prefix, "reps": a.reps, "groups": a.groups, "io_core": a.io_core, "rows": rows, "per_rep": reps}
+              "prefix": a.prefix, "reps": a.reps, "groups": a.groups, "reserve_core": a.reserve_core,
+              "commit": commit(), "rows": rows, "per_rep": reps}
     (out / "layerwise_load.md").write_text(table(result))
     print("\n" + table(result))
     return check.write(out / "layerwise_load.json", result, "layerwise_load")
@@ -212,8 +196,9 @@ def table(result: dict) -> str:
     m = result["machine"]
     lines = [f"Run {result['date']}, {m['cpu']} ({m['isa']}; engines in {m['dtype']}), {m['cores']} cores, "
              f"small model, prefix {result['prefix']} tokens, {result['reps']} repetitions (medians), "
-             f"{result['groups']} layer groups, readers' I/O threads on "
-             f"{'their engine core' if result['io_core'] is None else 'core %d' % result['io_core']}.", "",
+             f"{result['groups']} layer groups, commit {result.get('commit', '-')}, engines "
+             f"{LAYOUTS[bool(result.get('reserve_core'))]}.",
+             "",
              "| reader | hit ms | floor ms | hit /floor | cached | load ms | forward waited ms | MB loaded |",
              "|---|---|---|---|---|---|---|---|"]
     for who, r in result["rows"].items():
@@ -231,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions (after one warm-up)")
     ap.add_argument("--groups", type=int, default=4, help="layerwise_load_groups of the layer-wise reader")
     ap.add_argument("--segment-gb", type=int, default=4, help="the store server's segment, GiB")
-    ap.add_argument("--io-core", type=int, default=None,
-                    help="move the readers' worker threads but the main one (store and Mooncake I/O) to this core")
+    ap.add_argument("--reserve-core", action="store_true", help=RESERVE_CORE_HELP)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "layerwise_load"))
     a = ap.parse_args(argv)

@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.client import complete, ids  # noqa: E402
-from bench.common import machine, model_dir, output_dir, rotated, term_as_interrupt  # noqa: E402
+from bench.common import engine_cpus, machine, model_dir, output_dir, rotated, term_as_interrupt  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
 from multi.cli.deploy import Deployment, metrics  # noqa: E402
@@ -141,7 +141,7 @@ def run_arm(dep: Deployment, arm: str, master: str, model: str, runs: Path, rnd:
     # where an earlier one did; in a shared namespace a run hit what earlier runs stored.
     url, proc = dep.engine(name, model, ENGINE_CORE, kv_config(arm, master, f"nr{rnd}{arm.replace('-', '')}"),
                            cwd=a.before if arm.endswith(BEFORE) else None,
-                           cpus={ENGINE_CORE, CLIENT_CORE} if a.reserve_core else None)
+                           **engine_cpus(a.reserve_core))
     try:
         dep.wait_http(url, proc)
         complete(url, ids(a.input_len, random.Random(f"warm-{name}")), max_tokens=4)  # untimed

@@ -3,7 +3,7 @@ prefix cache (the floor) and against the raw Mooncake get of the bytes each hit 
 ``StoreConnector`` and through a ``TieredConnector``, side by side in one run.
 
     .venv/bin/python -m bench.store_divergence [--quick] [--prefixes 2048,4096,8192,16384,32768]
-        [--reps 3]   (``make bench`` runs it)
+        [--reps 3] [--arm NAME=JSON ...] [--no-tiered] [--reserve-core]   (``make bench`` runs it)
 
 A Mooncake master and store server on loopback and, on the ``small`` model: a writer W
 (``StoreConnector``, ``kv_producer``: it saves and never looks up, so its prefix-cache hits
@@ -31,7 +31,14 @@ the bytes S loaded with the raw Mooncake get (:mod:`bench.raw_probe`, one object
 hit's time beyond the floor is set against that read. Then W serves the readers' prompt from
 its own prefix cache (W computed ``P``): the reference for the greedy token ids of both
 readers' hits (the same split: equal cached tokens, also checked), and a second floor on
-another core. Also per hit: S's store lookup time (``vllm:mctier_store_lookup_seconds``) and
+another core. ``--arm NAME=JSON`` adds a ``StoreConnector`` reader ``NAME`` on core 1 with
+those settings (e.g. ``{"layerwise_load": true}``), read in turn with the others, with its own
+floor (its own prefix-cache hit) and a row of its own per case; ``--no-tiered`` leaves T out.
+``--reserve-core``: every engine started on both cores with only its forward bound to its core
+(:func:`bench.common.engine_cpus`, vLLM's layout with a reserved core), so that ``io_cpus: auto``
+puts the readers' I/O threads, and Mooncake's, on core 0; the raw get then runs on core 0 too
+(the floor is the same reader's own hit: the same layout). Also per hit: S's store lookup time
+(``vllm:mctier_store_lookup_seconds``) and
 the tokens it loaded. The exit status is 1 if any token differed. Writes
 ``store_divergence.json`` and ``store_divergence.md`` (the table) to ``--out`` (default
 ``bench/results/store_divergence``). ``--quick``: one 1,024-token length, one repetition
@@ -41,6 +48,7 @@ the tokens it loaded. The exit status is 1 if any token differed. Writes
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -55,7 +63,10 @@ from bench import raw_probe  # noqa: E402
 from bench.client import ids, reset_prefix_cache, stream  # noqa: E402
 from bench.common import (  # noqa: E402
     QUIET_S,
+    RESERVE_CORE_HELP,
     Checker,
+    commit,
+    engine_cpus,
     long_context_args,
     machine,
     model_dir,
@@ -66,6 +77,8 @@ from bench.common import (  # noqa: E402
 )
 from bench.engine_metrics import get, moved, scrape  # noqa: E402
 from bench.store_hit import CHUNK, SUFFIX  # noqa: E402
+from bench.store_lookup import lookup_times  # noqa: E402
+from bench.store_phases import settings  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
 from multi.cli.deploy import Deployment  # noqa: E402
 
@@ -76,10 +89,10 @@ BLOCK = 32
 DEV_MODE = {"env": {"VLLM_SERVER_DEV_MODE": "1"}}  # the readers' /reset_prefix_cache
 
 
-def store_config(master: str, role: str) -> dict:
+def store_config(master: str, role: str, **extra) -> dict:
     return {"kv_connector": "StoreConnector", "kv_connector_module_path": "mcstore", "kv_role": role,
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"master": master, "chunk_tokens": CHUNK}}
+            "kv_connector_extra_config": {"master": master, "chunk_tokens": CHUNK, **extra}}
 
 
 def tiered_config(master: str) -> dict:
@@ -162,54 +175,8 @@ def _hit_metrics(url: str, m0: dict) -> dict:
             "load_s": get(d, "vllm:mctier_store_load_seconds_sum"),
             "lookup_s": get(d, "vllm:mctier_store_lookup_seconds_sum") / n_lookups if n_lookups else None,
             "failures": get(d, "vllm:mctier_store_failures_total"),
-            "sync_loads": get(d, "vllm:mctier_store_loads_total", kind="sync")}
-
-
-def lookup_times(cluster, n: int, tokens: int = 32768, gap_s: float = 0.005) -> dict:
-    """The lookup alone (:func:`mcstore.lookup.reach`, the engine's), against this run's master
-    before any engine starts: a ``tokens``-token prompt whose whole chunks are stored (one round
-    trip), one that diverges inside its last chunk from a stored prompt (three: the entry's get
-    and the object's parts), and one that shares nothing (one). Tiny stand-in objects under the
-    real keys (existence is all a lookup asks); each lookup after a ``gap_s`` pause, as between
-    requests. Milliseconds, p50 and p99 of ``n`` each, and the round trips."""
-    from mcstore.client import StoreClient
-    from mcstore.keys import Directory, KeySpace, VllmBlockHashes, fingerprint
-    from mcstore.lookup import Probe, reach
-
-    scheme = VllmBlockHashes(algo="sha256", seed="vllm-none-hash", block_size=BLOCK)
-    ks = KeySpace(fingerprint({"bench": "lookup"}), CHUNK, block_hashes=scheme)
-    client = StoreClient.for_tool(cluster.master_addr, "bench-lookup")
-    rng = random.Random(1)
-    try:
-        p = ids(tokens, rng)
-        hs = ks.hashes(p)
-        links = ks.links_from_block_hashes(hs, tokens)
-        keys = ks.all_rank_keys(links) + [ks.dir_key(hs[i]) for i in range(0, len(hs), ks.chunk_blocks)]
-        values = [b"x"] * len(links) + [Directory.of(hs[i:i + ks.chunk_blocks]).encode()
-                                         for i in range(0, len(hs), ks.chunk_blocks)]
-        for i in range(0, len(keys), 64):
-            assert client.upsert_small(keys[i:i + 64], values[i:i + 64]) == 0
-        d = tokens - CHUNK + 5 * BLOCK + 7
-        cases = {"whole chunks": p + ids(SUFFIX, rng), "inside the last chunk": p[:d] + ids(SUFFIX, rng),
-                 "nothing shared": ids(tokens + SUFFIX, rng)}
-        out = {}
-        for name, q in cases.items():
-            probe_hashes, xs = ks.hashes(q), []
-            r = None
-            for _ in range(n):
-                time.sleep(gap_s)
-                t0 = time.perf_counter()
-                r = reach(client, Probe(ks, probe_hashes, len(q)), len(q) - 1)
-                xs.append(time.perf_counter() - t0)
-            xs.sort()
-            out[name] = {"p50_ms": xs[len(xs) // 2] * 1e3, "p99_ms": xs[min(len(xs) - 1, int(0.99 * len(xs)))] * 1e3,
-                         "round_trips": r.round_trips, "tokens": r.tokens, "prompt_tokens": len(q)}
-            print(f"[store_divergence] lookup of a {len(q)}-token prompt, {name}: p50 {out[name]['p50_ms']:.2f} ms, "
-                  f"p99 {out[name]['p99_ms']:.2f} ms, {r.round_trips} round trip(s), reach {r.tokens}", flush=True)
-        client.remove(keys, force=True)
-        return out
-    finally:
-        client.close()
+            "sync_loads": get(d, "vllm:mctier_store_loads_total", kind="sync"),
+            "layer_wait_s": get(d, "vllm:mctier_store_phase_seconds_sum", phase="load_layer_wait")}
 
 
 def run(a: argparse.Namespace) -> int:
@@ -220,17 +187,22 @@ def run(a: argparse.Namespace) -> int:
     dep = Deployment(out / "logs")
     prefixes = [int(x) for x in a.prefixes.split(",")]
     long = long_context_args(max(prefixes) + 2 * CHUNK + SUFFIX)
-    rows, watch = [], None
+    arms = {"store": {}, **settings(a.arm, "--arm")}  # the StoreConnector readers: name -> their settings
+    cpus = engine_cpus(a.reserve_core)
+    io_core = 0 if a.reserve_core else 1  # where the readers' I/O threads run: the raw get's core
+    rows, watch, per_rep = [], None, []
     term_as_interrupt()
     try:
         dep.cluster = StoreCluster(log_dir=out / "logs", segment_size=a.segment_gb << 30).start()
         master = dep.cluster.master_addr
         lookups = lookup_times(dep.cluster, a.lookups) if a.lookups else {}
-        (w_url, _), (s_url, _), (t_url, _) = start_engines(
-            dep, model, [("div-writer", 0, store_config(master, "kv_producer")),
-                         ("div-store", 1, store_config(master, "kv_consumer"), DEV_MODE),
-                         ("div-tiered", 1, tiered_config(master), DEV_MODE)], extra=long)
-        readers = {"store": s_url, "tiered": t_url}
+        specs = [("div-writer", 0, store_config(master, "kv_producer"), cpus)]
+        specs += [(f"div-{name}", 1, store_config(master, "kv_consumer", **extra), {**DEV_MODE, **cpus})
+                  for name, extra in arms.items()]
+        if a.tiered:
+            specs.append(("div-tiered", 1, tiered_config(master), {**DEV_MODE, **cpus}))
+        (w_url, _), *started = start_engines(dep, model, specs, extra=long)
+        readers = {name: url for name, (url, _) in zip([*arms, *(["tiered"] if a.tiered else [])], started)}
         watch = StoreWatch(dep.cluster)
         for n_pfx in prefixes:
             per: dict[str, list[dict]] = {c: [] for c in CASES}
@@ -242,31 +214,32 @@ def run(a: argparse.Namespace) -> int:
                 objs = watch.objects(p)
                 for case, (q, q_own, floor_cached) in prompts(p, n_pfx, rng).items():
                     res: dict = {"prompt_tokens": len(q), "expected_cached": floor_cached}
-                    for who in rotated(list(READERS), rep):
+                    for who in rotated(list(readers), rep):
                         reset_prefix_cache(readers[who])  # what an earlier case left: a store hit, not a local one
-                        time.sleep(QUIET_S)  # the other reader on this core goes quiet
+                        time.sleep(QUIET_S)  # the other readers on this core go quiet
                         m0 = scrape(readers[who])
                         got = stream(readers[who], q, MAX_TOKENS, kv={"kv_source": "store"} if who == "tiered" else None)
                         res[who] = {"ttft_s": got.ttft, "cached": got.cached, **_hit_metrics(readers[who], m0)}
                         res[f"{who}_tokens"] = got.token_ids
-                        if who == "store":
+                        if who in arms:
                             # The floor on the reader's own core: its prefix cache now holds what it
                             # loaded, and q_own shares exactly that with q (another new block after it).
                             time.sleep(QUIET_S)
                             own = stream(readers[who], q_own, MAX_TOKENS)
-                            res["own"] = {"ttft_s": own.ttft, "cached": own.cached}
+                            res[who].update(own_ttft_s=own.ttft, own_cached=own.cached)
                     if rep and a.raw_probe and res["store"]["loaded_bytes"] > 0:
                         time.sleep(QUIET_S)
                         chunks = max(1, round(res["store"]["loaded_tokens"] / CHUNK))
-                        pr = raw_probe.run(master, chunks, int(res["store"]["loaded_bytes"] // chunks), core=1)
+                        pr = raw_probe.run(master, chunks, int(res["store"]["loaded_bytes"] // chunks), core=io_core)
                         res["raw_gbps"] = statistics.median(pr["gbps"])
                         res["raw_get_s"] = res["store"]["loaded_bytes"] / res["raw_gbps"] / 1e9
                     time.sleep(QUIET_S)
                     floor = stream(w_url, q, MAX_TOKENS)
                     res["writer"] = {"ttft_s": floor.ttft, "cached": floor.cached}
-                    check.same("store_divergence", f"{case}: the reader's own prefix-cache hit's cached tokens",
-                               len(q), [res["own"]["cached"]], [floor.cached])
-                    for who in READERS:
+                    for who in readers:
+                        if who in arms:
+                            check.same("store_divergence", f"{case}: {who} reader's own prefix-cache hit's cached "
+                                       "tokens", len(q), [res[who]["own_cached"]], [floor.cached])
                         check.same("store_divergence", f"{case}: {who} hit vs the floor (prefix-cache hit)", len(q),
                                    res.pop(f"{who}_tokens"), floor.token_ids)
                         check.same("store_divergence", f"{case}: {who} hit's cached tokens, the floor's", len(q),
@@ -276,15 +249,18 @@ def run(a: argparse.Namespace) -> int:
                 if rep:
                     objects.append(objs)
                     misses.append(miss.ttft)
-            for case in CASES:
-                rows.append(summarise(n_pfx, case, per[case], objects, misses))
-                _print(rows[-1])
+            per_rep.append({"prefix_tokens": n_pfx, "cases": per})
+            for arm in arms:
+                for case in CASES:
+                    rows.append(summarise(n_pfx, case, arm, per[case], objects, misses))
+                    _print(rows[-1])
     finally:
         if watch is not None:
             watch.close()
         dep.stop()
     result = {"machine": machine(model), "date": datetime.now(timezone.utc).isoformat(timespec="minutes"),
-              "reps": a.reps, "chunk_tokens": CHUNK, "rows": rows, "lookups": lookups, "pids": sorted(set(dep.started))}
+              "commit": commit(), "reps": a.reps, "chunk_tokens": CHUNK, "reserve_core": a.reserve_core,
+              "arms": arms, "rows": rows, "per_rep": per_rep, "lookups": lookups, "pids": sorted(set(dep.started))}
     (out / "store_divergence.md").write_text(table(rows, result))
     print("\n" + table(rows, result))
     return check.write(out / "store_divergence.json", result, "store_divergence")
@@ -295,24 +271,27 @@ def _med(xs) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def summarise(n_pfx: int, case: str, reps: list[dict], objects: list[dict], misses: list[float]) -> dict:
+def summarise(n_pfx: int, case: str, arm: str, reps: list[dict], objects: list[dict], misses: list[float]) -> dict:
+    """One row: reader ``arm``'s hit of ``case`` against its own prefix-cache hit (the floor) and
+    the raw get; the composite's columns on the ``store`` reader's row only."""
     def m(who, key):
-        return _med(r[who][key] for r in reps)
+        return _med(r[who][key] for r in reps) if who in reps[0] else None
 
-    floor, s, t = m("own", "ttft_s"), m("store", "ttft_s"), m("tiered", "ttft_s")
-    beyond = _med(r["store"]["ttft_s"] - r["own"]["ttft_s"] for r in reps)
+    tiered = arm == "store" and "tiered" in reps[0]
+    floor, s, t = m(arm, "own_ttft_s"), m(arm, "ttft_s"), m("tiered", "ttft_s") if tiered else None
+    beyond = _med(r[arm]["ttft_s"] - r[arm]["own_ttft_s"] for r in reps)
     raw = _med(r.get("raw_get_s") for r in reps)
-    return {"prefix_tokens": n_pfx, "case": case, "prompt_tokens": _med(r["prompt_tokens"] for r in reps),
+    return {"prefix_tokens": n_pfx, "case": case, "reader": arm, "prompt_tokens": _med(r["prompt_tokens"] for r in reps),
             "floor_ttft_s": floor, "writer_ttft_s": m("writer", "ttft_s"), "store_ttft_s": s, "tiered_ttft_s": t,
             "miss_ttft_s": _med(misses), "writer_vs_floor": m("writer", "ttft_s") / floor if floor else None,
             "store_vs_floor": s / floor if s and floor else None, "tiered_vs_store": t / s if t and s else None,
-            "floor_cached": m("writer", "cached"), "own_cached": m("own", "cached"), "store_cached": m("store", "cached"),
-            "tiered_cached": m("tiered", "cached"), "partial_tokens": m("store", "partial_tokens"),
-            "loaded_bytes": m("store", "loaded_bytes"), "load_s": m("store", "load_s"),
-            "lookup_s": m("store", "lookup_s"), "tiered_lookup_s": m("tiered", "lookup_s"),
-            "tiered_sync_loads": sum(r["tiered"]["sync_loads"] for r in reps),
-            "store_sync_loads": sum(r["store"]["sync_loads"] for r in reps),
-            "failures": sum(r["store"]["failures"] + r["tiered"]["failures"] for r in reps),
+            "floor_cached": m("writer", "cached"), "own_cached": m(arm, "own_cached"), "store_cached": m(arm, "cached"),
+            "tiered_cached": m("tiered", "cached") if tiered else None, "partial_tokens": m(arm, "partial_tokens"),
+            "loaded_bytes": m(arm, "loaded_bytes"), "load_s": m(arm, "load_s"), "layer_wait_s": m(arm, "layer_wait_s"),
+            "lookup_s": m(arm, "lookup_s"), "tiered_lookup_s": m("tiered", "lookup_s") if tiered else None,
+            "tiered_sync_loads": sum(r["tiered"]["sync_loads"] for r in reps) if tiered else None,
+            "store_sync_loads": sum(r[arm]["sync_loads"] for r in reps),
+            "failures": sum(r[arm]["failures"] + (r["tiered"]["failures"] if tiered else 0) for r in reps),
             "beyond_floor_s": beyond, "raw_get_s": raw, "raw_gbps": _med(r.get("raw_gbps") for r in reps),
             "beyond_vs_raw": beyond / raw if beyond is not None and raw else None,
             "objects": {k: _med(o[k] for o in objects) for k in ("chunks", "parts", "directories")},
@@ -327,9 +306,13 @@ def _x(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def _c(x) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
 def _print(r: dict) -> None:
-    print(f"{r['prefix_tokens']:>6} {r['case']:>10}: floor {_ms(r['floor_ttft_s'])} ms (the writer's "
-          f"{_ms(r['writer_ttft_s'])}, cached {r['floor_cached']:.0f}), store {_ms(r['store_ttft_s'])} ms "
+    print(f"{r['prefix_tokens']:>6} {r['case']:>10} {r['reader']}: floor {_ms(r['floor_ttft_s'])} ms (the writer's "
+          f"{_ms(r['writer_ttft_s'])}, cached {r['floor_cached']:.0f}), hit {_ms(r['store_ttft_s'])} ms "
           f"x{_x(r['store_vs_floor'])} (cached "
           f"{r['store_cached']:.0f}, {r['partial_tokens']:.0f} past the whole chunks), tiered "
           f"{_ms(r['tiered_ttft_s'])} ms x{_x(r['tiered_vs_store'])} of store | beyond the floor "
@@ -340,20 +323,24 @@ def _print(r: dict) -> None:
 
 def table(rows: list[dict], result: dict) -> str:
     m = result["machine"]
-    head = (f"Run {result['date']}, {m['cpu']} ({m['isa']}; engines in {m['dtype']}), small model "
-            f"{m.get('model_shape')}, {result['reps']} repetitions (medians), {result['chunk_tokens']}-token chunks.\n\n")
-    cols = ["prefix", "case", "prompt", "floor ms", "writer's hit ms", "store ms", "store /floor", "tiered ms",
+    layout = ("engines started on every core, forward bound to one (--reserve-core: the readers' I/O on core 0)"
+              if result.get("reserve_core") else "engines pinned whole to one core each")
+    arms = "; ".join(f"{k}: {json.dumps(v)}" for k, v in result.get("arms", {}).items() if v)
+    head = (f"Run {result['date']}, commit {result.get('commit', '-')}, {m['cpu']} ({m['isa']}; engines in "
+            f"{m['dtype']}), small model {m.get('model_shape')}, {result['reps']} repetitions (medians), "
+            f"{result['chunk_tokens']}-token chunks, {layout}{'; readers ' + arms if arms else ''}.\n\n")
+    cols = ["prefix", "reader", "case", "prompt", "floor ms", "writer's hit ms", "hit ms", "hit /floor", "tiered ms",
             "tiered /store",
-            "cached floor / store / tiered", "past whole chunks", "beyond floor ms", "raw get ms", "beyond /raw",
+            "cached floor / hit / tiered", "past whole chunks", "beyond floor ms", "raw get ms", "beyond /raw",
             "lookup ms", "objects (chunks+tails+dirs)", "before v4", "miss ms"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         o = r["objects"]
         lines.append("| " + " | ".join(str(x) for x in [
-            r["prefix_tokens"], r["case"], f"{r['prompt_tokens']:.0f}", _ms(r["floor_ttft_s"]), _ms(r["writer_ttft_s"]),
-            _ms(r["store_ttft_s"]),
+            r["prefix_tokens"], r["reader"], r["case"], f"{r['prompt_tokens']:.0f}", _ms(r["floor_ttft_s"]),
+            _ms(r["writer_ttft_s"]), _ms(r["store_ttft_s"]),
             _x(r["store_vs_floor"]), _ms(r["tiered_ttft_s"]), _x(r["tiered_vs_store"]),
-            f"{r['floor_cached']:.0f} / {r['store_cached']:.0f} / {r['tiered_cached']:.0f}",
+            f"{r['floor_cached']:.0f} / {r['store_cached']:.0f} / {_c(r['tiered_cached'])}",
             f"{r['partial_tokens']:.0f}", _ms(r["beyond_floor_s"]), _ms(r["raw_get_s"]), _x(r["beyond_vs_raw"]),
             _ms(r["lookup_s"]), f"{o['chunks']:.0f}+{o['parts']:.0f}+{o['directories']:.0f}",
             r["objects_whole_chunks_only"], _ms(r["miss_ttft_s"])]) + " |")
@@ -374,6 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--segment-gb", type=int, default=6, help="the store server's segment, GiB")
     ap.add_argument("--lookups", type=int, default=300,
                     help="lookups timed alone per kind before the engines start (0: none)")
+    ap.add_argument("--arm", action="append", default=[], metavar="NAME=JSON",
+                    help="one more StoreConnector reader NAME with JSON added to its settings (its own floor), "
+                         "e.g. 'layerwise={\"layerwise_load\": true}'")
+    ap.add_argument("--no-tiered", dest="tiered", action="store_false",
+                    help="leave out the TieredConnector reader")
+    ap.add_argument("--reserve-core", action="store_true", help=RESERVE_CORE_HELP)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "store_divergence"))
     a = ap.parse_args(argv)

@@ -1,7 +1,7 @@
 """Store hits arriving while decode streams run: what a synchronous load costs the streams.
 
     .venv/bin/python -m bench.store_streams [--quick] [--prefixes 2048,4096,7936] [--reps 5]
-        [--streams 4] [--arm NAME=JSON ...]   (``make bench`` runs it)
+        [--streams 4] [--arm NAME=JSON ...] [--reserve-core]   (``make bench`` runs it)
 
 A synchronous store load (``sync_load_max``, the CPU default) ends inside the engine step
 that schedules the request: every running stream waits for it in that step. A background
@@ -9,9 +9,10 @@ load takes the engine's core in slices while the steps go on. This benchmark sho
 costs the decode streams of the engine that reads, and what the arriving request gains.
 
 A Mooncake master and store server on loopback, one writer engine (core 0) and two readers
-(core 1) with ``StoreConnector`` on the ``small`` model: ``sync`` (the default settings) and
+(core 1, ``kv_consumer``: they never save) with ``StoreConnector`` on the ``small`` model: ``sync`` (the default settings) and
 ``background`` (``sync_load_max`` 0), and one more per ``--arm`` (settings of its own, e.g.
-another ``load_thread_nice``), taking turns (order rotating) in one run. Per prefix length and
+another ``load_thread_nice``; ``--reserve-core``: every engine in vLLM's layout with a reserved
+core, :func:`bench.common.engine_cpus`), taking turns (order rotating) in one run. Per prefix length and
 repetition the writer computes a fresh prefix plus one block (its saves put the prefix in the
 store), and then, for each reader in turn:
 
@@ -53,7 +54,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.client import ids, stream as complete_stream  # noqa: E402
 from bench.common import (  # noqa: E402
+    RESERVE_CORE_HELP,
     Checker,
+    engine_cpus,
     long_context_args,
     machine,
     model_dir,
@@ -74,6 +77,13 @@ from multi.cli.deploy import Deployment  # noqa: E402
 READERS = {"sync": {}, "background": {"sync_load_max": 0}}
 STREAM_PROMPT = 64
 HIT_TOKENS = 4
+
+
+def reader_config(master: str, extra: dict) -> dict:
+    """A reader's config: ``kv_consumer``, so that it never saves. A ``kv_both`` reader saved
+    the hit's prompt (since key version 4 its tail block too, a part object), and the readers
+    after it in the rotation loaded the whole prompt from the store instead of the prefix."""
+    return {**store_config(master, **extra), "kv_role": "kv_consumer"}
 
 
 async def window(url: str, prompt: list[int], ticks: list[list[tuple[float, int]]]):
@@ -144,9 +154,10 @@ def run(a: argparse.Namespace) -> int:
     try:
         dep.cluster = StoreCluster(log_dir=out / "logs", segment_size=4 << 30).start()
         master = dep.cluster.master_addr
+        cpus = engine_cpus(a.reserve_core)
         (w_url, _), *started = start_engines(
-            dep, model, [("streams-writer", 0, store_config(master)),
-                         *((f"streams-{name}", 1, store_config(master, **extra)) for name, extra in arms.items())],
+            dep, model, [("streams-writer", 0, store_config(master), cpus),
+                         *((f"streams-{name}", 1, reader_config(master, extra), cpus) for name, extra in arms.items())],
             extra=long)
         readers = dict(zip(arms, started))
         for n_pfx in prefixes:
@@ -197,7 +208,8 @@ def run(a: argparse.Namespace) -> int:
                   f"{_x(s['hit_ttft_s'], b['hit_ttft_s'])}  "
                   f"streams' longest gap {_x(s['hit_max_gap_s'], b['hit_max_gap_s'])}"
                   f"  streams' TPOT while the hit runs {_x(s['hit_tpot_p50_s'], b['hit_tpot_p50_s'])}")
-    result = {"machine": machine(model), "readers": arms, "reps": a.reps, "streams": a.streams, "rows": rows,
+    result = {"machine": machine(model), "readers": arms, "reserve_core": a.reserve_core,
+              "reps": a.reps, "streams": a.streams, "rows": rows,
               "pids": sorted(set(dep.started))}
     return check.write(out / "store_streams.json", result, "store_streams")
 
@@ -215,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arm", action="append", default=[], metavar="NAME=JSON",
                     help="one more reader with these kv_connector_extra_config settings, e.g. "
                          "'bg-nice0={\"sync_load_max\": 0, \"load_thread_nice\": 0}'")
+    ap.add_argument("--reserve-core", action="store_true", help=RESERVE_CORE_HELP)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "store_streams"))
     a = ap.parse_args(argv)

@@ -113,3 +113,17 @@ def test_the_null_connector_implements_every_hook_and_does_nothing():
     assert type(c.build_connector_meta(object())) is KVConnectorMetadata
     assert c.start_load_kv(None) is None and c.wait_for_save() is None
     assert c.save_kv_layer("l", None, None) is None and c.wait_for_layer_load("l") is None
+
+
+@pytest.mark.unit
+def test_the_reserved_core_layout_starts_an_engine_on_every_cpu_and_the_default_pins_it():
+    """``--reserve-core`` of the store benchmarks and ``bench.no_reuse`` (``bench.common.engine_cpus``):
+    the engine's processes on every CPU of the host (its forward still bound to its core by
+    ``VLLM_CPU_OMP_THREADS_BIND``, so ``io_cpus: auto`` finds the others free); without it no
+    keyword, and ``Deployment.engine`` pins the engine whole to its core."""
+    import os
+
+    from bench.common import engine_cpus
+
+    assert engine_cpus(False) == {}
+    assert engine_cpus(True) == {"cpus": set(range(os.cpu_count()))}
