@@ -10,16 +10,17 @@ A Mooncake master and store server on loopback and, on the ``small`` model: a wr
 carry no store lookup) on core 0; readers S (``StoreConnector``) and T (``TieredConnector``
 with the store tier alone, its store plan forced with ``kv_source=store``), both
 ``kv_consumer`` (they never write) on core 1, in dev mode (``/reset_prefix_cache``). Per prefix length ``L`` and repetition, W
-computes a fresh prompt ``P`` of ``L + r`` tokens (``r`` uniform in 1..255, so ``P`` ends inside
-a chunk; its time is the miss, the ceiling) and saves it; once the store holds all of it, the
+computes a fresh prompt ``P`` of ``L + r`` tokens (``r`` uniform in 32..255, so ``P`` ends inside
+a chunk at least one block in; its time is the miss, the ceiling) and saves it; once the store holds all of it, the
 objects it holds for ``P`` are counted (whole chunks, part objects, directory entries; before
 key version 4 the store kept whole chunks only, ``floor(L / 256)``). Then three prompts that
 share a prefix with ``P``:
 
 - ``aligned``: ``P[:L]`` plus one new block (the prefix ends at a chunk boundary: the store's
   best case, and all it served before key version 4);
-- ``divergent``: ``P[:D]`` plus one new block, ``D`` uniform in ``(L - 256, L)``: the prefix ends at
-  a random offset inside a chunk, as a shared system prompt or document does;
+- ``divergent``: ``P[:D]`` plus one new block, ``D`` uniform in ``[L - 256 + 32, L)``: the prefix ends at
+  a random offset inside a chunk, at least one block into it (a shorter reach past the last
+  whole chunk adds no block to ``aligned``'s), as a shared system prompt or document does;
 - ``next_turn``: ``P`` plus one new block: a conversation's next turn extends the prompt.
 
 Each is read by S and by T in turns (order rotating; each reader's prefix cache emptied first,
@@ -105,7 +106,7 @@ def prompts(p: list[int], n_pfx: int, rng: random.Random) -> dict[str, tuple[lis
     """Per case: the readers' prompt, a second one with the same shared prefix and another new
     block (for the reader's own prefix-cache hit), and how many tokens of them a prefix cache
     holding ``p`` reuses (the shared prefix's whole blocks)."""
-    d = n_pfx - CHUNK + rng.randrange(1, CHUNK)
+    d = n_pfx - CHUNK + rng.randrange(BLOCK, CHUNK)  # at least one block past the whole chunks
     out = {"aligned": (p[:n_pfx], n_pfx), "divergent": (p[:d], d), "next_turn": (p, len(p))}
     return {case: (shared + ids(SUFFIX, rng), shared + ids(SUFFIX, rng), n // BLOCK * BLOCK)
             for case, (shared, n) in out.items()}
@@ -208,7 +209,7 @@ def run(a: argparse.Namespace) -> int:
             per: dict[str, list[dict]] = {c: [] for c in CASES}
             objects, misses = [], []
             for rep in range(a.reps + 1):  # the first is a warm-up, not in the figures
-                p = ids(n_pfx + rng.randrange(1, CHUNK), rng)
+                p = ids(n_pfx + rng.randrange(BLOCK, CHUNK), rng)  # next_turn: a block past the chunks, as above
                 miss = stream(w_url, p, 1)
                 watch.wait_stored(p)
                 objs = watch.objects(p)

@@ -265,6 +265,9 @@ def test_store_divergence_quick_measures_every_case_through_both_readers(tmp_pat
         assert x["tiered_sync_loads"] == x["store_sync_loads"] == 1, x  # both readers' loads in-step
         assert x["objects"]["chunks"] == 4 and x["objects"]["directories"] >= 4, x
     aligned, divergent, turn = r["rows"]
+    # what the store served past the whole chunks: the blocks of the prefix's last part chunk
+    # (the bench draws each end at least one block into a chunk)
+    assert [x["partial_tokens"] for x in r["rows"]] == [x["store_cached"] % 256 for x in r["rows"]], r["rows"]
     assert aligned["partial_tokens"] == 0 and divergent["partial_tokens"] > 0 and turn["partial_tokens"] > 0
     # 2 repetitions (warm-up included) x 3 cases x (2 readers x 2 checks (tokens, cached tokens)
     # + the cached tokens of the reader's own prefix-cache hit)
