@@ -165,6 +165,14 @@ def engine_cpus(reserve_core: bool) -> dict:
     return {"cpus": set(range(os.cpu_count() or 1))} if reserve_core else {}
 
 
+def forward_core(core: int, reserve_core: bool) -> int:
+    """The core an engine's forward runs on: ``core``, or with ``reserve_core`` the host's last
+    one for every engine of the run: ``io_cpus: auto`` subtracts only its own engine's
+    OpenMP list, so a forward on the reserved core would share it with the other engines'
+    I/O (docs/deploy.md, "CPU engines: a core for the connector")."""
+    return (os.cpu_count() or 1) - 1 if reserve_core else core
+
+
 def run_deployments(dep: Deployment, deployments: dict[str, Callable[[], object]], tag: str) -> dict[str, str]:
     """Run each deployment's part of a benchmark (name -> callable) in turn, each on cores of
     its own: everything ``dep`` started is stopped after each one, and at the end, also on

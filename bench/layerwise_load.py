@@ -18,8 +18,9 @@ server is read from ``/proc`` (``utime + stime``, by thread name: the store work
 threads are named ``mcstore-load`` / ``mcstore-save``; the others keep their process's name),
 with the cores each may run on (``main``: a process's main thread; the worker's runs the
 forward pass): whether the transfer's CPU work could overlap the forward. ``--reserve-core``:
-every engine started on both cores with only its forward bound to its core
-(:func:`bench.common.engine_cpus`, vLLM's layout with a reserved core), so that the readers'
+every engine started on both cores with only its forward bound, the writer's too, to core 1
+(:func:`bench.common.engine_cpus`, :func:`bench.common.forward_core`: vLLM's layout with a
+reserved core), so that the readers'
 ``io_cpus: auto`` puts their I/O threads (the store tier's, Mooncake's) on core 0, as a deployment
 with a core for the connector does (replaces moving them from outside, the former ``--io-core``).
 Writes ``layerwise_load.json`` and ``layerwise_load.md`` to ``--out`` (default
@@ -48,6 +49,7 @@ from bench.common import (  # noqa: E402
     Checker,
     commit,
     engine_cpus,
+    forward_core,
     long_context_args,
     machine,
     model_dir,
@@ -65,7 +67,7 @@ CHUNK, BLOCK, SUFFIX, MAX_TOKENS = 256, 32, 32, 4
 ARMS = {"whole": {}, "sync": {"sync_load_max": "1GB"}, "layerwise": {"layerwise_load": True}}
 TICK = os.sysconf("SC_CLK_TCK")
 LAYOUTS = {False: "pinned whole to one core each (the I/O threads on the engine's core)",
-           True: "started on every core, forward bound to one (--reserve-core: the readers' I/O threads on core 0)"}
+           True: "started on every core, every forward bound to core 1 (--reserve-core: the readers' I/O threads on core 0)"}
 
 
 def store_config(master: str, role: str, **extra) -> dict:
@@ -129,7 +131,7 @@ def run(a: argparse.Namespace) -> int:
         arms = {k: dict(v, **({"layerwise_load_groups": a.groups} if "layerwise_load" in v else {}))
                 for k, v in ARMS.items()}
         cpus = engine_cpus(a.reserve_core)
-        specs = [("lw-writer", 0, store_config(master, "kv_producer"), cpus)]
+        specs = [("lw-writer", forward_core(0, a.reserve_core), store_config(master, "kv_producer"), cpus)]
         specs += [(f"lw-{k}", 1, store_config(master, "kv_consumer", **v), {"env": {"VLLM_SERVER_DEV_MODE": "1"}, **cpus})
                   for k, v in arms.items()]
         started = start_engines(dep, model, specs, extra=long)

@@ -35,9 +35,10 @@ readers' hits (the same split: equal cached tokens, also checked), and a second 
 another core. ``--arm NAME=JSON`` adds a ``StoreConnector`` reader ``NAME`` on core 1 with
 those settings (e.g. ``{"layerwise_load": true}``), read in turn with the others, with its own
 floor (its own prefix-cache hit) and a row of its own per case; ``--no-tiered`` leaves T out.
-``--reserve-core``: every engine started on both cores with only its forward bound to its core
-(:func:`bench.common.engine_cpus`, vLLM's layout with a reserved core), so that ``io_cpus: auto``
-puts the readers' I/O threads, and Mooncake's, on core 0; the raw get then runs on core 0 too
+``--reserve-core``: every engine started on both cores with only its forward bound, the
+writer's too, to core 1 (:func:`bench.common.engine_cpus`, :func:`bench.common.forward_core`:
+vLLM's layout with a reserved core), so that ``io_cpus: auto`` puts the readers' I/O threads,
+and Mooncake's, on core 0, where no forward runs; the raw get then runs on core 0 too
 (the floor is the same reader's own hit: the same layout). Also per hit: S's store lookup time
 (``vllm:mctier_store_lookup_seconds``) and
 the tokens it loaded. The exit status is 1 if any token differed. Writes
@@ -68,6 +69,7 @@ from bench.common import (  # noqa: E402
     Checker,
     commit,
     engine_cpus,
+    forward_core,
     long_context_args,
     machine,
     model_dir,
@@ -197,7 +199,7 @@ def run(a: argparse.Namespace) -> int:
         dep.cluster = StoreCluster(log_dir=out / "logs", segment_size=a.segment_gb << 30).start()
         master = dep.cluster.master_addr
         lookups = lookup_times(dep.cluster, a.lookups) if a.lookups else {}
-        specs = [("div-writer", 0, store_config(master, "kv_producer"), cpus)]
+        specs = [("div-writer", forward_core(0, a.reserve_core), store_config(master, "kv_producer"), cpus)]
         specs += [(f"div-{name}", 1, store_config(master, "kv_consumer", **extra), {**DEV_MODE, **cpus})
                   for name, extra in arms.items()]
         if a.tiered:
@@ -324,7 +326,7 @@ def _print(r: dict) -> None:
 
 def table(rows: list[dict], result: dict) -> str:
     m = result["machine"]
-    layout = ("engines started on every core, forward bound to one (--reserve-core: the readers' I/O on core 0)"
+    layout = ("engines started on every core, every forward bound to core 1 (--reserve-core: the readers' I/O on core 0)"
               if result.get("reserve_core") else "engines pinned whole to one core each")
     arms = "; ".join(f"{k}: {json.dumps(v)}" for k, v in result.get("arms", {}).items() if v)
     head = (f"Run {result['date']}, commit {result.get('commit', '-')}, {m['cpu']} ({m['isa']}; engines in "

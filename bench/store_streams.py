@@ -12,7 +12,8 @@ A Mooncake master and store server on loopback, one writer engine (core 0) and t
 (core 1, ``kv_consumer``: they never save) with ``StoreConnector`` on the ``small`` model: ``sync`` (the default settings) and
 ``background`` (``sync_load_max`` 0), and one more per ``--arm`` (settings of its own, e.g.
 another ``load_thread_nice``; ``--reserve-core``: every engine in vLLM's layout with a reserved
-core, :func:`bench.common.engine_cpus`), taking turns (order rotating) in one run. Per prefix length and
+core, every forward, the writer's too, on core 1: :func:`bench.common.engine_cpus`,
+:func:`bench.common.forward_core`), taking turns (order rotating) in one run. Per prefix length and
 repetition the writer computes a fresh prefix plus one block (its saves put the prefix in the
 store), and then, for each reader in turn:
 
@@ -57,6 +58,7 @@ from bench.common import (  # noqa: E402
     RESERVE_CORE_HELP,
     Checker,
     engine_cpus,
+    forward_core,
     long_context_args,
     machine,
     model_dir,
@@ -156,7 +158,7 @@ def run(a: argparse.Namespace) -> int:
         master = dep.cluster.master_addr
         cpus = engine_cpus(a.reserve_core)
         (w_url, _), *started = start_engines(
-            dep, model, [("streams-writer", 0, store_config(master), cpus),
+            dep, model, [("streams-writer", forward_core(0, a.reserve_core), store_config(master), cpus),
                          *((f"streams-{name}", 1, reader_config(master, extra), cpus) for name, extra in arms.items())],
             extra=long)
         readers = dict(zip(arms, started))

@@ -127,3 +127,18 @@ def test_the_reserved_core_layout_starts_an_engine_on_every_cpu_and_the_default_
 
     assert engine_cpus(False) == {}
     assert engine_cpus(True) == {"cpus": set(range(os.cpu_count()))}
+
+
+@pytest.mark.unit
+def test_with_a_reserved_core_every_engines_forward_runs_on_the_last_core():
+    """``bench.common.forward_core``: with ``--reserve-core`` the writer's forward joins the
+    readers' on the host's last core (``io_cpus: auto`` subtracts only its own engine's list:
+    a writer computing on core 0 would share it with the readers' I/O); without it each
+    engine keeps the core it was given."""
+    import os
+
+    from bench.common import forward_core
+
+    last = os.cpu_count() - 1
+    assert [forward_core(c, True) for c in (0, 1)] == [last, last]
+    assert [forward_core(c, False) for c in (0, 1)] == [0, 1]
