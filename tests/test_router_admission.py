@@ -155,3 +155,25 @@ def test_begin_records_the_deadline_of_a_request_with_a_target():
     assert e.deadlines == {"x": pytest.approx(50.9)}
     c.end(r, e, "x", 51.0)
     assert e.deadlines == {}
+
+
+def test_a_request_predicted_to_have_just_started_still_counts_as_queued():
+    # A's predicted start passed 10 ms ago, but a predicted start errs as a predicted wait
+    # does: within its wait counted with admission's margin (1.5x before one is measured)
+    # it may still be waiting for the next step, and a cold R would join it there.
+    pool = Pool([make("plain", "http://127.0.0.1:8300")])
+    e = pool.role("plain")[0]
+    c = Chooser("kv", BPT, PolicyConfig(calibrate=False))
+    c.seed(e, list(c.fit(e).compute_coef), weight=6)
+    n, t0 = 544, 100.0
+    c.begin(c.choose(pool, n, lambda i: 0, 0, None, now=t0), e, n, 0, "h", t0)
+    c.begin(c.choose(pool, n, lambda i: 512, 0, None, now=t0), e, n, 512, "a", t0)
+    start_a, end_a = e.pending(t0)["a"]
+    now = start_a + 0.01
+    assert now < end_a and now < t0 + WAIT_MARGIN * (start_a - t0)
+    e.depart("h", start_a)  # H's first token, when predicted: A starts
+    dry = c.choose(pool, n, lambda i: 0, 0, None, now=now)
+    slo = estimate_s(dry.predicted, dry.seconds - dry.base_s, None) + 0.005
+    e.deadlines["a"] = t0 + slo
+    r = c.choose(pool, n, lambda i: 0, 0, slo, now=now)
+    assert r.kind == "reject" and "would push 1 admitted request" in r.reason

@@ -39,9 +39,13 @@ it to the route it picked).
 It is also rejected when its prefill would push a request admitted before it past that
 one's target (:func:`pushed_late`): the engine does not work its queue one prompt at a
 time: every prompt still waiting when a step starts goes into that step, so a request
-queued but not yet started on the instance (``start_j > now``,
-:meth:`multi.router.instances.Instance.pending`) gets its first token only when the new
-one's prefill is done too, at ``now + estimate``. With ``D_j`` its deadline (sent + its
+queued but not yet started on the instance gets its first token only when the new
+one's prefill is done too, at ``now + estimate``. Not yet started: sent at ``t_j`` and
+predicted to start at ``start_j`` (:meth:`multi.router.instances.Instance.pending`),
+``t_j + m * (start_j - t_j) > now``, its wait counted with the margin the estimate uses
+(``m``, else ``m0``): a predicted start errs as a predicted wait does (in the P/D admission
+run a cached request predicted to have started 1 ms before a cold prefill arrived got its
+first token with it). With ``D_j`` its deadline (sent + its
 target), the new request is rejected when ``now + estimate > D_j`` for any of them, with
 ``Retry-After = ceil(now + estimate - min D_j)``, at least 1. (The queue model alone counted
 only what was sent before a request: in the P/D admission run 6 of 45 admitted requests

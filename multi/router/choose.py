@@ -78,7 +78,10 @@ estimate exceeds ``T`` is rejected before any engine works on it: ``predicted * 
 measured the route's kind, before that ``predicted`` with its wait counted 1.5x
 (:func:`multi.router.admission.estimate_s`). A route is also rejected when its prefill,
 batched with the requests queued and not yet started on the instance that computes it,
-would push one admitted with a target past it (:func:`multi.router.admission.pushed_late`).
+would push one admitted with a target past it (:func:`multi.router.admission.pushed_late`;
+"not yet started": sent at ``t_j``, predicted to start at ``start_j``, with
+``t_j + m * (start_j - t_j) > now``, its wait before it counted with admission's margin ``m``,
+``margin`` once measured, else ``m0``).
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ import time
 from dataclasses import dataclass
 
 from multi.policy import Inputs, Plan, PolicyConfig, TierReach
-from multi.router.admission import estimate_s, pushed_late, rejection
+from multi.router.admission import WAIT_MARGIN, estimate_s, pushed_late, rejection
 from multi.router.instances import Instance, Pool
 from multi.router.ledger import Ledger, Route
 from p2p.config import LOAD_PRIOR as P2P_PRIOR
@@ -225,8 +228,9 @@ class Chooser(Ledger):
         est = estimate_s(route.predicted, wait, margin)
         rejected = rejection(est, slo)
         if rejected is None and slo is not None:  # the requests its prefill would be batched with
+            m = WAIT_MARGIN if margin is None else margin  # their predicted starts err as the waits do
             queued = [waiter.deadlines[r] for r, (start, _) in waiter.pending(now).items()
-                      if start > now and r in waiter.deadlines]
+                      if r in waiter.deadlines and (t := waiter.inflight[r][1]) + m * (start - t) > now]
             rejected = pushed_late(queued, now + est)
         if rejected is not None:
             reason, retry_after = rejected
