@@ -177,3 +177,26 @@ def test_a_request_predicted_to_have_just_started_still_counts_as_queued():
     e.deadlines["a"] = t0 + slo
     r = c.choose(pool, n, lambda i: 0, 0, slo, now=now)
     assert r.kind == "reject" and "would push 1 admitted request" in r.reason
+
+
+def test_a_late_request_still_without_its_first_token_counts_as_queued():
+    # A was predicted to be done by now, but its first token has not come: it is late, not
+    # done, and a cold R would still join its step (the P/D admission run at a72b3ea: a
+    # cached request predicted at 0.18 s answered at 0.76 s, with a cold prefill admitted
+    # after its predicted end).
+    pool = Pool([make("plain", "http://127.0.0.1:8300")])
+    e = pool.role("plain")[0]
+    c = Chooser("kv", BPT, PolicyConfig(calibrate=False))
+    c.seed(e, list(c.fit(e).compute_coef), weight=6)
+    n, t0 = 544, 100.0
+    c.begin(c.choose(pool, n, lambda i: 0, 0, None, now=t0), e, n, 0, "h", t0)
+    c.begin(c.choose(pool, n, lambda i: 512, 0, None, now=t0), e, n, 512, "a", t0)
+    start_a, end_a = e.times(t0)["a"]
+    e.depart("h", t0 + 1.2 * (start_a - t0))  # H's first token, 20% late: A starts then
+    now = t0 + 1.2 * (start_a - t0) + (end_a - start_a) + 0.001  # A predicted done 1 ms ago
+    assert "a" not in e.pending(now) and "a" in e.times(now)
+    dry = c.choose(pool, n, lambda i: 0, 0, None, now=now)
+    slo = estimate_s(dry.predicted, dry.seconds - dry.base_s, None) + 0.005
+    e.deadlines["a"] = t0 + slo
+    r = c.choose(pool, n, lambda i: 0, 0, slo, now=now)
+    assert r.kind == "reject" and "would push 1 admitted request" in r.reason

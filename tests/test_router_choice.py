@@ -1,5 +1,7 @@
-"""The kv policy's choice among plain instances whose estimates are within the estimates'
-own accuracy of each other (``multi.router.choose.NEAR``): affinity, then balance."""
+"""The kv policy's choice among plain instances: its score (the estimate plus what the
+prefill costs the requests waiting there), and among scores within the estimates' accuracy
+of each other (``multi.router.choose.NEAR``, then their measured spread): affinity, then
+balance."""
 
 from __future__ import annotations
 

@@ -40,8 +40,9 @@ It is also rejected when its prefill would push a request admitted before it pas
 one's target (:func:`pushed_late`): the engine does not work its queue one prompt at a
 time: every prompt still waiting when a step starts goes into that step, so a request
 queued but not yet started on the instance gets its first token only when the new
-one's prefill is done too, at ``now + estimate``. Not yet started: sent at ``t_j`` and
-predicted to start at ``start_j`` (:meth:`multi.router.instances.Instance.pending`),
+one's prefill is done too, at ``now + estimate``. Not yet started: without its first token
+(late or not), sent at ``t_j`` and predicted to start at ``start_j``
+(:meth:`multi.router.instances.Instance.times`),
 ``t_j + m * (start_j - t_j) > now``, its wait counted with the margin the estimate uses
 (``m``, else ``m0``): a predicted start errs as a predicted wait does (in the P/D admission
 run a cached request predicted to have started 1 ms before a cold prefill arrived got its

@@ -82,12 +82,17 @@ class Instance(Backend):
         return queue_ahead_s(self.inflight.values(), self.departed,
                              time.monotonic() if now is None else now)
 
-    def pending(self, now: float | None = None) -> dict[str, tuple[float, float]]:
-        """The requests of ``inflight`` still without their first token at ``now``, by
-        request id: their predicted ``(start, end)`` of compute (:func:`queue_times`)."""
+    def times(self, now: float | None = None) -> dict[str, tuple[float, float]]:
+        """Every request of ``inflight`` (none has its first token yet), by request id: its
+        predicted ``(start, end)`` of compute (:func:`queue_times`)."""
         now = time.monotonic() if now is None else now
-        times = queue_times(self.inflight.values(), self.departed, now)
-        return {rid: se for rid, se in zip(self.inflight, times) if se[1] > now}
+        return dict(zip(self.inflight, queue_times(self.inflight.values(), self.departed, now)))
+
+    def pending(self, now: float | None = None) -> dict[str, tuple[float, float]]:
+        """The requests of ``inflight`` predicted still without their first token at ``now``
+        (their predicted end after ``now``), as :meth:`times`."""
+        now = time.monotonic() if now is None else now
+        return {rid: se for rid, se in self.times(now).items() if se[1] > now}
 
     def depart(self, rid: str, now: float | None) -> bool:
         """``rid``'s prefill ended at ``now`` (None: time unknown, no anchor): it leaves the
