@@ -200,3 +200,25 @@ def test_a_late_request_still_without_its_first_token_counts_as_queued():
     e.deadlines["a"] = t0 + slo
     r = c.choose(pool, n, lambda i: 0, 0, slo, now=now)
     assert r.kind == "reject" and "would push 1 admitted request" in r.reason
+
+
+def test_a_request_past_its_predicted_end_counts_as_queued_whenever_it_was_predicted_to_start():
+    # A was sent to an idle instance (predicted to start at once) and predicted done 1 ms ago,
+    # but its first token has not come: behind the queue model, its start is not known
+    # either, and a cold R admitted now could join its step (the P/D admission run at
+    # 538d0db: two requests 0.05-0.1 s past their predicted end answered with a cold prefill
+    # admitted then).
+    pool = Pool([make("plain", "http://127.0.0.1:8300")])
+    e = pool.role("plain")[0]
+    c = Chooser("kv", BPT, PolicyConfig(calibrate=False))
+    c.seed(e, list(c.fit(e).compute_coef), weight=6)
+    n, t0 = 544, 100.0
+    c.begin(c.choose(pool, n, lambda i: 512, 0, None, now=t0), e, n, 512, "a", t0)
+    start_a, end_a = e.times(t0)["a"]
+    now = end_a + 0.001
+    assert start_a == t0 and t0 + WAIT_MARGIN * (start_a - t0) < now
+    dry = c.choose(pool, n, lambda i: 0, 0, None, now=now)
+    slo = estimate_s(dry.predicted, dry.seconds - dry.base_s, None) + 0.0005  # R alone meets it
+    e.deadlines["a"] = t0 + slo
+    r = c.choose(pool, n, lambda i: 0, 0, slo, now=now)
+    assert r.kind == "reject" and "would push 1 admitted request" in r.reason

@@ -46,7 +46,9 @@ one's prefill is done too, at ``now + estimate``. Not yet started: without its f
 ``t_j + m * (start_j - t_j) > now``, its wait counted with the margin the estimate uses
 (``m``, else ``m0``): a predicted start errs as a predicted wait does (in the P/D admission
 run a cached request predicted to have started 1 ms before a cold prefill arrived got its
-first token with it). With ``D_j`` its deadline (sent + its
+first token with it); or ``end_j <= now``: late, behind the queue model, so its start is not
+known either (two requests 0.05-0.1 s past their predicted end got their first tokens with a
+cold prefill admitted then). With ``D_j`` its deadline (sent + its
 target), the new request is rejected when ``now + estimate > D_j`` for any of them, with
 ``Retry-After = ceil(now + estimate - min D_j)``, at least 1. (The queue model alone counted
 only what was sent before a request: in the P/D admission run 6 of 45 admitted requests

@@ -79,9 +79,10 @@ measured the route's kind, before that ``predicted`` with its wait counted 1.5x
 (:func:`multi.router.admission.estimate_s`). A route is also rejected when its prefill,
 batched with the requests queued and not yet started on the instance that computes it,
 would push one admitted with a target past it (:func:`multi.router.admission.pushed_late`;
-"not yet started": without its first token, sent at ``t_j``, predicted to start at ``start_j``, with
-``t_j + m * (start_j - t_j) > now``, its wait before it counted with admission's margin ``m``,
-``margin`` once measured, else ``m0``).
+"not yet started": without its first token, sent at ``t_j``, predicted to start at ``start_j``
+and end at ``end_j``, with ``t_j + m * (start_j - t_j) > now`` (its wait counted with
+admission's margin ``m``: ``margin`` once measured, else ``m0``) or ``end_j <= now`` (late:
+behind the queue model, its start is not known either)).
 """
 
 from __future__ import annotations
@@ -229,8 +230,8 @@ class Chooser(Ledger):
         rejected = rejection(est, slo)
         if rejected is None and slo is not None:  # the requests its prefill would be batched with
             m = WAIT_MARGIN if margin is None else margin  # their predicted starts err as the waits do
-            queued = [waiter.deadlines[r] for r, (start, _) in waiter.times(now).items()
-                      if r in waiter.deadlines and (t := waiter.inflight[r][1]) + m * (start - t) > now]
+            queued = [waiter.deadlines[r] for r, (start, end) in waiter.times(now).items()
+                      if r in waiter.deadlines and ((t := waiter.inflight[r][1]) + m * (start - t) > now or end <= now)]
             rejected = pushed_late(queued, now + est)
         if rejected is not None:
             reason, retry_after = rejected
