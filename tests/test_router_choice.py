@@ -1,5 +1,7 @@
-"""The kv policy's choice among plain instances whose estimates are within the estimates'
-own accuracy of each other (``multi.router.choose.NEAR``): affinity, then balance."""
+"""The kv policy's choice among plain instances: its score (the estimate plus what the
+prefill costs the requests waiting there), and among scores within the estimates' accuracy
+of each other (``multi.router.choose.NEAR``, then their measured spread): affinity, then
+balance."""
 
 from __future__ import annotations
 
@@ -70,4 +72,52 @@ def test_an_instance_holding_the_prefix_keeps_it_while_its_estimate_is_near_the_
     assert c.choose(pool, n, match, 0, None, now=now).target is e1
     # With more queued than the band allows, the idle instance computes it.
     e1.inflight["q"] = (2.0 * cold, now)
+    assert c.choose(pool, n, match, 0, None, now=now).target is e0
+
+
+def test_a_home_whose_queue_its_prefill_would_delay_gives_the_turn_to_an_idle_instance():
+    # A conversation's home e1 holds half the prompt; two requests routed there before still
+    # wait for their first token. Its estimate alone is the cheapest (the queue costs this
+    # request less than recomputing its prefix on idle e0), but its prefill would go into
+    # the step of the two waiting there: counted once for each, e1 costs more, and e0 takes
+    # it. The estimate alone kept such homes and piled the conversations in flight together
+    # on one engine (multi-turn chat on plain engines, docs/benchmarks/router.md).
+    c, pool = plain_pair(1.0)
+    e0, e1 = pool.role("plain")
+    n, half = BS * 31, BS * 15
+    now = time.monotonic()
+    cold = c.direct_estimate(Prompt(n), Candidate(e0), now)
+    warm = c.direct_estimate(Prompt(n), Candidate(e1, half), now)
+    q = 0.45 * (cold.seconds - warm.seconds)  # two prefills of this much, queued just now
+    e1.outstanding, e1.inflight["a"], e1.inflight["b"] = 2, (q, now), (q, now)
+    home = c.direct_estimate(Prompt(n), Candidate(e1, half), now)
+    assert home.seconds < cold.seconds  # the estimate alone: stay home
+    assert len(e1.pending(now)) == 2
+    assert c.plain_score(Prompt(n), Candidate(e1, half), now) == pytest.approx(
+        home.seconds + 2 * home.parts["compute_s"])
+    match = lambda i: half if i is e1 else 0  # noqa: E731
+    assert c.choose(pool, n, match, 0, None, now=now).target is e0
+    # Once they have their first tokens (nothing left waiting), the home keeps its turn.
+    e1.inflight.clear()
+    assert c.choose(pool, n, match, 0, None, now=now).target is e1
+
+
+def test_the_tie_band_narrows_to_the_estimates_measured_spread():
+    # e1 holds a block of the prompt but computes 12% slower: its estimate is ~1.1x idle
+    # e0's. Until the honesty window has measured the estimates, that is inside the
+    # +-25% band and the prefix keeps it on e1; once answers show the estimates typically
+    # within 4%, a 10% difference is a real one and e0, the cheaper, takes it.
+    c, pool = plain_pair(1.12)
+    e0, e1 = pool.role("plain")
+    n = BS * 20
+    now = time.monotonic()
+    match = lambda i: BS if i is e1 else 0  # noqa: E731
+    a = c.direct_estimate(Prompt(n), Candidate(e0), now).seconds
+    b = c.direct_estimate(Prompt(n), Candidate(e1, BS), now).seconds
+    assert 1.04 < b / a < 1.25
+    assert c.near() == pytest.approx(1.25)
+    assert c.choose(pool, n, match, 0, None, now=now).target is e1
+    for i in range(32):
+        c.honesty.record("direct", 0.2, 0.2 * (1.04 if i % 2 else 1 / 1.04))
+    assert c.near() == pytest.approx(1.04)
     assert c.choose(pool, n, match, 0, None, now=now).target is e0

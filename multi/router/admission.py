@@ -35,12 +35,31 @@ A route is rejected before any engine works on it when ``estimate > T`` (429), w
 ``Retry-After = ceil(estimate - T)`` seconds, at least 1: roughly when the queue ahead
 has drained enough (:func:`rejection`; :meth:`multi.router.choose.Chooser.choose` applies
 it to the route it picked).
+
+It is also rejected when its prefill would push a request admitted before it past that
+one's target (:func:`pushed_late`): the engine does not work its queue one prompt at a
+time: every prompt still waiting when a step starts goes into that step, so a request
+queued but not yet started on the instance gets its first token only when the new
+one's prefill is done too, at ``now + estimate``. Not yet started: without its first token
+(late or not), sent at ``t_j`` and predicted to start at ``start_j``
+(:meth:`multi.router.instances.Instance.times`),
+``t_j + m * (start_j - t_j) > now``, its wait counted with the margin the estimate uses
+(``m``, else ``m0``): a predicted start errs as a predicted wait does (in the P/D admission
+run a cached request predicted to have started 1 ms before a cold prefill arrived got its
+first token with it); or ``end_j <= now``: late, behind the queue model, so its start is not
+known either (two requests 0.05-0.1 s past their predicted end got their first tokens with a
+cold prefill admitted then). With ``D_j`` its deadline (sent + its
+target), the new request is rejected when ``now + estimate > D_j`` for any of them, with
+``Retry-After = ceil(now + estimate - min D_j)``, at least 1. (The queue model alone counted
+only what was sent before a request: in the P/D admission run 6 of 45 admitted requests
+missed their target, each a cached prompt whose first token came with a cold prefill
+admitted after it, docs/benchmarks/router.md.)
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from multi.router.honesty import ENTER
 from p2p.proxy import ProxyError
@@ -76,6 +95,16 @@ def rejection(estimate_s: float, target_s: float | None) -> tuple[str, int] | No
         return None
     return (f"estimate {estimate_s:.3f}s > target {target_s:.3f}s",
             max(1, math.ceil(estimate_s - target_s)))
+
+
+def pushed_late(deadlines: Iterable[float], first_token_at: float) -> tuple[str, int] | None:
+    """``(reason, retry_after_s)`` when a prefill whose batch ends at ``first_token_at``
+    would push requests queued with it past their ``deadlines`` (module docstring)."""
+    late = [d for d in deadlines if first_token_at > d]
+    if not late:
+        return None
+    return (f"would push {len(late)} admitted request(s) past their target by {first_token_at - min(late):.3f}s",
+            max(1, math.ceil(first_token_at - min(late))))
 
 
 def estimate_s(predicted_s: float, wait_s: float, margin: float | None) -> float:

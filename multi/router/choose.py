@@ -42,11 +42,25 @@ Disaggregated (prefill and decode instances):
   is the same route's time to first token with the weighting left out (what admission,
   the metrics and :mod:`multi.router.honesty` compare with the answer).
 
-Data-parallel (``plain`` instances): for each instance ``e``,
-``queue_e + min plan(N, L_e, store)`` with ``local_compute_weight = 1``. Every instance
-within ``NEAR`` (1.25x) of the cheapest counts as equally fast; among them the one holding
-the longest prefix ``L_e`` wins, then the one with fewer requests in flight, then in turn
-(an idle pool takes turns).
+Data-parallel (``plain`` instances): for each instance ``e``, the request's own time to
+first token there plus what its prefill costs the requests already there:
+
+    score_e = queue_e + own_e + fixed_e + own_e * pending_e
+
+with ``queue_e + min plan(N, L_e, store)`` (``local_compute_weight = 1``) the first part and
+``pending_e`` the requests routed to ``e`` still predicted without their first token
+(:meth:`multi.router.instances.Instance.pending`): the engine puts every prompt waiting
+when a step starts into that step, so those queued get their first token only after this
+prefill too, and the one computing is followed by it in the steps that decode it. Without
+that term a conversation's home kept its next turns while its queue cost them less than
+recomputing their prefix elsewhere, and the conversations in flight together piled on one
+engine (multi-turn chat on plain engines: a predicted wait of 31 ms against round-robin's
+9 ms, docs/benchmarks/router.md). Every instance whose score is within a factor ``near``
+of the cheapest counts as equally fast: ``near = exp(spread)``, the estimates' typical
+error measured by the honesty window (:meth:`multi.router.honesty.Honesty.spread`,
+clamped to [1, ``NEAR``]), ``NEAR`` (1.25x, their accuracy target) until it has measured
+one. Among them the one holding the longest prefix ``L_e`` wins, then the one with fewer
+requests in flight, then in turn (an idle pool takes turns).
 
 Fixed policies (they still estimate, so predicted-against-actual metrics exist for them):
 ``round-robin`` and ``least-outstanding`` as the earlier proxy (a P/D pair always handing
@@ -62,24 +76,32 @@ Admission (:mod:`multi.router.admission`): with a TTFT target ``T``, a route who
 estimate exceeds ``T`` is rejected before any engine works on it: ``predicted * margin``
 (``margin``: :meth:`multi.router.honesty.Honesty.margin`) once the honesty window has
 measured the route's kind, before that ``predicted`` with its wait counted 1.5x
-(:func:`multi.router.admission.estimate_s`).
+(:func:`multi.router.admission.estimate_s`). A route is also rejected when its prefill,
+batched with the requests queued and not yet started on the instance that computes it,
+would push one admitted with a target past it (:func:`multi.router.admission.pushed_late`;
+"not yet started": without its first token, sent at ``t_j``, predicted to start at ``start_j``
+and end at ``end_j``, with ``t_j + m * (start_j - t_j) > now`` (its wait counted with
+admission's margin ``m``: ``margin`` once measured, else ``m0``) or ``end_j <= now`` (late:
+behind the queue model, its start is not known either)).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass
 
 from multi.policy import Inputs, Plan, PolicyConfig, TierReach
-from multi.router.admission import estimate_s, rejection
+from multi.router.admission import WAIT_MARGIN, estimate_s, pushed_late, rejection
 from multi.router.instances import Instance, Pool
 from multi.router.ledger import Ledger, Route
 from p2p.config import LOAD_PRIOR as P2P_PRIOR
 
 POLICIES = ("kv", "least-outstanding", "round-robin", "direct", "handoff")
 WAIT_FLOOR_S = 1.0  # the instance fits' OnlineFit floor (multi.router.fits), read when a fit is made
-# Plain instances whose estimates are within this factor of the best count as equally fast:
+# Plain instances whose scores are within this factor of the best count as equally fast
+# until the honesty window measures the estimates' spread (then exp(spread), at most this):
 # the estimates' own accuracy target (+-25%, multi.router.honesty's LEAVE). Among them the
 # choice keeps affinity, then balance: a prompt placed where its prefix is not becomes that
 # prefix's home for its later requests (a conversation's next turns), so a choice by a
@@ -202,8 +224,15 @@ class Chooser(Ledger):
         route.wait_features = self.wait_features(waiter, now, route.own_s)
         wait = self.wait_s(waiter, now, route.own_s)
         route.base_s = route.seconds - wait
+        route.slo = slo
         margin = self.honesty.margin(route.kind) if self.honesty.measured(route.kind) else None
-        rejected = rejection(estimate_s(route.predicted, wait, margin), slo)
+        est = estimate_s(route.predicted, wait, margin)
+        rejected = rejection(est, slo)
+        if rejected is None and slo is not None:  # the requests its prefill would be batched with
+            m = WAIT_MARGIN if margin is None else margin  # their predicted starts err as the waits do
+            queued = [waiter.deadlines[r] for r, (start, end) in waiter.times(now).items()
+                      if r in waiter.deadlines and ((t := waiter.inflight[r][1]) + m * (start - t) > now or end <= now)]
+            rejected = pushed_late(queued, now + est)
         if rejected is not None:
             reason, retry_after = rejected
             return Route("reject", route.prefill, route.target, route.seconds, route.plan, reason,
@@ -293,14 +322,26 @@ class Chooser(Ledger):
                 alternatives["direct"] = min(alternatives["direct"], whole.parts["ttft_s"])
         return cands, alternatives
 
+    def near(self) -> float:
+        """The tie band among plain instances: ``exp(spread)`` of the direct estimates once
+        the honesty window has measured it, within [1, :data:`NEAR`]; :data:`NEAR` before."""
+        spread = self.honesty.spread("direct")
+        return NEAR if spread is None else min(NEAR, math.exp(spread))
+
+    def plain_score(self, prompt: Prompt, e: Candidate, now: float) -> float:
+        """``score_e`` (module docstring): the direct estimate on ``e`` plus its compute once
+        for each request there still waiting for its first token."""
+        plan = self.direct_estimate(prompt, e, now)
+        return plan.seconds + plan.parts["compute_s"] * len(e.instance.pending(now))
+
     @staticmethod
-    def _near_best(order: list[Instance], est: dict[str, float], match) -> Instance:
-        """The kv policy's plain instance: among those whose estimate is within :data:`NEAR`
-        of the best, the one holding the longest prefix of the prompt, then the one with
-        fewer requests in flight, then the first in ``order`` (the turn)."""
+    def _near_best(order: list[Instance], est: dict[str, float], match, near: float = NEAR) -> Instance:
+        """The kv policy's plain instance: among those whose score is within ``near`` of the
+        best, the one holding the longest prefix of the prompt, then the one with fewer
+        requests in flight, then the first in ``order`` (the turn)."""
         best = min(est.values())
-        near = [i for i in order if est[i.url] <= best * NEAR]
-        return min(near, key=lambda i: (-match(i), i.outstanding))
+        tied = [i for i in order if est[i.url] <= best * near]
+        return min(tied, key=lambda i: (-match(i), i.outstanding))
 
     def _choose_plain(self, pool: Pool, prompt: Prompt, match, now: float, policy: str) -> Route | None:
         store = prompt.store
@@ -316,8 +357,8 @@ class Chooser(Ledger):
             turn = next(self._turn)
             order = [plain[(turn + j) % len(plain)] for j in range(len(plain))]
             if policy == "kv":
-                est = {i.url: self.direct_estimate(prompt, Candidate(i, match(i)), now).seconds for i in order}
-                e = self._near_best(order, est, match)
+                est = {i.url: self.plain_score(prompt, Candidate(i, match(i)), now) for i in order}
+                e = self._near_best(order, est, match, self.near())
             else:  # direct (and handoff, which a plain pool cannot do)
                 e = min(order, key=lambda i: (i.outstanding, -match(i)))
         l_e = match(e)

@@ -73,6 +73,8 @@ class Instance(Backend):
     decoding: set[str] = field(default_factory=set)
     # When the last request left ``inflight`` (its prefill ended), on the queue's clock
     departed: float = float("-inf")
+    # The TTFT deadlines (queue clock) of requests in ``inflight`` admitted with a target
+    deadlines: dict[str, float] = field(default_factory=dict)
 
     def queue_s(self, now: float | None = None) -> float:
         """Seconds of routed prefill work still ahead on this instance (:func:`queue_ahead_s`
@@ -80,9 +82,22 @@ class Instance(Backend):
         return queue_ahead_s(self.inflight.values(), self.departed,
                              time.monotonic() if now is None else now)
 
+    def times(self, now: float | None = None) -> dict[str, tuple[float, float]]:
+        """Every request of ``inflight`` (none has its first token yet), by request id: its
+        predicted ``(start, end)`` of compute (:func:`queue_times`)."""
+        now = time.monotonic() if now is None else now
+        return dict(zip(self.inflight, queue_times(self.inflight.values(), self.departed, now)))
+
+    def pending(self, now: float | None = None) -> dict[str, tuple[float, float]]:
+        """The requests of ``inflight`` predicted still without their first token at ``now``
+        (their predicted end after ``now``), as :meth:`times`."""
+        now = time.monotonic() if now is None else now
+        return {rid: se for rid, se in self.times(now).items() if se[1] > now}
+
     def depart(self, rid: str, now: float | None) -> bool:
         """``rid``'s prefill ended at ``now`` (None: time unknown, no anchor): it leaves the
         queue, and the one behind it starts no earlier than ``now``. Whether it was queued."""
+        self.deadlines.pop(rid, None)
         if self.inflight.pop(rid, None) is None:
             return False
         if now is not None:
@@ -107,10 +122,19 @@ def queue_ahead_s(work, departed: float, now: float) -> float:
     and a request behind a burst saw a queue near 0 (docs/benchmarks/router.md). Counted
     down each from its own start, as if all ran at once, the queue came out a fraction of
     the real wait (docs/benchmarks/sim-cluster.md)."""
-    t = min(departed, now)
+    times = queue_times(work, departed, now)
+    return max(0.0, times[-1][1] - now) if times else 0.0
+
+
+def queue_times(work, departed: float, now: float) -> list[tuple[float, float]]:
+    """Each queued prefill's predicted ``(start, end)``, as :func:`queue_ahead_s` works them
+    through: ``start_j = max(e_{j-1}, t_j)``, ``end_j = start_j + s_j``."""
+    t, out = min(departed, now), []
     for s, t0 in work:
-        t = max(t, t0) + s
-    return max(0.0, t - now)
+        start = max(t, t0)
+        t = start + s
+        out.append((start, t))
+    return out
 
 
 class _Entry(msgspec.Struct, forbid_unknown_fields=True):

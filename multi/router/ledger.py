@@ -59,6 +59,7 @@ class Route:
     candidates: dict[str, float] = field(default_factory=dict)
     alternatives: dict[str, float] = field(default_factory=dict)
     mode: str = ""  # the policy that chose: the router's, or kv's fallback
+    slo: float | None = None  # its TTFT target in seconds (admission), None without one
 
 
 class Ledger:
@@ -128,11 +129,14 @@ class Ledger:
 
     def begin(self, route: Route, inst: Instance, n: int, cached: int, rid: str, now: float) -> bool:
         """A routed request starts on ``inst`` (the prefill instance of a handoff, else the
-        target): its predicted work is queued there and it counts as outstanding on ``inst``
+        target): its predicted work is queued there (with its TTFT deadline, ``now`` plus
+        ``route.slo``, when it has a target) and it counts as outstanding on ``inst``
         and, for a handoff, on the decode instance. Returns whether ``inst`` had nothing
         else in flight (a sample taken alone needs no wait modelled)."""
         alone = not inst.inflight and not inst.decoding
         inst.inflight[rid] = (self.prefill_work(inst, n, cached), now)
+        if route.slo is not None:  # what a later prefill batched with it must not push it past
+            inst.deadlines[rid] = now + route.slo
         inst.outstanding += 1
         if route.kind == "pd":
             route.target.outstanding += 1
