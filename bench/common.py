@@ -153,14 +153,15 @@ def commit() -> str:
 
 RESERVE_CORE_HELP = ("each engine started on every CPU of the host with only its forward (OpenMP, "
                      "VLLM_CPU_OMP_THREADS_BIND) on its own core, as vLLM lays out an engine with reserved cores: "
-                     "its other processes and a tier's I/O threads (io_cpus auto) go to the others")
+                     "its other processes go to the others, and so do a tier's I/O threads where its io_cpus is auto (the "
+                     "P2P tier's default; the store tier's is none)")
 
 
 def engine_cpus(reserve_core: bool) -> dict:
     """:meth:`Deployment.engine` keyword arguments of an engine's CPU layout: none (pinned whole
     to its core), or with ``reserve_core`` started on every CPU of the host, its forward's
     OpenMP threads still bound to its core: vLLM's layout with cores reserved for the rest
-    (``--reserve-core`` of the benchmarks; ``io_cpus: auto`` then puts a tier's I/O threads,
+    (``--reserve-core`` of the benchmarks; a tier with ``io_cpus: auto`` then puts its I/O threads,
     and Mooncake's, off the compute core)."""
     return {"cpus": set(range(os.cpu_count() or 1))} if reserve_core else {}
 

@@ -20,9 +20,9 @@ with the cores each may run on (``main``: a process's main thread; the worker's 
 forward pass): whether the transfer's CPU work could overlap the forward. ``--reserve-core``:
 every engine started on both cores with only its forward bound, the writer's too, to core 1
 (:func:`bench.common.engine_cpus`, :func:`bench.common.forward_core`: vLLM's layout with a
-reserved core), so that the readers'
-``io_cpus: auto`` puts their I/O threads (the store tier's, Mooncake's) on core 0, as a deployment
-with a core for the connector does (replaces moving them from outside, the former ``--io-core``).
+reserved core), and the readers get ``io_cpus: auto``, which puts their I/O threads (the
+store tier's, Mooncake's) on core 0, as a deployment with a core for the connector may
+(replaces moving them from outside, the former ``--io-core``).
 Writes ``layerwise_load.json`` and ``layerwise_load.md`` to ``--out`` (default
 ``bench/results/layerwise_load``); exit status 1 if any token differed.
 """
@@ -128,7 +128,8 @@ def run(a: argparse.Namespace) -> int:
     try:
         dep.cluster = StoreCluster(log_dir=out / "logs", segment_size=a.segment_gb << 30).start()
         master = dep.cluster.master_addr
-        arms = {k: dict(v, **({"layerwise_load_groups": a.groups} if "layerwise_load" in v else {}))
+        arms = {k: dict(v, **({"layerwise_load_groups": a.groups} if "layerwise_load" in v else {}),
+                        **({"io_cpus": "auto"} if a.reserve_core else {}))  # the readers' I/O on core 0
                 for k, v in ARMS.items()}
         cpus = engine_cpus(a.reserve_core)
         specs = [("lw-writer", forward_core(0, a.reserve_core), store_config(master, "kv_producer"), cpus)]

@@ -8,7 +8,8 @@ of ours, side by side in one run (not a test).
 Arms (``--arms``), each one engine pinned to core 1 (``tiny`` model, block size 32), started
 fresh for its run and stopped after it; the client runs on core 0 (with ``--reserve-core`` each
 engine's processes may use both cores and only its forward is bound to core 1, vLLM's layout
-with a core reserved for the rest: a tier's I/O threads go there, ``io_cpus`` auto):
+with a core reserved for the rest: a tier's I/O threads go there where its ``io_cpus`` is auto,
+the P2P tier's default; the store tier's is ``none``: ``--variant 'store-auto=store:{"io_cpus": "auto"}'``):
 
 - ``plain``: no connector.
 - ``store``: ``StoreConnector``, ``kv_both`` (looks up, saves every full chunk of every prompt).
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reserve-core", action="store_true",
                     help="every arm's engine started on both cores with its forward (OpenMP) on core 1, as vLLM "
                          "lays out an engine with reserved cores: its other processes and a tier's I/O threads "
-                         "(io_cpus auto) share core 0 with the client")
+                         "where its io_cpus is auto share core 0 with the client")
     ap.add_argument("--before", metavar="DIR",
                     help="also run each connector arm from DIR (an export of an earlier commit: `git archive`), "
                          "as ARM-before, side by side with this tree's")

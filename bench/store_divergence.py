@@ -37,8 +37,9 @@ those settings (e.g. ``{"layerwise_load": true}``), read in turn with the others
 floor (its own prefix-cache hit) and a row of its own per case; ``--no-tiered`` leaves T out.
 ``--reserve-core``: every engine started on both cores with only its forward bound, the
 writer's too, to core 1 (:func:`bench.common.engine_cpus`, :func:`bench.common.forward_core`:
-vLLM's layout with a reserved core), so that ``io_cpus: auto`` puts the readers' I/O threads,
-and Mooncake's, on core 0, where no forward runs; the raw get then runs on core 0 too
+vLLM's layout with a reserved core), so that a reader with ``io_cpus: auto`` (an ``--arm``
+setting; the store tier's default is ``none``) puts its I/O threads, and Mooncake's, on core 0,
+where no forward runs; the raw get then runs on core 0 too
 (the floor is the same reader's own hit: the same layout). Also per hit: S's store lookup time
 (``vllm:mctier_store_lookup_seconds``) and
 the tokens it loaded. The exit status is 1 if any token differed. Writes
@@ -326,7 +327,8 @@ def _print(r: dict) -> None:
 
 def table(rows: list[dict], result: dict) -> str:
     m = result["machine"]
-    layout = ("engines started on every core, every forward bound to core 1 (--reserve-core: the readers' I/O on core 0)"
+    layout = ("engines started on every core, every forward bound to core 1 "
+              "(--reserve-core: a reader's I/O on core 0 with io_cpus auto)"
               if result.get("reserve_core") else "engines pinned whole to one core each")
     arms = "; ".join(f"{k}: {json.dumps(v)}" for k, v in result.get("arms", {}).items() if v)
     head = (f"Run {result['date']}, commit {result.get('commit', '-')}, {m['cpu']} ({m['isa']}; engines in "
