@@ -157,14 +157,29 @@ def test_begin_records_the_deadline_of_a_request_with_a_target():
     assert e.deadlines == {}
 
 
-def test_a_request_predicted_to_have_just_started_still_counts_as_queued():
-    # A's predicted start passed 10 ms ago, but a predicted start errs as a predicted wait
-    # does: within its wait counted with admission's margin (1.5x before one is measured)
-    # it may still be waiting for the next step, and a cold R would join it there.
+def _one_seeded_plain():
+    """One plain instance whose compute fit is seeded (its estimates are settled)."""
     pool = Pool([make("plain", "http://127.0.0.1:8300")])
     e = pool.role("plain")[0]
     c = Chooser("kv", BPT, PolicyConfig(calibrate=False))
     c.seed(e, list(c.fit(e).compute_coef), weight=6)
+    return pool, e, c
+
+
+def _cold_prompt_against_a(pool, e, c, n: int, t0: float, now: float, slack: float):
+    """A cold prompt of ``n`` tokens at ``now`` whose own target is its estimate plus
+    ``slack`` (it alone meets it), with request ``a`` (sent at ``t0``) given the same target."""
+    dry = c.choose(pool, n, lambda i: 0, 0, None, now=now)
+    slo = estimate_s(dry.predicted, dry.seconds - dry.base_s, None) + slack
+    e.deadlines["a"] = t0 + slo
+    return c.choose(pool, n, lambda i: 0, 0, slo, now=now)
+
+
+def test_a_request_predicted_to_have_just_started_still_counts_as_queued():
+    # A's predicted start passed 10 ms ago, but a predicted start errs as a predicted wait
+    # does: within its wait counted with admission's margin (1.5x before one is measured)
+    # it may still be waiting for the next step, and a cold R would join it there.
+    pool, e, c = _one_seeded_plain()
     n, t0 = 544, 100.0
     c.begin(c.choose(pool, n, lambda i: 0, 0, None, now=t0), e, n, 0, "h", t0)
     c.begin(c.choose(pool, n, lambda i: 512, 0, None, now=t0), e, n, 512, "a", t0)
@@ -172,10 +187,7 @@ def test_a_request_predicted_to_have_just_started_still_counts_as_queued():
     now = start_a + 0.01
     assert now < end_a and now < t0 + WAIT_MARGIN * (start_a - t0)
     e.depart("h", start_a)  # H's first token, when predicted: A starts
-    dry = c.choose(pool, n, lambda i: 0, 0, None, now=now)
-    slo = estimate_s(dry.predicted, dry.seconds - dry.base_s, None) + 0.005
-    e.deadlines["a"] = t0 + slo
-    r = c.choose(pool, n, lambda i: 0, 0, slo, now=now)
+    r = _cold_prompt_against_a(pool, e, c, n, t0, now, 0.005)
     assert r.kind == "reject" and "would push 1 admitted request" in r.reason
 
 
@@ -184,10 +196,7 @@ def test_a_late_request_still_without_its_first_token_counts_as_queued():
     # done, and a cold R would still join its step (the P/D admission run at a72b3ea: a
     # cached request predicted at 0.18 s answered at 0.76 s, with a cold prefill admitted
     # after its predicted end).
-    pool = Pool([make("plain", "http://127.0.0.1:8300")])
-    e = pool.role("plain")[0]
-    c = Chooser("kv", BPT, PolicyConfig(calibrate=False))
-    c.seed(e, list(c.fit(e).compute_coef), weight=6)
+    pool, e, c = _one_seeded_plain()
     n, t0 = 544, 100.0
     c.begin(c.choose(pool, n, lambda i: 0, 0, None, now=t0), e, n, 0, "h", t0)
     c.begin(c.choose(pool, n, lambda i: 512, 0, None, now=t0), e, n, 512, "a", t0)
@@ -195,10 +204,7 @@ def test_a_late_request_still_without_its_first_token_counts_as_queued():
     e.depart("h", t0 + 1.2 * (start_a - t0))  # H's first token, 20% late: A starts then
     now = t0 + 1.2 * (start_a - t0) + (end_a - start_a) + 0.001  # A predicted done 1 ms ago
     assert "a" not in e.pending(now) and "a" in e.times(now)
-    dry = c.choose(pool, n, lambda i: 0, 0, None, now=now)
-    slo = estimate_s(dry.predicted, dry.seconds - dry.base_s, None) + 0.005
-    e.deadlines["a"] = t0 + slo
-    r = c.choose(pool, n, lambda i: 0, 0, slo, now=now)
+    r = _cold_prompt_against_a(pool, e, c, n, t0, now, 0.005)
     assert r.kind == "reject" and "would push 1 admitted request" in r.reason
 
 
@@ -208,17 +214,11 @@ def test_a_request_past_its_predicted_end_counts_as_queued_whenever_it_was_predi
     # either, and a cold R admitted now could join its step (the P/D admission run at
     # 538d0db: two requests 0.05-0.1 s past their predicted end answered with a cold prefill
     # admitted then).
-    pool = Pool([make("plain", "http://127.0.0.1:8300")])
-    e = pool.role("plain")[0]
-    c = Chooser("kv", BPT, PolicyConfig(calibrate=False))
-    c.seed(e, list(c.fit(e).compute_coef), weight=6)
+    pool, e, c = _one_seeded_plain()
     n, t0 = 544, 100.0
     c.begin(c.choose(pool, n, lambda i: 512, 0, None, now=t0), e, n, 512, "a", t0)
     start_a, end_a = e.times(t0)["a"]
     now = end_a + 0.001
     assert start_a == t0 and t0 + WAIT_MARGIN * (start_a - t0) < now
-    dry = c.choose(pool, n, lambda i: 0, 0, None, now=now)
-    slo = estimate_s(dry.predicted, dry.seconds - dry.base_s, None) + 0.0005  # R alone meets it
-    e.deadlines["a"] = t0 + slo
-    r = c.choose(pool, n, lambda i: 0, 0, slo, now=now)
+    r = _cold_prompt_against_a(pool, e, c, n, t0, now, 0.0005)
     assert r.kind == "reject" and "would push 1 admitted request" in r.reason
