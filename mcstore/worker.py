@@ -72,8 +72,8 @@ class StoreWorker(Loads, LayerLoads, Saves, WorkerNews):
         self.rank = rank
         self.load_enabled = load
         self.save_enabled = save
-        # The I/O off the engine's compute cores when it has others (kvcore.iocpus): Mooncake's
-        # transfer threads start with the client, ours in _io_thread.
+        # The I/O off the engine's compute cores with io_cpus auto or a list (kvcore.iocpus; the
+        # default none keeps it there): Mooncake's transfer threads start with the client, ours in _io_thread.
         self.io_cpus = iocpus.resolve(cfg.io_cpus)
         if self.io_cpus:
             logger.info("mcstore worker%d: I/O threads on CPUs %s", rank, sorted(self.io_cpus))
@@ -161,7 +161,8 @@ class StoreWorker(Loads, LayerLoads, Saves, WorkerNews):
         # polls (a per-thread nice value on Linux) leaves the core to both. The thread's own
         # Python work runs at that priority too: a load starts about 1 ms later. Not the lowest
         # priority: while the engine decodes, its forward passes would leave a nice-19 thread
-        # almost no core (mcstore.config.*_THREAD_NICE_CPU). Better: off the compute core (io_cpus).
+        # almost no core (mcstore.config.*_THREAD_NICE_CPU). Off the compute core (io_cpus) it
+        # may need none, but there loads stalled (docs/deploy.md).
         iocpus.pin_this_thread(self.io_cpus, "mcstore")
         name_thread(threading.current_thread().name)  # mcstore-load / mcstore-save in top -H, perf
         if nice:
