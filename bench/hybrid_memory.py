@@ -57,7 +57,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -71,6 +70,7 @@ from bench.client import ids, reset_prefix_cache, stream  # noqa: E402
 from bench.common import (  # noqa: E402
     QUIET_S,
     Checker,
+    commit,
     long_context_args,
     machine,
     model_dir,
@@ -395,9 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     space = int(float(engine_env()["VLLM_CPU_KVCACHE_SPACE"]) * (1 << 30))
     out = output_dir(a.out)
     check, rng = Checker(), random.Random(a.seed)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or "unknown"
-    info: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="minutes"), "commit": commit,
+    info: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="minutes"), "commit": commit(),
                   "machine": machine(), "chunk_tokens": CHUNK, "block_tokens": BLOCK, "kv_cache_space_bytes": space,
                   "lengths": lengths, "reps": a.reps, "quick": a.quick,
                   "command": " ".join(["python -m bench.hybrid_memory", *(sys.argv[1:] if argv is None else argv)])}

@@ -34,7 +34,6 @@ import json
 import multiprocessing as mp
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,7 +42,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine, output_dir  # noqa: E402
+from bench.common import commit, machine, output_dir  # noqa: E402
 from mcstore.server import CLIENT_ENV, StoreCluster  # noqa: E402
 
 CHUNK = 256
@@ -228,8 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         raw.close()
     finally:
         cluster.stop()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    rev = commit()
     m = machine()
     lines = ["| master | arrivals | lookup | in the connector, step 1 (ms) | costliest step (ms) | steps to answer | "
              "answered after (ms) | hit tokens |", "|---|---|---|---|---|---|---|---|"]
@@ -237,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {r['master']} | {r['arrivals']} | {r['mode']} | {r['first_step_ms']:.2f} | "
                      f"{r['max_step_ms']:.2f} | {r['steps']:.0f} | {r['answered_ms']:.1f} | {r['hit_tokens']:.0f} |")
     lines.append("")
-    lines.append(f"{time.strftime('%Y-%m-%d')}, {m['cpu']} (engines {m['dtype']}), commit {commit}, "
+    lines.append(f"{time.strftime('%Y-%m-%d')}, {m['cpu']} (engines {m['dtype']}), commit {rev}, "
                  f"{a.reps} repetitions (medians), prompts of {a.prompt} tokens, half stored, "
                  f"steps {a.step_ms:g} ms apart, busy = {a.busy_threads} threads of batch_is_exist(256 keys)"
                  + (f", {a.partial:g} of the requests partial hits through a directory entry" if a.partial else "")
@@ -245,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines)
     print(table)
     (out / "lookup_stall.md").write_text(table + "\n")
-    (out / "lookup_stall.json").write_text(json.dumps({"machine": m, "commit": commit, "rows": rows,
+    (out / "lookup_stall.json").write_text(json.dumps({"machine": m, "commit": rev, "rows": rows,
                                                        "args": vars(a)}, indent=1))
     lost = [r for r in rows if r["timeouts"]]
     k = len(MODES)

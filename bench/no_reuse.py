@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.client import complete, ids  # noqa: E402
-from bench.common import engine_cpus, machine, model_dir, output_dir, rotated, term_as_interrupt  # noqa: E402
+from bench.common import commit, engine_cpus, machine, model_dir, output_dir, rotated, term_as_interrupt  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
 from multi.cli.deploy import Deployment, metrics  # noqa: E402
@@ -257,9 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     out = output_dir(a.out)
     runs = out / "runs"
     runs.mkdir(exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or os.environ.get("MCTIER_COMMIT", "unknown")
-    info = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "before": a.before, "machine": machine(model),
+    info = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "before": a.before, "machine": machine(model),
             "rounds": a.rounds,
             "prompts": a.prompts, "arms": arms, "input_len": a.input_len, "output_len": a.output_len,
             "concurrency": a.concurrency, "quick": a.quick, "reserve_core": a.reserve_core}
