@@ -15,7 +15,7 @@ another ``load_thread_nice``; ``--reserve-core``: every engine in vLLM's layout 
 core, every forward, the writer's too, on core 1: :func:`bench.common.engine_cpus`,
 :func:`bench.common.forward_core`), taking turns (order rotating) in one run. Per prefix length and
 repetition the writer computes a fresh prefix plus one block (its saves put the prefix in the
-store), and then, for each reader in turn:
+store; the bench waits until the store's lookup reaches all of it), and then, for each reader in turn:
 
 1. ``--streams`` streamed completions of 64-token prompts start on the reader, and once each
    has its first token they decode ``--baseline-s`` alone (``--streams 0``: an idle reader);
@@ -70,6 +70,7 @@ from bench.common import (  # noqa: E402
 from bench.engine_metrics import get, moved, scrape  # noqa: E402
 from bench.pd_load import decode_streams, gaps, prompts, raise_if_ended, tpot  # noqa: E402
 from bench.sim.report import pct  # noqa: E402
+from bench.store_divergence import StoreWatch  # noqa: E402
 from bench.store_hit import SETTLE_S, SUFFIX, store_config  # noqa: E402
 from bench.store_phases import settings  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
@@ -151,7 +152,7 @@ def run(a: argparse.Namespace) -> int:
     dep = Deployment(out / "logs")
     prefixes = [int(x) for x in a.prefixes.split(",")]
     long = long_context_args(max(max(prefixes) + SUFFIX + 64, STREAM_PROMPT + a.stream_tokens))
-    rows = []
+    rows, watch = [], None
     term_as_interrupt()
     try:
         dep.cluster = StoreCluster(log_dir=out / "logs", segment_size=4 << 30).start()
@@ -162,6 +163,7 @@ def run(a: argparse.Namespace) -> int:
                          *((f"streams-{name}", 1, reader_config(master, extra), cpus) for name, extra in arms.items())],
             extra=long)
         readers = dict(zip(arms, started))
+        watch = StoreWatch(dep.cluster)
         for n_pfx in prefixes:
             reps: dict[str, list[dict]] = {name: [] for name in arms}
             before = {}
@@ -169,7 +171,9 @@ def run(a: argparse.Namespace) -> int:
                 # One prefix per repetition, written once and read by every reader in turn: each
                 # reader's first sight of it is a store hit (readers do not share a prefix cache).
                 pfx = ids(n_pfx, rng)
-                complete_stream(w_url, pfx + ids(SUFFIX, rng), 1)
+                written = pfx + ids(SUFFIX, rng)
+                complete_stream(w_url, written, 1)
+                watch.wait_stored(written)  # a reader that looks before the save ends finds nothing
                 hit = pfx + ids(SUFFIX, rng)
                 got = {}
                 for name in rotated(list(arms), rep):
@@ -202,6 +206,8 @@ def run(a: argparse.Namespace) -> int:
                       f"{_ms(row['own_max_gap_s'])} ms, TPOT {_ms(row['own_tpot_p50_s'])}"
                       f" | TPOT undisturbed {_ms(row['before_tpot_p50_s'])} ms", flush=True)
     finally:
+        if watch is not None:
+            watch.close()  # a Mooncake client: closed before the master stops
         dep.stop()
     print("\neach reader / background, same run (interleaved):")
     for b in [r for r in rows if r["reader"] == "background"]:
