@@ -60,6 +60,7 @@ class Route:
     alternatives: dict[str, float] = field(default_factory=dict)
     mode: str = ""  # the policy that chose: the router's, or kv's fallback
     slo: float | None = None  # its TTFT target in seconds (admission), None without one
+    margin: float | None = None  # admission's margin on ``predicted`` (multi.router.admission)
 
 
 class Ledger:
