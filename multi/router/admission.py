@@ -40,6 +40,18 @@ at a time admits what the probe says meets the target (with the prior, a request
 target is below 1.5x the probe's estimate would wait for 16 answers that nothing admitted
 would ever give).
 
+**At risk.** A route with ``estimate > T`` but ``predicted <= T`` (it meets the target as
+estimated, not with the margin) is still admitted when the lateness budget allows it
+(:class:`LateBudget`): no other request admitted at risk is still without its first
+token, and none of the last ``LATE_WINDOW`` (32) admitted requests with a target answered
+past it. Admission's target is an aggregate, 90% of what it admits on time, and a margin
+that makes each request safe on its own refuses too much where the target is close to a
+cold prompt's compute: in the P/D admission run at 94fb8f1 (target 0.55 s, cold 1,056-token
+prompts estimated at 0.43-0.48 s) the margin from the first request refused every cold
+prompt, so the prefixes the later requests would have reused were never computed: 7
+admitted of 63, goodput 1.73 req/s (docs/benchmarks/router.md). One at a time, and
+after 32 answers on time, at most one request admitted at risk is late per 32 admitted.
+
 A route is rejected before any engine works on it when ``estimate > T`` (429), with
 ``Retry-After = ceil(estimate - T)`` seconds, at least 1: roughly when the queue ahead
 has drained enough (:func:`rejection`; :meth:`multi.router.choose.Chooser.choose` applies
@@ -68,12 +80,14 @@ admitted after it, docs/benchmarks/router.md.)
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Mapping
 
 from p2p.proxy import ProxyError
 
 SLO_HEADER = "X-TTFT-SLO"  # seconds; per-request TTFT target
 SLO_PARAM = "ttft_slo_s"  # the same, as a kv_transfer_params key (removed before forwarding)
+LATE_WINDOW = 32  # admitted answers with a target that must all be on time before a risk is taken
 
 
 def ttft_target(headers: Mapping[str, str], body: dict, default: float | None) -> float | None:
@@ -117,3 +131,19 @@ def pushed_late(deadlines: Iterable[float], first_token_at: float) -> tuple[str,
 def estimate_s(predicted_s: float, margin: float) -> float:
     """What admission compares with the target: ``margin * predicted`` (module docstring)."""
     return margin * predicted_s
+
+
+class LateBudget:
+    """Whether a route that meets its target only as estimated may be admitted (module
+    docstring, "At risk"): the last :data:`LATE_WINDOW` admitted answers with a target
+    (late or not) and the requests admitted at risk still without their first token."""
+
+    def __init__(self, window: int = LATE_WINDOW):
+        self.answers: deque[bool] = deque(maxlen=window)  # True: answered past its target
+        self.inflight: set[str] = set()  # request ids admitted at risk, before their first token
+
+    def allows(self) -> bool:
+        return not self.inflight and not any(self.answers)
+
+    def record(self, ttft_s: float, target_s: float) -> None:
+        self.answers.append(ttft_s > target_s)

@@ -77,7 +77,8 @@ estimate exceeds ``T`` is rejected before any engine works on it: ``predicted * 
 (``margin``: :meth:`multi.router.honesty.Honesty.margin`, the honesty window's upper
 ratio of actual to predicted, with a prior until the window has measured the route's kind:
 1.5 while any instance has a request in flight or decoding, 1 on an idle pool;
-:func:`multi.router.admission.estimate_s`). A route is also rejected when its prefill,
+:func:`multi.router.admission.estimate_s`), unless ``predicted`` meets ``T`` and the
+lateness budget allows a risk (:class:`multi.router.admission.LateBudget`). A route is also rejected when its prefill,
 batched with the requests queued and not yet started on the instance that computes it,
 would push one admitted with a target past it (:func:`multi.router.admission.pushed_late`;
 "not yet started": without its first token, sent at ``t_j``, predicted to start at ``start_j``
@@ -232,6 +233,8 @@ class Chooser(Ledger):
         m = route.margin = self.honesty.margin(route.kind, PRIOR_MARGIN if busy else 1.0)
         est = estimate_s(route.predicted, m)
         rejected = rejection(est, slo)
+        if rejected is not None and slo is not None and route.predicted <= slo and self.late.allows():
+            rejected, route.risky = None, True  # meets it as estimated: a risk the budget can take
         if rejected is None and slo is not None:  # the requests its prefill would be batched with
             # their predicted starts err as the estimates do
             queued = [waiter.deadlines[r] for r, (start, end) in waiter.times(now).items()
