@@ -132,6 +132,11 @@ def test_a_route_that_meets_its_target_only_as_estimated_is_admitted_one_at_a_ti
     second = c.choose(pool, 1056, lambda i: 0, 0, slo, now=100.0)
     assert second.kind == "reject"  # one at a time
     c.first_token(r, r.target, "risk", 100.5)
+    # Its first token is out, but whether it was late is recorded when its answer ends (the
+    # P/D admission run at 5e462d1 admitted a second at risk before the first's lateness
+    # was known: both late): still one in flight.
+    assert c.late.inflight == {"risk"} and c.choose(pool, 1056, lambda i: 0, 0, slo, now=100.5).kind == "reject"
+    c.end(r, r.target, "risk", 100.9)
     assert c.late.inflight == set()
     # It answered late: no risk for the next 32 admitted answers with a target.
     c.learn_request(r, r.target, 1056, 0, False, ttft_s=slo + 0.1, prefill_s=None)

@@ -42,8 +42,8 @@ would ever give).
 
 **At risk.** A route with ``estimate > T`` but ``predicted <= T`` (it meets the target as
 estimated, not with the margin) is still admitted when the lateness budget allows it
-(:class:`LateBudget`): no other request admitted at risk is still without its first
-token, and none of the last ``LATE_WINDOW`` (32) admitted requests with a target answered
+(:class:`LateBudget`): no other request admitted at risk is still unanswered (until its
+answer ends, when its lateness is recorded), and none of the last ``LATE_WINDOW`` (32) admitted requests with a target answered
 past it. Admission's target is an aggregate, 90% of what it admits on time, and a margin
 that makes each request safe on its own refuses too much where the target is close to a
 cold prompt's compute: in the P/D admission run at 94fb8f1 (target 0.55 s, cold 1,056-token
@@ -136,11 +136,11 @@ def estimate_s(predicted_s: float, margin: float) -> float:
 class LateBudget:
     """Whether a route that meets its target only as estimated may be admitted (module
     docstring, "At risk"): the last :data:`LATE_WINDOW` admitted answers with a target
-    (late or not) and the requests admitted at risk still without their first token."""
+    (late or not) and the requests admitted at risk whose answer has not ended."""
 
     def __init__(self, window: int = LATE_WINDOW):
         self.answers: deque[bool] = deque(maxlen=window)  # True: answered past its target
-        self.inflight: set[str] = set()  # request ids admitted at risk, before their first token
+        self.inflight: set[str] = set()  # request ids admitted at risk, until their answer ends
 
     def allows(self) -> bool:
         return not self.inflight and not any(self.answers)

@@ -162,7 +162,6 @@ class Ledger:
     def first_token(self, route: Route, inst: Instance, rid: str, now: float | None = None) -> None:
         """The request's first token is out (at ``now``, as :meth:`prefill_done`): its prefill
         leaves ``inst``'s queue (a direct route) and it decodes on the target until :meth:`end`."""
-        self.late.inflight.discard(rid)
         if route.kind == "pd":
             route.target.decoding.add(rid)
         elif inst.depart(rid, now):
@@ -171,7 +170,7 @@ class Ledger:
     def end(self, route: Route, inst: Instance, rid: str, now: float | None = None) -> None:
         """The request's answer is over (its last token, or a failure; at ``now``, as
         :meth:`prefill_done`)."""
-        self.late.inflight.discard(rid)
+        self.late.inflight.discard(rid)  # its lateness is known now (learn_request records it)
         if inst.depart(rid, now) or (route.kind != "pd" and rid in inst.decoding):
             inst.outstanding -= 1
         inst.decoding.discard(rid)
