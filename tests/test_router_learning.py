@@ -165,7 +165,8 @@ def test_honesty_in_a_plain_pool_falls_back_to_least_outstanding_and_can_be_off(
 
 def test_admission_margin_is_the_window_s_upper_ratio():
     h = Honesty(min_samples=8)
-    assert h.margin("pd") == 1.0  # nothing known: the estimate as it is
+    assert h.margin("pd") == pytest.approx(1.5)  # nothing known: the prior (PRIOR_MARGIN)
+    assert h.margin("pd", 1.0) == 1.0  # the caller's prior (an idle pool's): the estimate as it is
     for x in [1.0] * 9 + [2.0]:
         h.record("pd", 1.0, x)
     assert 1.0 < h.margin("pd") <= 2.0

@@ -17,19 +17,40 @@ The estimate (:func:`estimate_s`) is the route's predicted time to first token
 with ``fixed`` its loads before its compute and ``own`` its compute. Admission adds what
 the estimates are known to miss:
 
-    estimate = m * predicted                  once the honesty window holds enough
-                                              answers of the route's kind
-                                              (m: multi.router.honesty.Honesty.margin,
-                                              the window's 0.9-quantile of actual/predicted)
-    estimate = fixed + own + m0 * wait        before (m0 = WAIT_MARGIN = 1.5)
+    estimate = m * predicted
+    m        = multi.router.honesty.Honesty.margin: the 0.9-quantile of actual/predicted
+               of the route's kind over the honesty window; while the window holds n < 16
+               answers of the kind, over those n plus 16 - n at the prior m0
+    m0       = PRIOR_MARGIN = 1.5 while anything runs on the pool, else 1
 
-Before any answer is measured, the compute of a request alone is the start-up probe's
-measurement, but its wait under a burst is not: prefills queued together finish in one
-engine step (a request's first token waits for the ones batched with it), the requests
-decoding there share the steps, and the other engine shares the host. ``m0`` is the
-largest bias the honesty check lets the estimates keep before it falls back
-(``exp(ENTER)``, :mod:`multi.router.honesty`), applied to the wait only: an idle instance
-still admits what the probe says it meets.
+Why a prior on the whole estimate, from the first request: the start-up probe times each
+instance alone, and a burst is slower than that: the other engines share the host's cores,
+the requests decoding there share the steps, and prompts queued together finish in one
+step. Over the first 16 answers of the five P/D admission runs of 2026-12-06 (target 0.55
+s, docs/benchmarks/router.md), actual/predicted had a median of 1.09-1.40 and a
+0.9-quantile of 1.54-2.89 per run; cold prompts alone (their compute, not a wait, the bulk
+of the estimate; 35 answers pooled) a median of 1.12 and a 0.9-quantile of 1.43 (1.35 on
+idle instances). Every late request at the last of those runs was such a cold prompt,
+admitted at 1x its compute with only its wait counted 1.5x. The windows' 0.9-quantiles at
+the end of the runs were 1.68-2.81. ``m0`` is the largest bias the honesty check tolerates
+before it falls back (``exp(ENTER)``, :mod:`multi.router.honesty`); the prior applies only
+while some instance of the pool has a request of the router in flight or decoding: on an
+idle pool the probe's own condition holds (prior 1): a fresh router that sees one request
+at a time admits what the probe says meets the target (with the prior, a request whose
+target is below 1.5x the probe's estimate would wait for 16 answers that nothing admitted
+would ever give).
+
+**At risk.** A route with ``estimate > T`` but ``predicted <= T`` (it meets the target as
+estimated, not with the margin) is still admitted when the lateness budget allows it
+(:class:`LateBudget`): no other request admitted at risk is still unanswered (until its
+answer ends, when its lateness is recorded), and none of the last ``LATE_WINDOW`` (32) admitted requests with a target answered
+past it. Admission's target is an aggregate, 90% of what it admits on time, and a margin
+that makes each request safe on its own refuses too much where the target is close to a
+cold prompt's compute: in the P/D admission run at 94fb8f1 (target 0.55 s, cold 1,056-token
+prompts estimated at 0.43-0.48 s) the margin from the first request refused every cold
+prompt, so the prefixes the later requests would have reused were never computed: 7
+admitted of 63, goodput 1.73 req/s (docs/benchmarks/router.md). One at a time, and
+after 32 answers on time, at most one request admitted at risk is late per 32 admitted.
 
 A route is rejected before any engine works on it when ``estimate > T`` (429), with
 ``Retry-After = ceil(estimate - T)`` seconds, at least 1: roughly when the queue ahead
@@ -44,7 +65,7 @@ one's prefill is done too, at ``now + estimate``. Not yet started: without its f
 (late or not), sent at ``t_j`` and predicted to start at ``start_j``
 (:meth:`multi.router.instances.Instance.times`),
 ``t_j + m * (start_j - t_j) > now``, its wait counted with the margin the estimate uses
-(``m``, else ``m0``): a predicted start errs as a predicted wait does (in the P/D admission
+(``m``): a predicted start errs as a predicted wait does (in the P/D admission
 run a cached request predicted to have started 1 ms before a cold prefill arrived got its
 first token with it); or ``end_j <= now``: late, behind the queue model, so its start is not
 known either (two requests 0.05-0.1 s past their predicted end got their first tokens with a
@@ -59,14 +80,14 @@ admitted after it, docs/benchmarks/router.md.)
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Mapping
 
-from multi.router.honesty import ENTER
 from p2p.proxy import ProxyError
 
 SLO_HEADER = "X-TTFT-SLO"  # seconds; per-request TTFT target
 SLO_PARAM = "ttft_slo_s"  # the same, as a kv_transfer_params key (removed before forwarding)
-WAIT_MARGIN = math.exp(ENTER)  # m0: the wait's margin before the window has measured one (1.5)
+LATE_WINDOW = 32  # admitted answers with a target that must all be on time before a risk is taken
 
 
 def ttft_target(headers: Mapping[str, str], body: dict, default: float | None) -> float | None:
@@ -107,9 +128,22 @@ def pushed_late(deadlines: Iterable[float], first_token_at: float) -> tuple[str,
             max(1, math.ceil(first_token_at - min(late))))
 
 
-def estimate_s(predicted_s: float, wait_s: float, margin: float | None) -> float:
-    """What admission compares with the target (module docstring): ``margin * predicted``
-    with a measured ``margin``, else ``predicted + (WAIT_MARGIN - 1) * wait``."""
-    if margin is not None:
-        return margin * predicted_s
-    return predicted_s + (WAIT_MARGIN - 1.0) * max(0.0, wait_s)
+def estimate_s(predicted_s: float, margin: float) -> float:
+    """What admission compares with the target: ``margin * predicted`` (module docstring)."""
+    return margin * predicted_s
+
+
+class LateBudget:
+    """Whether a route that meets its target only as estimated may be admitted (module
+    docstring, "At risk"): the last :data:`LATE_WINDOW` admitted answers with a target
+    (late or not) and the requests admitted at risk whose answer has not ended."""
+
+    def __init__(self, window: int = LATE_WINDOW):
+        self.answers: deque[bool] = deque(maxlen=window)  # True: answered past its target
+        self.inflight: set[str] = set()  # request ids admitted at risk, until their answer ends
+
+    def allows(self) -> bool:
+        return not self.inflight and not any(self.answers)
+
+    def record(self, ttft_s: float, target_s: float) -> None:
+        self.answers.append(ttft_s > target_s)

@@ -74,14 +74,16 @@ request whole on the decode or prefill instance with the fewest requests in flig
 
 Admission (:mod:`multi.router.admission`): with a TTFT target ``T``, a route whose
 estimate exceeds ``T`` is rejected before any engine works on it: ``predicted * margin``
-(``margin``: :meth:`multi.router.honesty.Honesty.margin`) once the honesty window has
-measured the route's kind, before that ``predicted`` with its wait counted 1.5x
-(:func:`multi.router.admission.estimate_s`). A route is also rejected when its prefill,
+(``margin``: :meth:`multi.router.honesty.Honesty.margin`, the honesty window's upper
+ratio of actual to predicted, with a prior until the window has measured the route's kind:
+1.5 while any instance has a request in flight or decoding, 1 on an idle pool;
+:func:`multi.router.admission.estimate_s`), unless ``predicted`` meets ``T`` and the
+lateness budget allows a risk (:class:`multi.router.admission.LateBudget`). A route is also rejected when its prefill,
 batched with the requests queued and not yet started on the instance that computes it,
 would push one admitted with a target past it (:func:`multi.router.admission.pushed_late`;
 "not yet started": without its first token, sent at ``t_j``, predicted to start at ``start_j``
 and end at ``end_j``, with ``t_j + m * (start_j - t_j) > now`` (its wait counted with
-admission's margin ``m``: ``margin`` once measured, else ``m0``) or ``end_j <= now`` (late:
+admission's margin ``m``) or ``end_j <= now`` (late:
 behind the queue model, its start is not known either)).
 """
 
@@ -93,7 +95,8 @@ import time
 from dataclasses import dataclass
 
 from multi.policy import Inputs, Plan, PolicyConfig, TierReach
-from multi.router.admission import WAIT_MARGIN, estimate_s, pushed_late, rejection
+from multi.router.admission import estimate_s, pushed_late, rejection
+from multi.router.honesty import PRIOR_MARGIN
 from multi.router.instances import Instance, Pool
 from multi.router.ledger import Ledger, Route
 from p2p.config import LOAD_PRIOR as P2P_PRIOR
@@ -225,11 +228,15 @@ class Chooser(Ledger):
         wait = self.wait_s(waiter, now, route.own_s)
         route.base_s = route.seconds - wait
         route.slo = slo
-        margin = self.honesty.margin(route.kind) if self.honesty.measured(route.kind) else None
-        est = estimate_s(route.predicted, wait, margin)
+        # The probe timed each instance alone: its estimates hold unmeasured on an idle pool only.
+        busy = any(i.inflight or i.decoding for i in pool.all)
+        m = route.margin = self.honesty.margin(route.kind, PRIOR_MARGIN if busy else 1.0)
+        est = estimate_s(route.predicted, m)
         rejected = rejection(est, slo)
+        if rejected is not None and slo is not None and route.predicted <= slo and self.late.allows():
+            rejected, route.risky = None, True  # meets it as estimated: a risk the budget can take
         if rejected is None and slo is not None:  # the requests its prefill would be batched with
-            m = WAIT_MARGIN if margin is None else margin  # their predicted starts err as the waits do
+            # their predicted starts err as the estimates do
             queued = [waiter.deadlines[r] for r, (start, end) in waiter.times(now).items()
                       if r in waiter.deadlines and ((t := waiter.inflight[r][1]) + m * (start - t) > now or end <= now)]
             rejected = pushed_late(queued, now + est)
@@ -237,7 +244,7 @@ class Chooser(Ledger):
             reason, retry_after = rejected
             return Route("reject", route.prefill, route.target, route.seconds, route.plan, reason,
                          retry_after=retry_after, store=store, candidates=route.candidates,
-                         predicted=route.predicted, mode=route.mode, base_s=route.base_s)
+                         predicted=route.predicted, mode=route.mode, base_s=route.base_s, margin=m)
         return route
 
     @staticmethod

@@ -200,7 +200,8 @@ class Forwarder(Proxy):
         compared with ``candidates``), ``ttft_predicted_s`` its predicted time to first token
         (unweighted), ``mode`` the policy that chose (``kv``, or ``fallback POLICY`` while
         the honesty check falls back), ``drift`` the window's median |ln(actual/predicted)|
-        per route kind. Times in seconds, ``t`` on the monotonic clock."""
+        per route kind, ``margin`` admission's margin on ``ttft_predicted_s`` (null without
+        a choice), ``risky`` whether admission took it at risk. Times in seconds, ``t`` on the monotonic clock."""
         if self.decision_log is None:
             return
         rec = {"t": round(t0, 6), "n": n, "kind": route.kind, "plan": route.plan, "reason": route.reason,
@@ -210,6 +211,7 @@ class Forwarder(Proxy):
                "store_check": route.store_check, "store_events": route.store_events,
                "predicted_s": round(route.seconds, 6), "wait_s": round(route.seconds - route.base_s, 6),
                "ttft_predicted_s": round(route.predicted, 6), "mode": route.mode,
+               "margin": None if route.margin is None else round(route.margin, 4), "risky": route.risky,
                "drift": {k: round(v, 4) for k, v in self.chooser.honesty.state()["drift"].items()},
                "candidates": {k: round(v, 6) for k, v in route.candidates.items()},
                "status": status, "ttft_s": None if ttft_s is None else round(ttft_s, 6),

@@ -35,11 +35,15 @@ window: how far one estimate is typically off. The kv policy's tie band among pl
 instances is ``exp(spread)`` (:mod:`multi.router.choose`).
 
 **Admission margin.** :meth:`Honesty.margin` is the 0.9-quantile of actual / predicted of
-a kind over the window (1 with fewer than ``min_samples`` answers), clamped to [0.8, 3]: admission
-(:mod:`multi.router.admission`) compares ``predicted * margin`` with the target, so that
-about 90% of what it admits meets it even when the estimates err; until the window holds
-``min_samples`` answers of the kind (:meth:`Honesty.measured`) it adds its own margin to the
-wait instead (:func:`multi.router.admission.estimate_s`).
+a kind over the window, clamped to [0.8, 3]: admission (:mod:`multi.router.admission`)
+compares ``predicted * margin`` with the target, so that about 90% of what it admits meets
+it even when the estimates err. Until the window holds ``min_samples`` answers of the kind,
+the quantile is taken over its ``n`` answers plus ``min_samples - n`` answers at a prior
+ratio (``prior``): the prior rules the first requests, each answer moves the margin, and
+with ``min_samples`` answers it is the window's alone. The caller's prior is
+:data:`PRIOR_MARGIN` (1.5, ``exp(ENTER)``: the largest bias the check tolerates) while
+anything runs on the pool, 1 on an idle pool (what the start-up probe measured):
+:mod:`multi.router.admission` says why, with the measurement.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from dataclasses import dataclass, field
 ENTER = math.log(1.5)
 LEAVE = math.log(1.25)
 MARGIN_Q, MARGIN_MIN, MARGIN_MAX = 0.9, 0.8, 3.0
+PRIOR_MARGIN = math.exp(ENTER)  # admission's prior ratio until the window has measured a kind (1.5)
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -101,15 +106,12 @@ class Honesty:
         r = self._ratios(kind)
         return _quantile([abs(math.log(x)) for x in r], 0.5) if len(r) >= self.min_samples else None
 
-    def margin(self, kind: str) -> float:
+    def margin(self, kind: str, prior: float = PRIOR_MARGIN) -> float:
+        """0.9-quantile of ``kind``'s actual / predicted over the window, with
+        ``min_samples - n`` answers at ``prior`` while it holds only ``n`` (module docstring)."""
         r = self._ratios(kind)
-        if len(r) < self.min_samples:
-            return 1.0
+        r += [prior] * max(0, self.min_samples - len(r))
         return min(max(_quantile(r, MARGIN_Q), MARGIN_MIN), MARGIN_MAX)
-
-    def measured(self, kind: str) -> bool:
-        """Whether the window holds enough answers of ``kind`` for :meth:`margin`."""
-        return len(self._ratios(kind)) >= self.min_samples
 
     def kinds(self) -> list[str]:
         return sorted({a.kind for a in self.window})

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from mcstore.config import LOAD_PRIOR as STORE_PRIOR
 from multi.calibration import OnlineFit
 from multi.policy import CostModel, LoadSample, PolicyConfig, TierReach
+from multi.router.admission import LateBudget
 from multi.router.fits import InstanceFit
 from multi.router.honesty import Honesty
 from multi.router.instances import Instance
@@ -60,6 +61,8 @@ class Route:
     alternatives: dict[str, float] = field(default_factory=dict)
     mode: str = ""  # the policy that chose: the router's, or kv's fallback
     slo: float | None = None  # its TTFT target in seconds (admission), None without one
+    margin: float | None = None  # admission's margin on ``predicted`` (multi.router.admission)
+    risky: bool = False  # admitted at risk: it meets its target as estimated, not with the margin
 
 
 class Ledger:
@@ -72,6 +75,7 @@ class Ledger:
         self.models: dict[str, CostModel] = {}
         self.fits: dict[str, InstanceFit] = {}
         self.honesty = Honesty()
+        self.late = LateBudget()  # admission's budget for routes admitted at risk
 
     def floor_s(self) -> float:
         """The instance fits' floor in seconds (:data:`multi.router.choose.WAIT_FLOOR_S`)."""
@@ -137,6 +141,8 @@ class Ledger:
         inst.inflight[rid] = (self.prefill_work(inst, n, cached), now)
         if route.slo is not None:  # what a later prefill batched with it must not push it past
             inst.deadlines[rid] = now + route.slo
+        if route.risky:
+            self.late.inflight.add(rid)
         inst.outstanding += 1
         if route.kind == "pd":
             route.target.outstanding += 1
@@ -164,6 +170,7 @@ class Ledger:
     def end(self, route: Route, inst: Instance, rid: str, now: float | None = None) -> None:
         """The request's answer is over (its last token, or a failure; at ``now``, as
         :meth:`prefill_done`)."""
+        self.late.inflight.discard(rid)  # its lateness is known now (learn_request records it)
         if inst.depart(rid, now) or (route.kind != "pd" and rid in inst.decoding):
             inst.outstanding -= 1
         inst.decoding.discard(rid)
@@ -178,7 +185,8 @@ class Ledger:
         the rest of its time to first token, less the decode instance's predicted part, its
         ``p2p`` load fit; a direct request's time to first token teaches the target's fit;
         taken alone as a speed sample (:meth:`learn_prefill`), else with the wait it had
-        (:meth:`learn_queued`). Every streamed answer goes to the honesty window."""
+        (:meth:`learn_queued`). Every streamed answer goes to the honesty window, and one
+        with a target to admission's lateness budget."""
         # The store load ([its cache, S), before its compute) is inside the time it took: its
         # predicted share is taken out, left in it skews the compute fit (docs/benchmarks/sim-cluster.md).
         own = route.cached_prefill if route.kind == "pd" else route.cached_target
@@ -195,6 +203,8 @@ class Ledger:
             self.learn_transfer(inst, n - max(route.cached_target, route.store), ttft_s - prefill_s - route.tail_s)
         if ttft_s is not None:
             self.honesty.record(route.kind, route.predicted, ttft_s, route.alternatives)
+            if route.slo is not None:
+                self.late.record(ttft_s, route.slo)
 
     # -- learning ------------------------------------------------------------------------
 
