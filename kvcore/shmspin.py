@@ -1,5 +1,4 @@
-"""Shorter busy-waits on vLLM's shared-memory queues, for TP/PP > 1 engines on CPU (and
-one-rank CPU engines whose tier I/O runs off the compute cores: :data:`ONE_RANK_BUSY_LOOP_S`).
+"""Shorter busy-waits on vLLM's shared-memory queues, for TP/PP > 1 engines on CPU.
 
 With more than one rank, vLLM's multiprocess executor passes every step to the worker
 processes and their replies back through shared-memory rings
@@ -31,11 +30,6 @@ from kvcore.log import get_logger
 logger = get_logger("kvcore.shmspin")
 
 BUSY_LOOP_S = 0.005
-# A one-rank CPU worker whose tier I/O runs off its compute core: its busy-wait (1 s by default)
-# filled the compute core while the I/O's poll filled the other, and the store server got no
-# CPU: 8K loads took up to 1.2 s instead of 30-100 ms (docs/benchmarks/store-divergence.md).
-# 1 ms, under the 2 ms pause of a step that computes nothing, lets it sleep between such steps.
-ONE_RANK_BUSY_LOOP_S = 0.001
 # How long a connector's scheduler sleeps before a step that computes nothing (an engine
 # that only waits for KV or holds blocks), on TP/PP > 1 CPU engines: both tiers pace so.
 IDLE_STEP_S = 0.02
@@ -47,12 +41,6 @@ def cpu_ranks(vllm_config) -> bool:
 
     par = vllm_config.parallel_config
     return par.tensor_parallel_size * par.pipeline_parallel_size > 1 and platform.current().device_type == "cpu"
-
-
-def one_rank_io_off_core(multi_rank: bool, io_cpus: set[int] | None, device_type: str) -> bool:
-    """Whether a worker's queues get :data:`ONE_RANK_BUSY_LOOP_S`: one rank on CPU, with its
-    tier's I/O threads moved off the compute cores (``io_cpus``, :mod:`kvcore.iocpus`)."""
-    return not multi_rank and bool(io_cpus) and device_type == "cpu"
 
 
 def shorten(busy_loop_s: float = BUSY_LOOP_S) -> int:

@@ -164,10 +164,9 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "the worker's core), 'auto' (the CPUs the engine was started on minus vLLM's OpenMP compute lists, "
         "VLLM_CPU_OMP_THREADS_BIND; where vLLM reserves cores for a KV connector; nothing moves when none is "
         "left), or a CPU list such as '0,2-3' (kvcore.iocpus). Default 'none': on a 2-core host 'auto' cut "
-        "the saves' cost to a forward but made background loads erratic, hits 2-35x their floor, until a "
-        "one-rank worker's busy-wait was shortened with it (kvcore.shmspin); since then one run (two "
-        "repetitions) put 'auto' at 1.51-1.90x against 1.53-1.72x for 'none': not yet enough to change "
-        "the default (docs/benchmarks/store-divergence.md).")] = "none"
+        "the saves' cost to a forward but made background loads erratic, hits 2-35x their floor: the load "
+        "thread's transfer poll and the worker's busy-wait for its next step filled both cores and starved the "
+        "store server (docs/benchmarks/store-divergence.md).")] = "none"
     save_thread_nice: Annotated[int | None, doc(
         "Nice value of the worker's save thread, which also polls each Mooncake put without pause. 0: "
         f"as the engine's other threads; null: {SAVE_THREAD_NICE_CPU} on a CPU engine, 0 elsewhere (not "

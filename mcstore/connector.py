@@ -21,7 +21,6 @@ from typing import Any
 from kvcore import shmspin
 from kvcore.kvgroups import kv_groups, named
 from kvcore.log import get_logger
-from kvcore.platform import current as current_platform
 from kvcore.tier import LoadReport, Tier
 from kvcore.vllm_events import kv_events_enabled
 from kvcore.vllm_glue import (
@@ -120,11 +119,6 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA, Tier):
             self._worker = StoreWorker(cfg, keys.stage(pp_rank()), block_size, kv_cache_config.num_blocks,
                                        tp_rank(), load=load, save=save, events=events and save,
                                        groups=groups if grouped else None)
-            # One rank, I/O off the compute core: vLLM still runs the worker in its own process,
-            # busy-waiting for each step; with the I/O's poll on the other core nothing was left
-            # for the store server (kvcore.shmspin.ONE_RANK_BUSY_LOOP_S).
-            if shmspin.one_rank_io_off_core(multi_rank, self._worker.io_cpus, current_platform().device_type):
-                shmspin.shorten(shmspin.ONE_RANK_BUSY_LOOP_S)
 
     # -- tier contract (kvcore.tier) ------------------------------------------------
 

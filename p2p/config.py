@@ -100,9 +100,7 @@ class P2PConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     io_cpus: Annotated[str, doc(
         "CPUs of the pull and side-channel threads and of the Transfer Engine's own threads: 'auto' (the "
         "CPUs the engine was started on minus vLLM's OpenMP compute lists, VLLM_CPU_OMP_THREADS_BIND; "
-        "nothing moves when none is left), 'none', or a CPU list such as '0,2-3' (kvcore.iocpus). A one-rank "
-        "CPU engine whose threads moved also shortens its worker's busy-wait to 1 ms "
-        "(kvcore.shmspin.ONE_RANK_BUSY_LOOP_S; measured on the store tier's loads, not on pulls).")] = "auto"
+        "nothing moves when none is left), 'none', or a CPU list such as '0,2-3' (kvcore.iocpus).")] = "auto"
     secret_file: Annotated[str | None, doc(
         "File holding the deployment's shared secret (at least 16 bytes; docs/deploy.md, \"Trust model\"). "
         "With a secret, this engine acts on transfer parameters (kv_transfer_params) only when the router "

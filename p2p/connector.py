@@ -20,7 +20,6 @@ from typing import Any
 from kvcore import shmspin
 from kvcore.kvgroups import kv_groups, named
 from kvcore.log import get_logger
-from kvcore.platform import current as current_platform
 from kvcore.tier import LoadReport, Tier
 from kvcore.vllm_glue import (
     KVConnectorBase_V1,
@@ -75,11 +74,6 @@ class P2PConnector(KVConnectorBase_V1, SupportsHMA, Tier):
 
             self.worker = P2PWorker(vllm_config, self.cfg, self.engine_id, kv_cache_config, role_name,
                                     groups=self.groups)
-            # One rank with the pull's I/O off the compute core: as in the store tier, the
-            # worker's 1 s busy-wait and the transfer's poll would fill both cores and starve the
-            # sender (kvcore.shmspin.ONE_RANK_BUSY_LOOP_S).
-            if shmspin.one_rank_io_off_core(cpu_ranks, self.worker.io_cpus, current_platform().device_type):
-                shmspin.shorten(shmspin.ONE_RANK_BUSY_LOOP_S)
 
     # ---------------- tier contract (kvcore.tier) ----------------
     def lookup(self, request) -> int:

@@ -52,60 +52,6 @@ def _reader_cpu_seconds(wait_s: float, shorten: bool) -> float:
     return box["cpu"]
 
 
-def _paced_reader_cpu_seconds(busy_loop_s: float | None, period_s: float = 0.005, n: int = 100) -> float:
-    """CPU seconds a reader of a real vLLM MessageQueue spends taking ``n`` messages written
-    every ``period_s`` (an engine's idle steps), its busy-wait shortened to ``busy_loop_s``."""
-    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
-
-    from kvcore import shmspin
-
-    writer = MessageQueue(n_reader=1, n_local_reader=1)
-    handle = writer.export_handle()
-    box: dict = {}
-
-    def read():
-        reader = MessageQueue.create_from_handle(handle, 0)
-        reader.wait_until_ready()
-        if busy_loop_s is not None:
-            box["n"] = shmspin.shorten(busy_loop_s)
-        box["ready"] = True
-        t0 = time.thread_time()
-        for _ in range(n):
-            reader.dequeue(timeout=10)
-        box["cpu"] = time.thread_time() - t0
-
-    t = threading.Thread(target=read)
-    t.start()
-    writer.wait_until_ready()
-    deadline = time.monotonic() + 30
-    while "ready" not in box and time.monotonic() < deadline:
-        time.sleep(0.001)
-    for i in range(n):
-        time.sleep(period_s)
-        writer.enqueue(i)
-    t.join(timeout=30)
-    assert not t.is_alive()
-    if busy_loop_s is not None:
-        assert box["n"] >= 1
-    return box["cpu"]
-
-
-def test_one_rank_worker_with_io_off_core_sleeps_between_idle_steps():
-    from kvcore import shmspin
-
-    # Only a one-rank CPU worker whose tier I/O was moved off its compute cores.
-    assert shmspin.one_rank_io_off_core(False, {0}, "cpu")
-    assert not shmspin.one_rank_io_off_core(False, None, "cpu")
-    assert not shmspin.one_rank_io_off_core(True, {0}, "cpu")  # TP/PP > 1: shorten() as before
-    assert not shmspin.one_rank_io_off_core(False, {0}, "cuda")
-    # Steps 5 ms apart (2 ms pause plus the step): vLLM's reader spins through every gap, the
-    # shortened one (1 ms) sleeps most of each (docs/benchmarks/store-divergence.md: the spin
-    # filled the compute core while the I/O's poll filled the other).
-    spinning = _paced_reader_cpu_seconds(None)
-    shortened = _paced_reader_cpu_seconds(shmspin.ONE_RANK_BUSY_LOOP_S)
-    assert spinning > 0.15 and shortened < spinning / 2, (spinning, shortened)
-
-
 def test_shortened_shm_reader_sleeps_instead_of_spinning():
     spinning = _reader_cpu_seconds(0.6, shorten=False)
     sleeping = _reader_cpu_seconds(0.6, shorten=True)
