@@ -64,3 +64,59 @@ def shorten(busy_loop_s: float = BUSY_LOOP_S) -> int:
     else:
         logger.info("busy-wait of %d vLLM shared-memory queue(s) shortened to %.0f ms", n, busy_loop_s * 1e3)
     return n
+
+
+# A one-rank CPU worker whose store I/O runs off its compute core: while a background load is
+# in flight, its 1 s busy-wait on the step queue and the load's transfer poll filled both cores
+# and starved the store server (8K gets up to 1.2 s); shortened for good, every decode step
+# waited for a wake-up (TPOT 4-29x). So only while a load is in flight
+# (docs/benchmarks/store-divergence.md).
+LOADING_BUSY_LOOP_S = 0.001
+
+
+class LoadSpin:
+    """The busy-wait of this process's shared-memory queue readers, short while ``begin`` holds
+    loads not yet ``end``-ed, vLLM's own otherwise. Each load is dropped at its deadline too,
+    so that a load never reported back cannot keep the short wait. Not thread-safe: the
+    worker's step hooks call it, on one thread."""
+
+    def __init__(self, busy_loop_s: float = LOADING_BUSY_LOOP_S):
+        self.busy_loop_s = busy_loop_s
+        self._conds: list | None = None  # (condition, vLLM's busy_loop_s), found at first use
+        self._loads: dict[str, float] = {}  # request id -> deadline (monotonic seconds)
+        self.short = False
+
+    def _find(self) -> list:
+        try:
+            from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+        except ImportError:
+            return []
+        out = []
+        for obj in gc.get_objects():
+            if type(obj) is MessageQueue:
+                cond = getattr(obj, "_spin_condition", None)
+                if cond is not None and getattr(cond, "is_reader", False) and hasattr(cond, "busy_loop_s"):
+                    out.append((cond, cond.busy_loop_s))
+        return out
+
+    def begin(self, req_ids, deadline: float) -> None:
+        for rid in req_ids:
+            self._loads[rid] = deadline
+        self._apply()
+
+    def end(self, req_ids, now: float) -> None:
+        for rid in req_ids:
+            self._loads.pop(rid, None)
+        for rid in [r for r, d in self._loads.items() if d <= now]:
+            del self._loads[rid]
+        self._apply()
+
+    def _apply(self) -> None:
+        want = bool(self._loads)
+        if want == self.short:
+            return
+        if self._conds is None:
+            self._conds = self._find()
+        for cond, default in self._conds:
+            cond.busy_loop_s = min(default, self.busy_loop_s) if want else default
+        self.short = want

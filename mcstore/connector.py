@@ -21,6 +21,7 @@ from typing import Any
 from kvcore import shmspin
 from kvcore.kvgroups import kv_groups, named
 from kvcore.log import get_logger
+from kvcore.platform import current as current_platform
 from kvcore.tier import LoadReport, Tier
 from kvcore.vllm_events import kv_events_enabled
 from kvcore.vllm_glue import (
@@ -97,6 +98,7 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA, Tier):
         events = kv_events_enabled(vllm_config)  # KV events of what the tier stores (mcstore.events)
         self._sched: StoreScheduler | None = None
         self._worker: StoreWorker | None = None
+        self._spin: shmspin.LoadSpin | None = None
         # A load keeps the engine stepping with nothing to compute; on TP/PP > 1 CPU engines
         # every rank busy-waits after each such step (kvcore.shmspin): on two cores a TP 2
         # engine waiting for a load starved the master's RPC until the load timed out
@@ -119,6 +121,10 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA, Tier):
             self._worker = StoreWorker(cfg, keys.stage(pp_rank()), block_size, kv_cache_config.num_blocks,
                                        tp_rank(), load=load, save=save, events=events and save,
                                        groups=groups if grouped else None)
+            # One rank on CPU with the I/O off the compute core: the worker's busy-wait is cut
+            # while a background load is in flight (kvcore.shmspin.LoadSpin says why).
+            self._spin = (shmspin.LoadSpin() if load and not multi_rank and self._worker.io_cpus
+                          and current_platform().device_type == "cpu" else None)
 
     # -- tier contract (kvcore.tier) ------------------------------------------------
 
@@ -202,7 +208,14 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA, Tier):
             self._worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
-        self._worker.start_load_kv(self._get_connector_metadata())
+        meta = self._get_connector_metadata()
+        self._worker.start_load_kv(meta)
+        if self._spin is not None and (bg := [j for j in meta.loads if not j.sync]):
+            self._spin.begin([j.req_id for j in bg], time.monotonic() + max(j.timeout_s for j in bg))
+
+    def _loads_ended(self, *req_ids) -> None:
+        if self._spin is not None:
+            self._spin.end(set().union(*(r or () for r in req_ids)), time.monotonic())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._worker is not None:
@@ -215,10 +228,14 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA, Tier):
         self._worker.wait_for_save(self._get_connector_metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker.get_finished(finished_req_ids)
+        sending, recving = self._worker.get_finished(finished_req_ids)
+        self._loads_ended(recving)
+        return sending, recving
 
     def get_transfer_results(self, finished_req_ids: set[str]):
-        return self._worker.get_transfer_results(finished_req_ids)
+        out = self._worker.get_transfer_results(finished_req_ids)
+        self._loads_ended(out.finished_recving, out.failed_recving)
+        return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()

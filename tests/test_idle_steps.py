@@ -52,6 +52,43 @@ def _reader_cpu_seconds(wait_s: float, shorten: bool) -> float:
     return box["cpu"]
 
 
+def test_load_spin_cuts_the_busy_wait_only_while_a_load_is_in_flight():
+    """``kvcore.shmspin.LoadSpin`` on a real vLLM MessageQueue reader: vLLM's busy-wait until a
+    load begins, 1 ms while one is in flight, vLLM's again once every load ended or passed its
+    deadline (a load never reported back cannot keep it short)."""
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    from kvcore import shmspin
+
+    writer = MessageQueue(n_reader=1, n_local_reader=1)
+    box: dict = {}
+
+    def attach():
+        box["reader"] = MessageQueue.create_from_handle(writer.export_handle(), 0)
+        box["reader"].wait_until_ready()
+
+    t = threading.Thread(target=attach)
+    t.start()
+    writer.wait_until_ready()
+    t.join(timeout=30)
+    cond = box["reader"]._spin_condition
+    vllm_s = cond.busy_loop_s
+    assert vllm_s > shmspin.LOADING_BUSY_LOOP_S
+    spin = shmspin.LoadSpin()
+    now = time.monotonic()
+    spin.end(["x"], now)  # nothing in flight: nothing changes
+    assert cond.busy_loop_s == vllm_s and not spin.short
+    spin.begin(["a", "b"], now + 10)
+    assert cond.busy_loop_s == shmspin.LOADING_BUSY_LOOP_S and spin.short
+    spin.end({"a"}, now)
+    assert cond.busy_loop_s == shmspin.LOADING_BUSY_LOOP_S  # b still loading
+    spin.end({"b"}, now)
+    assert cond.busy_loop_s == vllm_s and not spin.short
+    spin.begin(["c"], now + 1)
+    spin.end(set(), now + 2)  # c never reported, past its deadline
+    assert cond.busy_loop_s == vllm_s and not spin.short
+
+
 def test_shortened_shm_reader_sleeps_instead_of_spinning():
     spinning = _reader_cpu_seconds(0.6, shorten=False)
     sleeping = _reader_cpu_seconds(0.6, shorten=True)
