@@ -1,5 +1,5 @@
 """The kv policy's plain pool, by conversation (:mod:`multi.router.homes`): a new conversation
-goes to the instance given the fewest recent new ones; a home keeps its turns while its score
+goes to the instance given the fewest of the kv policy's recent requests; a home keeps its turns while its score
 is within ``near**2`` of the best."""
 
 from __future__ import annotations
@@ -16,19 +16,22 @@ from tests.test_router_choice import BS, plain_pair
 pytestmark = pytest.mark.unit
 
 
-def test_consecutive_new_conversations_alternate_whatever_came_between():
-    # Conversation A starts on e0; then a later turn of a conversation homed on e1 takes the
-    # turn counter's slot; then conversation B starts. Both instances idle and equal: by turn,
-    # B also went to e0 and A and B stayed paired there for all their next turns.
+def test_a_new_conversation_goes_to_the_instance_given_fewer_requests_whatever_the_turn():
+    # Conversation A starts on one instance; two turns of a conversation homed on the other
+    # follow; then conversation B starts, both instances idle and equal. By turn B went to
+    # the first request's other instance whatever was homed where, and consecutive new
+    # conversations stayed paired on one engine for all their next turns.
     c, pool = plain_pair(1.0)
     e0, e1 = pool.role("plain")
     now = time.monotonic()
     first = c.choose(pool, 300, lambda i: 0, 0, None, now=now).target
     other = e1 if first is e0 else e0
-    assert c.choose(pool, 300, lambda i: BS * 5 if i is other else 0, 0, None, now=now).target is other
-    assert c.choose(pool, 300, lambda i: 0, 0, None, now=now).target is other
+    for _ in range(2):
+        assert c.choose(pool, 300, lambda i: BS * 5 if i is other else 0, 0, None, now=now).target is other
     assert c.choose(pool, 300, lambda i: 0, 0, None, now=now).target is first
-    assert list(c.homes.recent) == [first.url, other.url, first.url]
+    # Even counts: the one given a request least recently.
+    assert c.choose(pool, 300, lambda i: 0, 0, None, now=now).target is other
+    assert list(c.homes.recent) == [first.url, other.url, other.url, first.url, other.url]
 
 
 def test_new_conversations_go_where_fewest_recent_ones_went_within_the_band_only():
@@ -50,7 +53,7 @@ def test_new_conversations_go_where_fewest_recent_ones_went_within_the_band_only
     assert c2.choose(pool2, 300, lambda i: 0, 0, None, now=now).target is f0
 
 
-def test_the_new_conversations_remembered_are_bounded_and_rejected_ones_not_counted():
+def test_the_placements_remembered_are_bounded_and_rejected_ones_not_counted():
     c, pool = plain_pair(1.0)
     now = time.monotonic()
     for _ in range(WINDOW + 9):
@@ -59,9 +62,8 @@ def test_the_new_conversations_remembered_are_bounded_and_rejected_ones_not_coun
     before = list(c.homes.recent)
     assert c.choose(pool, 300, lambda i: 0, 0, 1e-6, now=now).kind == "reject"
     assert list(c.homes.recent) == before
-    # A turn some instance holds a prefix of is not a new conversation.
-    c.choose(pool, 300, lambda i: BS, 0, None, now=now)
-    assert list(c.homes.recent) == before
+    # An admitted turn some instance holds a prefix of counts where it is served.
+    assert c.choose(pool, 300, lambda i: BS, 0, None, now=now).target.url == c.homes.recent[-1]
 
 
 def test_a_home_keeps_its_turn_within_near_squared_and_gives_it_up_beyond():

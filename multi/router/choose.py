@@ -60,8 +60,8 @@ of the cheapest counts as equally fast: ``near = exp(spread)``, the estimates' t
 error measured by the honesty window (:meth:`multi.router.honesty.Honesty.spread`,
 clamped to [1, ``NEAR``]), ``NEAR`` (1.25x, their accuracy target) until it has measured
 one (:mod:`multi.router.homes`). A prompt no instance holds a prefix of (a new
-conversation) goes among them to the instance given the fewest of the last new
-conversations, then the one given one least recently, then the one with fewer requests in
+conversation) goes among them to the instance given the fewest of the last requests the kv
+policy placed, then the one given one least recently, then the one with fewer requests in
 flight, then in turn. Otherwise the instance holding the longest prefix ``L_e`` (the
 conversation's home) keeps it while its score is within ``near**2`` of the cheapest (two
 estimates compared, each with its error); beyond, among those near the cheapest the one
@@ -153,7 +153,7 @@ class Chooser(Ledger):
         self.honesty.enabled = policy == "kv" and self.cfg.calibrate
         self._rr = itertools.count()
         self._turn = itertools.count()
-        self.homes = Homes()  # where the kv policy put the last new conversations (plain pools)
+        self.homes = Homes()  # where the kv policy put its last requests (plain pools)
 
     def floor_s(self) -> float:
         return WAIT_FLOOR_S
@@ -252,8 +252,8 @@ class Chooser(Ledger):
             return Route("reject", route.prefill, route.target, route.seconds, route.plan, reason,
                          retry_after=retry_after, store=store, candidates=route.candidates,
                          predicted=route.predicted, mode=route.mode, base_s=route.base_s, margin=m)
-        if policy == "kv" and not pool.disaggregated and not any(match(i) for i in pool.role("plain")):
-            self.homes.placed(route.target.url)  # a new conversation, admitted: its home
+        if policy == "kv" and not pool.disaggregated:
+            self.homes.placed(route.target.url)  # admitted: where conversations are homed
         return route
 
     @staticmethod

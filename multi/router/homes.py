@@ -1,13 +1,15 @@
 """Where the kv policy puts a new conversation in a plain pool, and how long a conversation's
 home keeps it (:meth:`multi.router.choose.Chooser.choose`'s plain instances).
 
-A prompt of which no instance holds any prefix starts a conversation: where it lands, its
-next turns follow (the home holds their prefix). Conversations in flight together are ones
-that started together, so consecutive new ones placed on one engine stay paired there turn
-after turn; spreading them as they start spreads the later load too. Among the instances
-whose score is within the tie band of the best, a new conversation goes to the one given the
-fewest of the last :data:`WINDOW` new conversations, then to the one given one least
-recently, then to the one with fewer requests in flight (two instances: they alternate).
+A prompt of which no instance holds any prefix starts a conversation (or continues one whose
+prefix the index missed): where it lands, its next turns follow (the home holds their
+prefix). Conversations in flight together are ones that started together, so consecutive new
+ones placed on one engine stay paired there turn after turn, and an engine given more
+conversations keeps more. Among the instances whose score is within the tie band of the best,
+such a prompt goes to the one given the fewest of the last :data:`WINDOW` requests the kv
+policy placed (a conversation's turns, once homed, count where they are served), then to the
+one given one least recently, then to the one with fewer requests in flight (two instances:
+new conversations alternate, and the count evens out the conversations each holds).
 
 A prompt that some instance holds a prefix of stays on the one holding the longest unless
 that one's score exceeds the best by more than ``near**2``: the tie band is one estimate's
@@ -21,13 +23,13 @@ from collections import deque
 
 from multi.router.instances import Instance
 
-# New conversations remembered (instance URLs, oldest dropped): bounded, and recent enough
-# that an instance that joins the pool catches up within a window rather than taking all.
+# Placements remembered (instance URLs, oldest dropped): bounded, and recent enough that an
+# instance that joins the pool catches up within a window rather than taking all.
 WINDOW = 32
 
 
 class Homes:
-    """The instances the last :data:`WINDOW` new conversations were placed on."""
+    """The instances the kv policy's last :data:`WINDOW` admitted requests were placed on."""
 
     def __init__(self, window: int = WINDOW):
         self.recent: deque[str] = deque(maxlen=window)
