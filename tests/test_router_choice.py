@@ -103,19 +103,18 @@ def test_a_home_whose_queue_its_prefill_would_delay_gives_the_turn_to_an_idle_in
 
 
 def test_the_tie_band_narrows_to_the_estimates_measured_spread():
-    # e1 holds a block of the prompt but computes 20% slower: its estimate is ~1.15x idle
+    # e1 holds a block of the prompt but computes 12% slower: its estimate is ~1.1x idle
     # e0's. Until the honesty window has measured the estimates, that is inside the
     # +-25% band and the prefix keeps it on e1; once answers show the estimates typically
-    # within 4%, a 15% difference is a real one (beyond the 1.04**2 a home keeps its
-    # prompts within, multi.router.homes) and e0, the cheaper, takes it.
-    c, pool = plain_pair(1.2)
+    # within 4%, a 10% difference is a real one and e0, the cheaper, takes it.
+    c, pool = plain_pair(1.12)
     e0, e1 = pool.role("plain")
     n = BS * 20
     now = time.monotonic()
     match = lambda i: BS if i is e1 else 0  # noqa: E731
     a = c.direct_estimate(Prompt(n), Candidate(e0), now).seconds
     b = c.direct_estimate(Prompt(n), Candidate(e1, BS), now).seconds
-    assert 1.04 < 1.04 ** 2 < b / a < 1.25
+    assert 1.04 < b / a < 1.25
     assert c.near() == pytest.approx(1.25)
     assert c.choose(pool, n, match, 0, None, now=now).target is e1
     for i in range(32):

@@ -59,13 +59,8 @@ engine (multi-turn chat on plain engines: a predicted wait of 31 ms against roun
 of the cheapest counts as equally fast: ``near = exp(spread)``, the estimates' typical
 error measured by the honesty window (:meth:`multi.router.honesty.Honesty.spread`,
 clamped to [1, ``NEAR``]), ``NEAR`` (1.25x, their accuracy target) until it has measured
-one (:mod:`multi.router.homes`). A prompt no instance holds a prefix of (a new
-conversation) goes among them to the instance given the fewest of the last requests the kv
-policy placed, then the one given one least recently, then the one with fewer requests in
-flight, then in turn. Otherwise the instance holding the longest prefix ``L_e`` (the
-conversation's home) keeps it while its score is within ``near**2`` of the cheapest (two
-estimates compared, each with its error); beyond, among those near the cheapest the one
-holding the longest prefix wins, then the one with fewer requests in flight, then in turn.
+one. Among them the one holding the longest prefix ``L_e`` wins, then the one with fewer
+requests in flight, then in turn (an idle pool takes turns).
 
 Fixed policies (they still estimate, so predicted-against-actual metrics exist for them):
 ``round-robin`` and ``least-outstanding`` as the earlier proxy (a P/D pair always handing
@@ -101,7 +96,6 @@ from dataclasses import dataclass
 
 from multi.policy import Inputs, Plan, PolicyConfig, TierReach
 from multi.router.admission import estimate_s, pushed_late, rejection
-from multi.router.homes import Homes
 from multi.router.honesty import PRIOR_MARGIN
 from multi.router.instances import Instance, Pool
 from multi.router.ledger import Ledger, Route
@@ -153,7 +147,6 @@ class Chooser(Ledger):
         self.honesty.enabled = policy == "kv" and self.cfg.calibrate
         self._rr = itertools.count()
         self._turn = itertools.count()
-        self.homes = Homes()  # where the kv policy put its last requests (plain pools)
 
     def floor_s(self) -> float:
         return WAIT_FLOOR_S
@@ -252,8 +245,6 @@ class Chooser(Ledger):
             return Route("reject", route.prefill, route.target, route.seconds, route.plan, reason,
                          retry_after=retry_after, store=store, candidates=route.candidates,
                          predicted=route.predicted, mode=route.mode, base_s=route.base_s, margin=m)
-        if policy == "kv" and not pool.disaggregated:
-            self.homes.placed(route.target.url)  # admitted: where conversations are homed
         return route
 
     @staticmethod
@@ -350,6 +341,15 @@ class Chooser(Ledger):
         plan = self.direct_estimate(prompt, e, now)
         return plan.seconds + plan.parts["compute_s"] * len(e.instance.pending(now))
 
+    @staticmethod
+    def _near_best(order: list[Instance], est: dict[str, float], match, near: float = NEAR) -> Instance:
+        """The kv policy's plain instance: among those whose score is within ``near`` of the
+        best, the one holding the longest prefix of the prompt, then the one with fewer
+        requests in flight, then the first in ``order`` (the turn)."""
+        best = min(est.values())
+        tied = [i for i in order if est[i.url] <= best * near]
+        return min(tied, key=lambda i: (-match(i), i.outstanding))
+
     def _choose_plain(self, pool: Pool, prompt: Prompt, match, now: float, policy: str) -> Route | None:
         store = prompt.store
         plain = pool.role("plain")
@@ -365,7 +365,7 @@ class Chooser(Ledger):
             order = [plain[(turn + j) % len(plain)] for j in range(len(plain))]
             if policy == "kv":
                 est = {i.url: self.plain_score(prompt, Candidate(i, match(i)), now) for i in order}
-                e = self.homes.pick(order, est, match, self.near())
+                e = self._near_best(order, est, match, self.near())
             else:  # direct (and handoff, which a plain pool cannot do)
                 e = min(order, key=lambda i: (i.outstanding, -match(i)))
         l_e = match(e)
