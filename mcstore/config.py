@@ -166,7 +166,9 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "left), or a CPU list such as '0,2-3' (kvcore.iocpus). Default 'none': on a 2-core host 'auto' cut "
         "the saves' cost to a forward but made background loads erratic, hits 2-35x their floor: the load "
         "thread's transfer poll and the worker's busy-wait for its next step filled both cores and starved the "
-        "store server (docs/benchmarks/store-divergence.md).")] = "none"
+        "store server. With 'auto' on a one-rank CPU engine that busy-wait is now cut to 1 ms while a "
+        "background load is in flight (kvcore.shmspin.LoadSpin): one run since, hits 1.45-1.57x; not yet "
+        "repeated (docs/benchmarks/store-divergence.md).")] = "none"
     save_thread_nice: Annotated[int | None, doc(
         "Nice value of the worker's save thread, which also polls each Mooncake put without pause. 0: "
         f"as the engine's other threads; null: {SAVE_THREAD_NICE_CPU} on a CPU engine, 0 elsewhere (not "
