@@ -86,6 +86,11 @@ def all_keys(cluster) -> set[str]:
     return {k for k in every_key(cluster) if k.startswith("mct/") and k.split("/")[2:3] != ["d"]}
 
 
+def dir_keys(cluster) -> set[str]:
+    """The directory entries in the store (``mct/<fp16>/d/...``, ``mcstore.keys``)."""
+    return {k for k in every_key(cluster) if k.startswith("mct/") and k.split("/")[2:3] == ["d"]}
+
+
 def every_key(cluster) -> set[str]:
     """Every key the master lists."""
     r = requests.get(f"http://127.0.0.1:{cluster.metrics_port}/get_all_keys", timeout=5)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from tests.harness import Engine, cached_tokens, prompt_ids, reference_tokens, start_engines
-from tests.store_util import all_keys, raw_client, store_kv, wait_saved
+from tests.store_util import all_keys, dir_keys, raw_client, store_kv, wait_saved
 from tests.support import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -130,12 +130,15 @@ def test_tp2_next_turn_loads_the_writers_tail_from_both_ranks(tp2, cluster, raw)
     the tail from both ranks: the ids of the TP 2 reference with that split."""
     a, b, ref = tp2
     p = prompt_ids(PREFIX + 40, 71)
-    before = all_keys(cluster)
+    before, before_dirs = all_keys(cluster), dir_keys(cluster)
     a.complete(p, 4)
     new = wait_saved(cluster, before, 2 * (len(p) // CHUNK) + 2, timeout=30)
     assert sorted(k.rsplit("/", 1)[1] for k in new if k.split("/")[2].endswith("-b1")) == ["tp0", "tp1"]
     # The master lists an object once its put starts; a lookup counts it once the put ended.
     assert wait_for(lambda: all(rc == 1 for rc in raw.batch_is_exist(sorted(new))), 30)
+    # Rank 0 writes the directory entries (one per chunk and one for the tail) after its
+    # objects; B finds the tail through its entry (mcstore.saves: _save_dirs).
+    assert wait_for(lambda: len(dir_keys(cluster) - before_dirs) >= len(p) // CHUNK + 1, 30)
     q = p + prompt_ids(60, 72)
     r = b.complete(q, MAX_TOKENS)
     assert cached_tokens(r) == PREFIX + 32
