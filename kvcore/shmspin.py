@@ -43,21 +43,29 @@ def cpu_ranks(vllm_config) -> bool:
     return par.tensor_parallel_size * par.pipeline_parallel_size > 1 and platform.current().device_type == "cpu"
 
 
-def shorten(busy_loop_s: float = BUSY_LOOP_S) -> int:
-    """Set ``busy_loop_s`` of every shared-memory queue this process reads; how many."""
+def _reader_conditions() -> list:
+    """The spin conditions of every shared-memory queue this process reads (none outside
+    vLLM 0.32's layout)."""
     try:
         from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
     except ImportError:
-        return 0
-    n = 0
+        return []
+    out = []
     for obj in gc.get_objects():
         if type(obj) is not MessageQueue:  # isinstance would probe every object's __class__
             continue
         cond = getattr(obj, "_spin_condition", None)
-        if cond is None or not getattr(cond, "is_reader", False) or not hasattr(cond, "busy_loop_s"):
-            continue
+        if cond is not None and getattr(cond, "is_reader", False) and hasattr(cond, "busy_loop_s"):
+            out.append(cond)
+    return out
+
+
+def shorten(busy_loop_s: float = BUSY_LOOP_S) -> int:
+    """Set ``busy_loop_s`` of every shared-memory queue this process reads; how many."""
+    conds = _reader_conditions()
+    for cond in conds:
         cond.busy_loop_s = min(cond.busy_loop_s, busy_loop_s)
-        n += 1
+    n = len(conds)
     if n == 0:
         logger.info("no vLLM shared-memory queue read in this process (or not vLLM 0.32's layout): "
                     "busy-wait left as it is")
@@ -86,19 +94,6 @@ class LoadSpin:
         self._loads: dict[str, float] = {}  # request id -> deadline (monotonic seconds)
         self.short = False
 
-    def _find(self) -> list:
-        try:
-            from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
-        except ImportError:
-            return []
-        out = []
-        for obj in gc.get_objects():
-            if type(obj) is MessageQueue:
-                cond = getattr(obj, "_spin_condition", None)
-                if cond is not None and getattr(cond, "is_reader", False) and hasattr(cond, "busy_loop_s"):
-                    out.append((cond, cond.busy_loop_s))
-        return out
-
     def begin(self, req_ids, deadline: float) -> None:
         for rid in req_ids:
             self._loads[rid] = deadline
@@ -116,7 +111,7 @@ class LoadSpin:
         if want == self.short:
             return
         if self._conds is None:
-            self._conds = self._find()
+            self._conds = [(c, c.busy_loop_s) for c in _reader_conditions()]
         for cond, default in self._conds:
             cond.busy_loop_s = min(default, self.busy_loop_s) if want else default
         self.short = want

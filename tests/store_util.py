@@ -80,15 +80,19 @@ def wait_saved(cluster, before: set[str], want: int, timeout: float = 20) -> set
     raise AssertionError(f"saved {len(all_keys(cluster) - before)} of {want} objects")
 
 
+def _is_dir_key(k: str) -> bool:
+    return k.split("/")[2:3] == ["d"]  # mct/<fp16>/d/... (mcstore.keys.KeySpace.dir_key)
+
+
 def all_keys(cluster) -> set[str]:
     """Our keys in the store but directory entries (``mct/<fp16>/d/...``, ``mcstore.keys``): the
     objects of stored KV (whole chunks, part objects) and the published metadata."""
-    return {k for k in every_key(cluster) if k.startswith("mct/") and k.split("/")[2:3] != ["d"]}
+    return {k for k in every_key(cluster) if k.startswith("mct/") and not _is_dir_key(k)}
 
 
 def dir_keys(cluster) -> set[str]:
     """The directory entries in the store (``mct/<fp16>/d/...``, ``mcstore.keys``)."""
-    return {k for k in every_key(cluster) if k.startswith("mct/") and k.split("/")[2:3] == ["d"]}
+    return {k for k in every_key(cluster) if k.startswith("mct/") and _is_dir_key(k)}
 
 
 def every_key(cluster) -> set[str]:
