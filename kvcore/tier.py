@@ -170,7 +170,10 @@ class Tier:
 
     # -- scheduler side ---------------------------------------------------------------
 
-    def lookup(self, request) -> int | None:
+    def lookup(self, request, local_tokens: int = 0) -> int | None:
+        """Prompt tokens ``[0, n)`` the tier can supply, or None while its answer is not in (ask
+        again at a later step). ``local_tokens``: what the engine's own prefix cache holds; a
+        tier may answer 0 at once rather than make the request wait for little past them."""
         raise NotImplementedError
 
     def plan_load(self, request, start_token: int, end_token: int, block_ids: list[int],

@@ -204,6 +204,13 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "wait for a batch that the last batches say takes longer (a burst of arrivals: their keys are made "
         "on the lookup thread, ~25 us each), nor again for lookups sent at an earlier step. 0: never wait "
         "(every lookup costs its request at least one step). Within [0, 100].")] = 0.5
+    lookup_defer_min_tokens: Annotated[int | None, doc(
+        "The fewest prompt tokens past the engine's own prefix cache for which a request waits a step "
+        "for its store lookup. When fewer are left and the answer is not in when vLLM asks, the lookup "
+        "is given up (lookups{kind=short}) and those tokens are computed: at most this many tokens of "
+        "compute against a step of delay for every such request (a decode instance whose prefix cache "
+        "holds the shared prefix waited 9 ms a request for misses: docs/benchmarks/router.md). "
+        "None (default): one chunk (chunk_tokens); 0: always wait.")] = None
     lookup_timeout_ms: Annotated[float, doc(
         "Milliseconds a non-blocking lookup may wait for the master's answer; past it the request's "
         "lookup counts as a miss (lookups{kind=timeout}) and its prompt is computed. Long enough for a "
@@ -249,6 +256,10 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for name in ("load_thread_nice", "save_thread_nice"):
             if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 19:
                 raise ConfigError(f"mcstore: {name} must be within [0, 19], got {getattr(self, name)}")
+        if self.lookup_defer_min_tokens is None:
+            self.lookup_defer_min_tokens = self.chunk_tokens
+        elif self.lookup_defer_min_tokens < 0:
+            raise ConfigError(f"mcstore: lookup_defer_min_tokens must be >= 0, got {self.lookup_defer_min_tokens}")
         if not 0 <= self.lookup_wait_ms <= 100:
             raise ConfigError(f"mcstore: lookup_wait_ms must be within [0, 100], got {self.lookup_wait_ms}")
         if self.idle_step_ms is not None and not 0 <= self.idle_step_ms <= 1000:

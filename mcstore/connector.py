@@ -132,8 +132,8 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA, Tier):
     def composite_role(cls, kv_role: str, write_back: bool) -> str:
         return composite_role(kv_role, write_back)
 
-    def lookup(self, request) -> int | None:
-        return self._sched.lookup(request)
+    def lookup(self, request, local_tokens: int = 0) -> int | None:
+        return self._sched.lookup(request, local_tokens)
 
     def plan_load(self, request, start_token: int, end_token: int, block_ids: list[int],
                   expected_s: float | None = None) -> None:

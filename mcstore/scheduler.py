@@ -146,7 +146,7 @@ class StoreScheduler(SavePlans, CacheReset):
 
     # -- composite API ---------------------------------------------------------------
 
-    def lookup(self, request) -> int | None:
+    def lookup(self, request, local_tokens: int = 0) -> int | None:
         if self.lookups is not None:
             self.lookups.busy()  # this step's: the lookup thread keeps off the GIL but while we wait
         st = self._state(request)
@@ -155,6 +155,15 @@ class StoreScheduler(SavePlans, CacheReset):
         if st.hit is not None:
             return st.hit
         lk = st.pending
+        if not lk.done and request.num_prompt_tokens - local_tokens < self.cfg.lookup_defer_min_tokens:
+            # What the store could add past the engine's own prefix cache is worth less than the
+            # step the request would wait for the answer (config: lookup_defer_min_tokens).
+            lk.cancel()
+            st.pending = None
+            self._waiting -= 1
+            self.stats.inc("lookups:short")
+            st.hit = 0
+            return 0
         if (not lk.done and self._wait_left > 0 and lk.submitted >= self._step_start
                 and self.lookups.expected_s(self.lookups.queued()) <= self._wait_left):
             # This step's batch goes now (every request that arrived since the last step is in it)
@@ -285,7 +294,7 @@ class StoreScheduler(SavePlans, CacheReset):
         # would not use the answer: not worth a wait.
         if not self.load_enabled or st.load_tried or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
-        hit = self.lookup(request)
+        hit = self.lookup(request, num_computed_tokens)
         if hit is None:
             return None, False
         ext = hit - num_computed_tokens

@@ -90,7 +90,7 @@ class TieredScheduler:
             # per request; the rest is recomputed (as each tier does on its own).
             return 0, False
         if d is None or d.local != num_computed_tokens:
-            reach = {name: tier.lookup(request) for name, tier in self.tiers.items()}
+            reach = {name: tier.lookup(request, num_computed_tokens) for name, tier in self.tiers.items()}
             if None in reach.values():
                 return None, False  # a tier's lookup is out (the store's, non-blocking): ask again later
             d = self._decisions[rid] = self._decide(request, num_computed_tokens, reach)

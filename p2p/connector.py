@@ -76,8 +76,8 @@ class P2PConnector(KVConnectorBase_V1, SupportsHMA, Tier):
                                     groups=self.groups)
 
     # ---------------- tier contract (kvcore.tier) ----------------
-    def lookup(self, request) -> int:
-        return self.scheduler.lookup(request)
+    def lookup(self, request, local_tokens: int = 0) -> int:
+        return self.scheduler.lookup(request)  # a handoff's KV is pulled whole, whatever is cached here
 
     def plan_load(self, request, start_token: int, end_token: int, block_ids: list[int],
                   expected_s: float | None = None) -> None:

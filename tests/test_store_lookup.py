@@ -148,3 +148,32 @@ def test_a_master_that_stops_answering_makes_lookups_misses_within_the_deadline(
             later = _request(f"later{time.monotonic()}", 20)  # the same prompt, asked anew
     finally:
         s.close()
+
+
+def test_a_lookup_that_could_add_less_than_a_chunk_past_the_prefix_cache_never_defers_its_request(store_cluster, raw):
+    """``lookup_defer_min_tokens`` (default: one chunk): vLLM asks with the engine's own prefix
+    cache at ``local`` tokens; when fewer than a chunk are left past it and the answer is not in,
+    the request is not held for a step: the lookup is given up (0, counted ``short``) and those
+    tokens are computed. With more left, it waits for the answer as before; an answer already
+    in is used either way."""
+    short, long_, ready = _request("short", 30), _request("long", 31), _request("ready", 32)
+    for r in (short, long_, ready):
+        _store(raw, r, 3)
+    n = short.num_prompt_tokens
+    s = _sched(store_cluster.master_addr, lookup_wait_ms=0)
+    try:
+        assert s.get_num_new_matched_tokens(short, n - CHUNK + 1) == (0, False)  # 63 left: not worth a step
+        assert s.get_num_new_matched_tokens(long_, n - CHUNK) == (None, False)  # 64 left: asked, not answered
+        assert s.stats.data["counters"]["lookups:short"] == 1
+        assert _answers(s, [long_]) == {"long": (3 * CHUNK, True)}  # the 64 past the cache included
+        s.on_new_request(ready)
+        s.build_connector_meta(_step())  # the step sends its batch
+        deadline = time.monotonic() + 10
+        while not s._state(ready).pending.done:
+            assert time.monotonic() < deadline, "the master did not answer"
+            time.sleep(0.005)
+        # Answered: its 3 chunks reach 5 tokens past the 187 cached here, and those are loaded.
+        assert s.get_num_new_matched_tokens(ready, n - 10) == (3 * CHUNK - (n - 10), True)
+        assert s.stats.data["counters"]["lookups:hit"] == 2 and s.stats.data["counters"]["lookups:short"] == 1
+    finally:
+        s.close()

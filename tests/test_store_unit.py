@@ -363,7 +363,8 @@ def test_a_composites_sync_grant_lasts_one_step_and_makes_the_planned_load_synch
     the step's metadata is built is gone: a later plan_load runs in the background."""
     from mcstore.scheduler import StoreScheduler
 
-    cfg = load_config({"master": "h:1", "chunk_tokens": 64, "sync_load_max": "6MB"}, env={})
+    # A step waits up to 100 ms for the (in-process) lookups: a busy host's thread switch is no answer here.
+    cfg = load_config({"master": "h:1", "chunk_tokens": 64, "sync_load_max": "6MB", "lookup_wait_ms": 100}, env={})
     s = StoreScheduler(cfg, _ks(), 32, load=True, save=False, client=_AllStored(), block_bytes=1 << 20)
     a, b = (_request(64 * 3 + 5, rid) for rid in "ab")
     assert s.lookup(a) == s.lookup(b) == 192

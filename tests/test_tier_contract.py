@@ -42,7 +42,7 @@ class FakeTier(Tier):
         self.worker_metas, self.events, self.added = [], [], []
         self.reset_ok, self.worker_meta = True, None
 
-    def lookup(self, request):
+    def lookup(self, request, local_tokens=0):
         return self.reach
 
     def plan_load(self, request, start_token, end_token, block_ids, expected_s=None):
