@@ -172,6 +172,7 @@ class Bench:
                     row["router_view"] = router_view(m.text)
             except (requests.RequestException, ValueError):
                 pass
+            self.save_engine_metrics(name, router_args)
             e = row["estimates"]
             print(f"[router] {name}: {row['completed']}/{row['requests']} ok ({row['rejected_429']} rejected), "
                   f"TTFT mean {row['mean_ttft_ms']:.0f} ms p90 {row['p90_ttft_ms']:.0f} ms, "
@@ -184,6 +185,18 @@ class Bench:
             self.dep.stop(self.dep.procs[n0:])
         (self.rows if rows is None else rows).append(row)
         return row
+
+    def save_engine_metrics(self, name: str, router_args: list[str]) -> None:
+        """Each engine's /metrics after a run (``{name}.engine-metrics.txt``, one section per
+        engine): its connector's lookups, loads and steps, to read beside the router's."""
+        urls = [a.split("@")[0] for a in router_args if a.startswith("http")]
+        parts = []
+        for u in urls:
+            try:
+                parts.append(f"# engine {u}\n" + requests.get(u + "/metrics", timeout=5).text)
+            except requests.RequestException as e:
+                parts.append(f"# engine {u}: {e!r}\n")
+        (self.runs / f"{name}.engine-metrics.txt").write_text("".join(parts))
 
     # ---- deployments
     def policies(self, deployment: str) -> list[str]:

@@ -430,3 +430,44 @@ def test_start_up_probe_seeds_estimates_that_match_this_machine(rt):
         assert 1 / 3 <= sorted(ratios)[1] <= 3, ratios
     finally:
         proc.stop()
+
+
+def test_string_prompts_go_out_as_the_routers_token_ids_only_where_the_tokenizers_agree(rt, tiny_model):
+    """Tokenized once (:mod:`multi.router.prompts`): the router checked every instance's
+    ``/tokenize`` against its own tokenizer, and sends a string completion prompt on as its
+    token ids: the ids the engine ran are the engine's own tokenization of the text, and the
+    answer is the no-connector reference's for them. Against a tokenizer that is not the
+    engines' (``tiny-seed1``'s), the same check on a real engine refuses to forward ids."""
+    import asyncio
+    import random
+
+    import aiohttp
+
+    from multi.cli.models import build
+    from multi.router.instances import Pool, make
+    from multi.router.prompts import Prompts
+    from tests.harness import CACHE
+
+    assert wait_for(lambda: requests.get(rt.url + "/health", timeout=10).json().get("prompts") == "token ids", 30, 0.5)
+    rng = random.Random(9901)
+    words = ["river", "stone", "quiet", "lamp", "orbit", "maple", "signal", "copper", "north", "paper"]
+    text = " ".join(rng.choice(words) for _ in range(150))
+    r = rt.complete(text)
+    assert r.status_code == 200, r.text
+    resp = r.json()
+    ids = resp["choices"][0]["prompt_token_ids"]
+    own = requests.post(rt.base.url + "/tokenize", json={"model": "m", "prompt": text}, timeout=30)
+    assert own.status_code == 200, own.text
+    assert ids == own.json()["tokens"]
+    assert_fresh_prompt_tokens(rt, ids, resp)
+
+    async def forwards(tokenizer) -> bool:
+        pool = Pool([make("plain", rt.d.url)])
+        p = Prompts(tokenizer=str(tokenizer), timeout=10)
+        async with aiohttp.ClientSession() as s:
+            await p.load(s, pool)
+            await p.verify(s, pool)
+        return p.forwarding(pool, "m")
+
+    assert asyncio.run(forwards(tiny_model))
+    assert not asyncio.run(forwards(build("tiny", CACHE / "models" / "tiny-seed1", seed=1)))

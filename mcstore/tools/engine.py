@@ -222,8 +222,8 @@ class Renderer:
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot load the tokenizer of {model} (pass --tokenizer): {e}") from None
 
-    def text(self, prompt: str) -> list[int]:
-        return list(self.tok(prompt, add_special_tokens=True)["input_ids"])
+    def text(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tok(prompt, add_special_tokens=add_special_tokens)["input_ids"])
 
     def messages(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         try:

@@ -100,7 +100,7 @@ class Router(Forwarder):
         self._probing = asyncio.create_task(self._probe([i for i in self.pool.all if i.healthy]))
         self._tasks += [self._probing, asyncio.create_task(self._health_loop())]
         # Load the tokenizer and connect to the store now, not on the first request.
-        self._tasks.append(asyncio.create_task(self.prompts.load(self.session, self.pool)))
+        self._tasks.append(asyncio.create_task(self._load_tokenizer()))
         if self.store_view is not None:
             asyncio.get_running_loop().run_in_executor(self._store_pool, self.store_view.reach, [0], None)
         if self.instances_file:
@@ -159,6 +159,10 @@ class Router(Forwarder):
             return self.exact.match(inst.url, hashes)
         return self.index.match(inst.url, hashes)
 
+    def cached_most(self, hashes: list[int]) -> int:
+        """The most leading prompt tokens any healthy instance holds (:meth:`match`)."""
+        return max((self.match(i, hashes) for i in self.pool.all if i.healthy), default=0) * self.index.block_size
+
     def reload(self) -> None:
         """SIGHUP: re-read the instances file; on an error keep the current instances.
         (An added instance's KV events are followed when the file names them.)"""
@@ -201,6 +205,10 @@ class Router(Forwarder):
             self._probing = asyncio.create_task(self._probe(todo))
             self._tasks.append(self._probing)
 
+    async def _load_tokenizer(self) -> None:
+        await self.prompts.load(self.session, self.pool)
+        await self.prompts.verify(self.session, self.pool)
+
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval)
@@ -210,6 +218,7 @@ class Router(Forwarder):
                 await asyncio.gather(*(self.check_engine_id(i) for i in self.pool.role("prefill")))
                 self._refresh_gauges()
                 self._probe_joined()
+                await self.prompts.verify(self.session, self.pool)
             except Exception:  # noqa: BLE001 - the loop must survive anything one round throws
                 logger.exception("health round failed")
 
@@ -258,7 +267,11 @@ class Router(Forwarder):
         running = self._probing is not None and not self._probing.done()
         probe = "off" if self.probe_timeout <= 0 else "running" if running else "done"
         ok = ok and not running
-        return web.json_response({"healthy": ok, "tokenizer": self.prompts.state, "probe": probe, "instances": body},
+        # "prompts": "token ids" when string completion prompts go to the engines as the router's
+        # token ids (multi.router.prompts.Prompts.forwarding), else "text".
+        prompts = "token ids" if self.prompts.forwarding(self.pool) else "text"
+        return web.json_response({"healthy": ok, "tokenizer": self.prompts.state, "prompts": prompts, "probe": probe,
+                                  "instances": body},
                                  status=200 if ok else 503)
 
     async def models(self, request: web.Request) -> web.Response:
@@ -279,12 +292,18 @@ class Router(Forwarder):
         return all((sub := self.subscribers.get(i.url)) is not None and not sub.stale for i in self.pool.all)
 
     async def _store_reach(self, tokens: list[int], hashes: list[int], salt) -> tuple[int, str | None, int | None]:
-        """The store's reach ``S`` in tokens, how it was settled (``skipped``, ``confirmed``,
+        """The store's reach ``S`` in tokens, how it was settled (``short``, ``skipped``, ``confirmed``,
         ``stale``, ``unfiltered``, ``unanswered``; None without a store view) and what the store
         tier's events said (tokens; None when they were not used): :mod:`multi.router.storeview`."""
         approx = self.index.match(STORE, hashes) * self.index.block_size if self.store_approx else 0
         if self.store_view is None or not tokens:
             return approx, None, None
+        chunk = self.store_view.chunk_tokens
+        if chunk and len(tokens) - self.cached_most(hashes) < chunk:
+            # An instance's own cache leaves less than a chunk: what the store could add is worth
+            # less than the lookup's round trip, and the engine's store tier would not wait for
+            # it either (mcstore's lookup_defer_min_tokens).
+            return self._store_checked(approx, "short", None)
         events = self.store_index if self.store_events_trusted() else None
         probable = events.probable(hashes) if events is not None else None
         if probable == 0:
@@ -297,7 +316,6 @@ class Router(Forwarder):
         except Exception as e:  # noqa: BLE001 - late or failed lookups fall back to the approximate view
             logger.debug("store lookup failed (%r): approximate view", e)
             found = None
-        chunk = self.store_view.chunk_tokens
         if found is None or chunk is None:
             return self._store_checked(approx, "unanswered", said)
         if events is None:
@@ -320,10 +338,13 @@ class Router(Forwarder):
                 self.max_model_len = await max_model_len(self.session, self.pool, self.connect_timeout)
             check_prompt(tokens, self.max_model_len)
             salt = body.get("cache_salt")
+            t1 = time.monotonic()
             hashes = await block_hashes(tokens, self.index.block_size, salt)
         except ProxyError as e:
             return self._answer(error_response(e.status, e.message))
+        t2 = time.monotonic()
         store, store_check, store_events = await self._store_reach(tokens, hashes, salt)
+        t3 = time.monotonic()
         bs = self.index.block_size
 
         def match(i: Instance) -> int:
@@ -341,7 +362,10 @@ class Router(Forwarder):
             self._log_decision(t0, len(tokens), route, resp.status, None)
             return self._answer(resp)
         ttft: dict[str, float] = {}
+        body = self.prompts.as_ids(path, body, tokens, self.pool)  # tokenized once (multi.router.prompts)
         booked = self.reserve(route, tokens, hashes, t0, body)
+        for phase, dt in (("tokenize", t1 - t0), ("hash", t2 - t1), ("store", t3 - t2), ("choose", time.monotonic() - t3)):
+            self.metrics.intake.labels(phase).observe(dt)
         try:
             resp = await asyncio.wait_for(self._execute(request, path, body, route, tokens, hashes, t0, ttft, booked),
                                           self.timeout)

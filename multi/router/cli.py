@@ -24,6 +24,8 @@ get the ``kv`` policy. New:
 - ``--kv-bytes-per-token``: KV bytes of one token (default: from the served model's
   ``config.json`` when its path exists here, in the dtype this machine's engines get,
   :func:`kvcore.platform.engine_dtype`; else 0: transfers then cost their latency only);
+- ``--[no-]prompt-token-ids``: whether a string completion prompt goes on to the engines as
+  the router's token ids where their tokenizers agree (default yes; :mod:`multi.router.prompts`);
 - ``--block-size``: the engines' block size (default 32); ``--tokenizer``; the cost
   model's priors with ``--policy-config JSON`` (:class:`multi.policy.PolicyConfig`);
 - ``--secret-file``: the deployment's shared secret (else ``MCTIER_SECRET_FILE`` or
@@ -82,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-size", type=int, default=32, help="the engines' --block-size (tokens)")
     ap.add_argument("--tokenizer", help="tokenizer path (default: the served model's path when it exists here, "
                                         "else the instances' /tokenize)")
+    ap.add_argument("--prompt-token-ids", action=argparse.BooleanOptionalAction, default=True,
+                    help="send a string completion prompt on as the router's token ids (the engine then does not "
+                         "tokenize it again), where every instance's /tokenize agreed with the router's tokenizer")
     ap.add_argument("--policy-config", help="JSON of multi.policy.PolicyConfig fields (the router's default "
                                             "local_compute_weight is 1: it chooses by time to first token)")
     ap.add_argument("--probe-timeout", type=float,
@@ -217,9 +222,10 @@ def build_app(a: argparse.Namespace) -> web.Application:
         raise SystemExit(f"mctier proxy: --secret-file: {e}") from None
     if not a.max_body_mb > 0:
         raise SystemExit("mctier proxy: --max-body-mb must be > 0")
+    prompts = Prompts(a.tokenizer, a.connect_timeout, forward_ids=a.prompt_token_ids)
     try:
         router = Router(pool, Chooser(a.policy, bytes_per_token(a, root), cfg, direct_to_prefill=a.direct_to_prefill),
-                        BlockIndex(a.block_size, a.index_blocks), Prompts(a.tokenizer, a.connect_timeout),
+                        BlockIndex(a.block_size, a.index_blocks), prompts,
                         timeout=a.timeout, connect_timeout=a.connect_timeout, slo=a.ttft_slo, store_view=store_view,
                         store_approx=bool(a.store), health_interval=a.health_interval, instances_file=a.instances,
                         decision_log=a.decision_log, secret=secret, store_index=store_index,

@@ -21,10 +21,15 @@
   instance's KV events say it holds; for ``store``, what the store tier's events say the
   store holds), ``mctier_router_index_capacity_blocks{view}``;
 - ``mctier_router_store_checks_total{outcome}``: how each request's store reach was settled
-  (:mod:`multi.router.storeview`): ``skipped`` (the store tier's events say the store holds none
+  (:mod:`multi.router.storeview`): ``short`` (an instance's cache leaves less than a chunk: not
+  looked up, the approximate view), ``skipped`` (the store tier's events say the store holds none
   of the prompt: no lookup), ``confirmed`` / ``stale`` (they said some and the lookup agreed /
   found less), ``unfiltered`` (looked up without the events), ``unanswered`` (lookup late or
   failed);
+- ``mctier_router_intake_seconds{phase}``: the router's own time on a request before it is sent
+  on, per phase: ``tokenize`` (reading the body and the prompt's token ids), ``hash`` (its block
+  hashes), ``store`` (the store reach, :mod:`multi.router.storeview`), ``choose`` (the choice and
+  its booking);
 - ``mctier_router_event_lag_seconds{instance}``: age of the last KV event batch, and
   ``mctier_router_events{instance, kind}``: the subscribers' counters (events, batches,
   gaps, replays, replay_failures, unknown_parent; store_stored, store_removed,
@@ -39,6 +44,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_INTAKE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 _RATIO_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 10.0)
 
 
@@ -73,6 +79,8 @@ class RouterMetrics:
                                     ["view"], registry=r)
         self.store_checks = Counter("mctier_router_store_checks", "How each request's store reach was settled",
                                     ["outcome"], registry=r)
+        self.intake = Histogram("mctier_router_intake_seconds", "The router's time on a request before it is "
+                                "sent on, per phase", ["phase"], buckets=_INTAKE_BUCKETS, registry=r)
         self.event_lag = Gauge("mctier_router_event_lag_seconds", "Age of the last KV event batch per instance",
                                ["instance"], registry=r)
         self.events = Gauge("mctier_router_events", "KV event subscriber counters per instance",

@@ -13,6 +13,15 @@ Anything else (a batch of prompts, a tokenizer error, an instance that does not
 answer ``/tokenize``) gives no token ids: the router then routes by load alone, never
 fails the request for it. A body that is not a request at all (no ``prompt`` or
 ``messages``) is a 400 from the engine, as without the router.
+
+Tokenized once: a ``/v1/completions`` string prompt the local tokenizer turned into ids is
+sent on as those ids (:meth:`Prompts.as_ids`), so the engine does not tokenize it a second
+time on the request's path (docs/benchmarks/router.md, "the hop"). Only where that cannot
+change an answer: every instance in the pool gave, from its own ``/tokenize``, the same ids
+as the local tokenizer for :data:`PROBES` (with and without special tokens; checked by
+:meth:`Prompts.verify` when an instance joins, forgotten when it leaves the rotation), the
+request names one of those instances' base models (or none), and it asks for nothing that
+needs the prompt's text (``echo``, ``return_token_offsets``, ``prompt_embeds``).
 """
 
 from __future__ import annotations
@@ -25,14 +34,25 @@ import aiohttp
 
 logger = logging.getLogger("mctier.router")
 
+# Texts on which a tokenizer that is not the engine's would most likely differ: plain words,
+# whitespace runs, non-ASCII, and the special tokens written out as text (added at load).
+PROBES = ("The quick brown fox jumps over the lazy dog, 1234567890 times.",
+          "  leading,\ttabs\n\nand trailing spaces   ",
+          "Ünïcödé — 漢字 かな 🙂 ∑ ≠ ﬁ")
+# Body fields with which an id prompt would answer differently from the text it came from.
+NEEDS_TEXT = ("echo", "return_token_offsets", "prompt_embeds")
+
 
 class Prompts:
-    def __init__(self, tokenizer: str | None = None, timeout: float = 2.0):
-        self.path, self.timeout = tokenizer, timeout
+    def __init__(self, tokenizer: str | None = None, timeout: float = 2.0, forward_ids: bool = True):
+        self.path, self.timeout, self.forward_ids = tokenizer, timeout, forward_ids
         self._renderer = None
         self._tried = False
         self._done = False
         self._lock = asyncio.Lock()
+        # Instance URL -> the base model names whose tokenization matched the local tokenizer's.
+        self.agreed: dict[str, frozenset[str]] = {}
+        self._checked: set[str] = set()  # verified (matched or not) since they joined
 
     @property
     def state(self) -> str:
@@ -78,6 +98,64 @@ class Prompts:
                 continue
         return None
 
+    async def verify(self, session: aiohttp.ClientSession, pool) -> None:
+        """Check each healthy instance not yet checked since it joined: its ``/tokenize`` of
+        :data:`PROBES` against the local tokenizer's (:meth:`as_ids` forwards ids only where
+        all agree). An instance out of rotation is checked again when it returns."""
+        for inst in pool.all:
+            if not inst.healthy:
+                self._checked.discard(inst.url)
+                self.agreed.pop(inst.url, None)
+        renderer = self._renderer if self._done else None
+        if renderer is None or not self.forward_ids:
+            return
+        for inst in [i for i in pool.all if i.healthy and i.url not in self._checked]:
+            self._checked.add(inst.url)
+            names = await self._agrees(session, inst, renderer)
+            if names:
+                self.agreed[inst.url] = names
+                logger.info("%s tokenizes as this router does (%s): string prompts are sent as token ids",
+                            inst.url, ", ".join(sorted(names)))
+            else:
+                logger.warning("%s does not tokenize as this router's tokenizer (or did not answer): "
+                               "string prompts are sent to the pool as text", inst.url)
+
+    async def _agrees(self, session, inst, renderer) -> frozenset[str]:
+        timeout = aiohttp.ClientTimeout(total=self.timeout)
+        try:
+            async with session.get(inst.url + "/v1/models", timeout=timeout) as r:
+                cards = (await r.json())["data"]
+            names = frozenset(c["id"] for c in cards if isinstance(c.get("id"), str) and not c.get("parent"))
+            if not names:
+                return frozenset()
+            specials = " ".join(str(t) for t in getattr(renderer.tok, "all_special_tokens", []))
+            for text in (*PROBES, f"{specials} between {specials}"):
+                for special in (True, False):
+                    req = {"prompt": text, "add_special_tokens": special, "model": next(iter(names))}
+                    async with session.post(inst.url + "/tokenize", json=req, timeout=timeout) as r:
+                        theirs = (await r.json()).get("tokens") if r.status == 200 else None
+                    if theirs != await asyncio.to_thread(renderer.text, text, special):
+                        return frozenset()
+        except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, TypeError, ValueError) as e:
+            logger.debug("tokenizer check of %s failed: %r", inst.url, e)
+            return frozenset()
+        return names
+
+    def as_ids(self, path: str, body: dict, tokens: list[int], pool) -> dict:
+        """``body`` with its string ``prompt`` replaced by ``tokens`` (its local tokenization)
+        where that gives the same answer (module docstring), else ``body`` itself."""
+        if (not tokens or not isinstance(body.get("prompt"), str) or path.endswith("chat/completions")
+                or any(body.get(k) for k in NEEDS_TEXT) or not isinstance(body.get("add_special_tokens", True), bool)):
+            return body
+        return {**body, "prompt": tokens} if self.forwarding(pool, body.get("model")) else body
+
+    def forwarding(self, pool, model: str | None = None) -> bool:
+        """Whether string prompts for ``model`` (None: the default) go out as ids: every
+        instance a route or its retry may take, the healthy ones, agreed (one that rejoins is
+        healthy before :meth:`verify` has checked it, and until then not in ``agreed``)."""
+        up = [i for i in pool.all if i.healthy]
+        return bool(up) and all((names := self.agreed.get(i.url)) and (model is None or model in names) for i in up)
+
     async def token_ids(self, session: aiohttp.ClientSession, pool, path: str, body: dict) -> list[int]:
         prompt, messages = body.get("prompt"), body.get("messages")
         if path.endswith("/completions") and not path.endswith("chat/completions"):
@@ -91,7 +169,8 @@ class Prompts:
         if renderer is not None:
             try:
                 if isinstance(prompt, str) and not path.endswith("chat/completions"):
-                    return await asyncio.to_thread(renderer.text, prompt)
+                    special = body.get("add_special_tokens", True)  # vLLM's completion field
+                    return await asyncio.to_thread(renderer.text, prompt, special if isinstance(special, bool) else True)
                 return await asyncio.to_thread(renderer.messages, messages, True)
             except Exception as e:  # noqa: BLE001 - a prompt the tokenizer cannot take: route by load
                 logger.debug("tokenizer failed: %s", e)

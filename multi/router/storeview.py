@@ -11,6 +11,9 @@ in every plan it compares, and a route's ``store`` is what the chosen instance's
 predicted to load). Nothing after the decision reads the view again (the engine's connector does
 its own lookup), so "confirm before a route relies on it" and "confirm before the decision" are
 the same point, and the events are the first filter on that path, the lookup the confirmation:
+- an instance's own cache holds all but less than a chunk of the prompt: no lookup, the router's
+  approximate record (``short``; the engine's store tier would not wait for such a lookup either,
+  mcstore's ``lookup_defer_min_tokens``);
 
 - the events say the store holds none of the prompt's leading blocks: ``S = 0``, no lookup
   (``skipped``; the common case, a prompt nothing stored, costs the master nothing);
