@@ -18,11 +18,12 @@ time goes can be read off any engine's /metrics:
   long the forward pass waited in ``wait_for_layer_load`` in all);
 - ``save_queue``: from the step that queued the save until the save thread took it
   (includes waiting for the forward pass that writes the pages);
-- ``save_exists``: the master round trip that skips chunks already stored;
+- ``save_exists``: the master round trip that skips chunks (and finds directory entries)
+  already stored;
 - ``save_transfer``: Mooncake's batch put from the pages (allocation at the master,
-  transfer, commit);
-- ``save_dirs``: writing the directory entries of the objects just saved (the first TP rank
-  of the first stage only; :mod:`mcstore.keys`).
+  transfer, commit), with the new directory entries of those objects (:mod:`mcstore.saves`);
+- ``save_dirs``: upserting the directory entries that could not go with the put (one already
+  there is replaced; the first TP rank of the first stage only; :mod:`mcstore.keys`).
 
 ``io_ranges`` / ``io_chunks`` (kind = load or save) count the buffer ranges handed to
 Mooncake for whole chunks and those chunks: their ratio is the descriptors per chunk,

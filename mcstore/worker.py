@@ -139,6 +139,7 @@ class StoreWorker(Loads, LayerLoads, Saves, WorkerNews):
         # Scattered chunks load through host staging (mcstore.loads): the threshold in ranges.
         self.stage_above = int(self.cfg.stage_above_ranges_per_region * len(self.geo.regions))
         self._layers_setup()  # layer-wise loads (mcstore.layerwise)
+        self._dirs_setup()  # directory entries ride with their objects' put (mcstore.saves)
         self._start_threads()
         logger.info("mcstore worker: %d KV group(s), %s KV regions, %d bytes per %d-token chunk",
                     len(self.geos), "+".join(str(len(g.regions)) for g in self.geos),
