@@ -56,7 +56,7 @@ class _Group:
     """Per model: a prefill (dev mode: its prefix cache is emptied before another decode's
     tests), a no-connector reference and, per decode connector, a decode (corrupting the
     sliding group's received bytes while its flag file exists) behind a proxy of its own, all
-    with the hybrid allocator on. All of a model's engines start at once (two per core)."""
+    with the hybrid allocator on. All of a model's engines start at once."""
 
     def __init__(self, preset: str, master: str | None, tmp_path_factory):
         sliding, _ = LAYOUT[preset]
