@@ -18,6 +18,7 @@ class Baseline:
     def __init__(self, dtype: str | None = None, core: int = 0):
         self.dtype, self.core = dtype, core
         self._engine: Engine | None = None
+        self._starting: Engine | None = None  # started, not yet waited for
         self._memo: dict[tuple, list[int]] = {}
 
     def tokens(self, prompt: list[int], max_tokens: int = 8, cached_prefix: int = 0,
@@ -30,12 +31,20 @@ class Baseline:
             self._memo[key] = reference_tokens(self.engine(), prompt, max_tokens, cached_prefix, writers)
         return self._memo[key]
 
+    def start(self) -> None:
+        """Start the reference engine's process without waiting for it (:meth:`engine` waits):
+        a fixture calls this first, so that it boots beside the fixture's own engines."""
+        if self._engine is None and self._starting is None:
+            name = "baseline" if self.dtype is None else f"baseline-{self.dtype}"
+            self._starting = Engine(name, core=self.core, dev_mode=True, dtype=self.dtype, pinned=False)
+
     def engine(self) -> Engine:
         """The reference engine (started on first use), for a test module that drives it with
         :func:`tests.harness.reference_tokens` itself: one engine start fewer than its own."""
         if self._engine is None:
-            name = "baseline" if self.dtype is None else f"baseline-{self.dtype}"
-            self._engine = start_engines(Engine(name, core=self.core, dev_mode=True, dtype=self.dtype))[0]
+            self.start()
+            starting, self._starting = self._starting, None
+            self._engine = start_engines(starting)[0]
         return self._engine
 
     def top_logprobs(self, prompt: list[int], max_tokens: int, k: int = 5) -> list[dict[int, float]]:
@@ -46,8 +55,9 @@ class Baseline:
         return top_logprobs(self._engine.complete(prompt, max_tokens, logprobs=k, return_tokens_as_token_ids=True))
 
     def close(self):
-        if self._engine is not None:
-            self._engine.stop()
+        for e in (self._engine, self._starting):
+            if e is not None:
+                e.stop()
 
 
 @pytest.fixture(scope="session")

@@ -46,7 +46,11 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 
 class Engine:
     """A ``mctier serve`` OpenAI server on ``host`` (127.0.0.1 by default; ``VLLM_HOST_IP`` too),
-    pinned to ``core``, in ``dtype`` (default: the CPU class's, :func:`kvcore.platform.engine_dtype`)."""
+    pinned to ``core``, in ``dtype`` (default: the CPU class's, :func:`kvcore.platform.engine_dtype`).
+
+    ``pinned=False`` (no-connector references): only the forward passes are bound to ``core``
+    (``VLLM_CPU_OMP_THREADS_BIND``); the start's imports, most of its ~20 s of CPU, run on
+    whichever core is free instead of queueing behind a neighbour's on ``core``."""
 
     def __init__(
         self,
@@ -61,7 +65,11 @@ class Engine:
         dtype: str | None = None,
         host: str = "127.0.0.1",
         tp: int = 1,
+        pinned: bool = True,
     ):
+        if not pinned and kv_config is not None:
+            # A connector picks its I/O threads' CPUs from the engine's affinity (kvcore.iocpus).
+            raise ValueError("only a no-connector engine may start unpinned")
         self.name, self.host, self.tp = name, host, tp
         self.port = free_port(host)
         self.model = str(model or model_dir("tiny"))
@@ -77,7 +85,8 @@ class Engine:
             full_env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in sorted(cpus))
         if dev_mode:
             full_env["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache, for reference engines
-        self.proc = Proc(name, argv, LOGS / f"{name}-{self.port}.log", env=full_env, cwd=str(ROOT), cpus=cpus)
+        self.proc = Proc(name, argv, LOGS / f"{name}-{self.port}.log", env=full_env, cwd=str(ROOT),
+                         cpus=cpus if pinned else None)
         self.url = f"http://{host}:{self.port}"
 
     def wait_ready(self, timeout: float = ENGINE_START_TIMEOUT) -> Engine:
@@ -90,7 +99,7 @@ class Engine:
                     return self
             except requests.RequestException:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.2)
         raise TimeoutError(f"engine {self.name} not ready in {timeout}s; log tail:\n{self.proc.tail(60)}")
 
     def complete(self, prompt: list[int] | str, max_tokens: int = 8, timeout: float = REQUEST_TIMEOUT, **body) -> dict:

@@ -179,8 +179,9 @@ class Dep:
                                                          transfer_timeout_s=TRANSFER_TIMEOUT), dtype=self.dtype)
         self.proxy = None
         try:
+            baseline.start()  # the baseline engine (if not up yet) boots beside P and D
             self.meta = derive_meta(self.model, self.p_kv, block_size=32, dtype=self.dtype)  # while the engines boot
-            baseline.tokens(prompt_ids(40, 0), 1)  # the baseline engine boots meanwhile too
+            baseline.tokens(prompt_ids(40, 0), 1)
             start_engines(self.P, self.D)
             self.proxy, self.url = start_proxy(f"{name}-proxy", f"{self.P.url}@{self.boot}", self.D.url, 60)
         except BaseException:

@@ -38,45 +38,86 @@ WINDOW = 64
 LAYOUT = {"tiny-swa": (0, {0: 1, 1: 1}), "tiny-swa-all": (0, {0: 2})}
 
 
-def _decode_kv(connector: str, p2p: dict, request) -> dict:
+def _decode_kv(connector: str, p2p: dict, master: str | None) -> dict:
     if connector == "p2p":
         return {"kv_connector": "P2PConnector", "kv_connector_module_path": "p2p", "kv_role": "kv_consumer",
                 "kv_load_failure_policy": "recompute", "kv_connector_extra_config": p2p}
-    master = request.getfixturevalue("store_cluster").master_addr
     # The plan is forced to the prefill instance (default_source): the test is about the handoff.
     return {"kv_connector": "TieredHMAConnector", "kv_connector_module_path": "multi", "kv_role": "kv_consumer",
             "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {
                 "store": {"master": master, "chunk_tokens": 128}, "p2p": p2p, "default_source": "p2p"}}
 
 
-@pytest.fixture(scope="module", params=[("tiny-swa", "p2p"), ("tiny-swa-all", "p2p"), ("tiny-swa", "tiered")],
-                ids=lambda p: "-".join(p))
-def hma_pd(request, tmp_path_factory):
-    """Per model and decode connector: prefill, decode (corrupting the sliding group's received
-    bytes while a flag file exists) and a no-connector reference, all with the hybrid allocator
-    on, the proxy."""
-    preset, connector = request.param
-    sliding, _ = LAYOUT[preset]
-    flag = tmp_path_factory.mktemp(f"hma-{preset}") / "corrupt-now"
-    model = model_dir(preset)
-    boot = free_port()
-    p = Engine(f"hma-p2p-P-{preset}", 0, model=model, kv_config={
-        "kv_connector": "P2PConnector", "kv_connector_module_path": "p2p", "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"bootstrap_port": boot, "abort_timeout_s": 300}})
-    d = Engine(f"hma-{connector}-D-{preset}", 1, model=model, kv_config=_decode_kv(connector, {
-        "transfer_timeout_s": 30, "debug_corrupt_received_kv": str(flag), "debug_corrupt_kv_groups": [sliding]},
-        request))
-    ref = Engine(f"hma-p2p-ref-{preset}", 0, model=model, dev_mode=True)
-    proxy = None
-    try:
-        start_engines(p, d, ref)
-        proxy, url = start_proxy(f"hma-proxy-{preset}", f"{p.url}@http://127.0.0.1:{boot}", d.url, 120, wait_s=90)
-        yield preset, connector, p, d, ref, url, flag
-    finally:
-        if proxy is not None:
+# The decode connectors tried per model: a model's decodes share its prefill and reference.
+CONNECTORS = {"tiny-swa": ("p2p", "tiered"), "tiny-swa-all": ("p2p",)}
+
+
+class _Group:
+    """Per model: a prefill (dev mode: its prefix cache is emptied before another decode's
+    tests), a no-connector reference and, per decode connector, a decode (corrupting the
+    sliding group's received bytes while its flag file exists) behind a proxy of its own, all
+    with the hybrid allocator on. All of a model's engines start at once."""
+
+    def __init__(self, preset: str, master: str | None, tmp_path_factory):
+        sliding, _ = LAYOUT[preset]
+        model = model_dir(preset)
+        boot = free_port()
+        self.p = Engine(f"hma-p2p-P-{preset}", 0, model=model, dev_mode=True, kv_config={
+            "kv_connector": "P2PConnector", "kv_connector_module_path": "p2p", "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"bootstrap_port": boot, "abort_timeout_s": 300}})
+        self.ref = Engine(f"hma-p2p-ref-{preset}", 0, model=model, dev_mode=True, pinned=False)
+        self.d, self.flag, self.url, self.proxies, self.used = {}, {}, {}, [], set()
+        for connector in CONNECTORS[preset]:
+            self.flag[connector] = tmp_path_factory.mktemp(f"hma-{preset}-{connector}") / "corrupt-now"
+            self.d[connector] = Engine(f"hma-{connector}-D-{preset}", 1, model=model, kv_config=_decode_kv(
+                connector, {"transfer_timeout_s": 30, "debug_corrupt_received_kv": str(self.flag[connector]),
+                            "debug_corrupt_kv_groups": [sliding]}, master))
+        try:
+            start_engines(self.p, self.ref, *self.d.values())
+            for connector, d in self.d.items():
+                proxy, self.url[connector] = start_proxy(f"hma-proxy-{preset}-{connector}",
+                                                         f"{self.p.url}@http://127.0.0.1:{boot}", d.url, 120, wait_s=90)
+                self.proxies.append(proxy)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self):
+        for proxy in self.proxies:
             proxy.stop(grace=5)
-        for e in (p, d, ref):
+        for e in (self.p, *self.d.values(), self.ref):
             e.stop()
+
+
+@pytest.fixture(scope="module")
+def groups():
+    """Each model's group, started on first use; another model's is stopped first."""
+    started: dict[str, _Group] = {}
+
+    def get(preset: str, master: str | None, tmp_path_factory) -> _Group:
+        for other in [k for k in started if k != preset]:
+            started.pop(other).stop()
+        if preset not in started:
+            started[preset] = _Group(preset, master, tmp_path_factory)
+        return started[preset]
+
+    yield get
+    for g in started.values():
+        g.stop()
+
+
+@pytest.fixture(scope="module", params=[("tiny-swa", "p2p"), ("tiny-swa", "tiered"), ("tiny-swa-all", "p2p")],
+                ids=lambda p: "-".join(p))
+def hma_pd(request, groups, tmp_path_factory):
+    """Per model and decode connector: the prefill (its prefix cache empty, as if fresh), the
+    decode, the reference, the proxy to that decode and the decode's flag file."""
+    preset, connector = request.param
+    master = request.getfixturevalue("store_cluster").master_addr if "tiered" in CONNECTORS[preset] else None
+    g = groups(preset, master, tmp_path_factory)
+    if g.used:  # another decode's tests ran on this prefill: the same prompts must be computed again
+        g.p.reset_prefix_cache()
+    g.used.add(connector)
+    yield preset, connector, g.p, g.d[connector], g.ref, g.url[connector], g.flag[connector]
 
 
 def _handoff(url: str, prompt: list[int]) -> dict:

@@ -49,7 +49,8 @@ class Deployment:
         # up to ~1K tokens these tests hand off (multi.policy, tests/test_policy.py).
         self.d = Engine("tiered-D", core=1, model=small, max_model_len=8192,
                         kv_config=tiered("kv_consumer", cluster.master_addr, free_port(), idle_compute_s=0.0))
-        self.base = Engine("baseline-small", core=0, model=small, max_model_len=8192, dev_mode=True)
+        self.base = Engine("baseline-small", core=0, model=small, max_model_len=8192, dev_mode=True,
+                           pinned=False)
         start_engines(self.p, self.d, self.base)
         self.proxy, self.url = start_proxy("proxy", f"{self.p.url}@http://127.0.0.1:{self.bootstrap}", self.d.url,
                                            600, connect_timeout=None, wait_s=30)

@@ -82,8 +82,9 @@ def env(baseline):
         ], LOGS / f"tools-inspect-{http_port}.log", env=engine_env(0),
             cwd=str(ROOT))
         procs.append(server)
+        baseline.start()  # the baseline engine (if not up yet) boots meanwhile
         meta = derive_meta(model, kv, block_size=32, dtype=engine_dtype())  # while the engine boots
-        baseline.tokens(prompt_ids(80, 0), 1)  # start the baseline engine meanwhile
+        baseline.tokens(prompt_ids(80, 0), 1)
         engine.wait_ready()
         server.wait_port(http_port, 240)
         renderer = Renderer(model)
