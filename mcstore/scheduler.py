@@ -3,7 +3,7 @@
 The tier's half of the scheduler-side contract (``kvcore.tier``; the connector
 facade exposes it, ``release`` is a no-op there), kept apart from vLLM's hooks:
 
-``lookup(request) -> int | None``
+``lookup(request, local_tokens=0) -> int | None``
     Prompt tokens ``[0, n)`` the store can supply: the longest prefix of full
     chunks whose every part exists (every TP rank of every pipeline stage, of every KV cache
     group: :mod:`mcstore.groups`, which also cuts a hit back to where each sliding-window
@@ -19,7 +19,10 @@ facade exposes it, ``release`` is a no-op there), kept apart from vLLM's hooks:
     (:mod:`mcstore.batchlookup`; a batch's directory reads in one call) and waits for it, at
     most ``lookup_wait_ms`` per step in all, and only for this step's lookups when the last
     batches say they can be answered in that time; later answers are used at a later step.
-    Unanswered within ``lookup_timeout_ms``: a miss; 0 at once while the master is unreachable.
+    Unanswered within ``lookup_timeout_ms``: a miss; 0 at once while the master is unreachable,
+    and 0 at once, the lookup given up, when it is not answered yet and fewer than
+    ``lookup_defer_min_tokens`` prompt tokens lie past the ``local_tokens`` of the engine's own
+    prefix cache (a step of delay would cost more than they can save).
     ``lookup_blocking`` asks at once. Keys: from vLLM's block hashes where the key space says so
     (``mcstore.keys``), else the token ids.
 ``plan_load(request, start, end, block_ids)``
