@@ -45,6 +45,7 @@ def test_requests_that_need_the_text_or_another_model_keep_it():
         assert p.as_ids(PATH, {**body, field: True}, IDS, pool)["prompt"] == "hello", field
     assert p.as_ids(PATH, {**body, "echo": False}, IDS, pool)["prompt"] == IDS
     assert p.as_ids(PATH, {**body, "model": "a-lora"}, IDS, pool)["prompt"] == "hello"
+    assert p.as_ids(PATH, {**body, "model": ["m"]}, IDS, pool)["prompt"] == "hello"  # the engine's 400, not ours
     assert p.as_ids(PATH, {**body, "add_special_tokens": "no"}, IDS, pool)["prompt"] == "hello"
     assert p.as_ids(PATH, {**body, "add_special_tokens": False}, IDS, pool)["prompt"] == IDS
     assert p.as_ids("/v1/chat/completions", body, IDS, pool)["prompt"] == "hello"

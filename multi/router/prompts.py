@@ -145,7 +145,8 @@ class Prompts:
         """``body`` with its string ``prompt`` replaced by ``tokens`` (its local tokenization)
         where that gives the same answer (module docstring), else ``body`` itself."""
         if (not tokens or not isinstance(body.get("prompt"), str) or path.endswith("chat/completions")
-                or any(body.get(k) for k in NEEDS_TEXT) or not isinstance(body.get("add_special_tokens", True), bool)):
+                or any(body.get(k) for k in NEEDS_TEXT) or not isinstance(body.get("add_special_tokens", True), bool)
+                or not isinstance(body.get("model", ""), str)):
             return body
         return {**body, "prompt": tokens} if self.forwarding(pool, body.get("model")) else body
 
