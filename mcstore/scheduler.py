@@ -161,12 +161,7 @@ class StoreScheduler(SavePlans, CacheReset):
         if not lk.done and request.num_prompt_tokens - local_tokens < self.cfg.lookup_defer_min_tokens:
             # What the store could add past the engine's own prefix cache is worth less than the
             # step the request would wait for the answer (config: lookup_defer_min_tokens).
-            lk.cancel()
-            st.pending = None
-            self._waiting -= 1
-            self.stats.inc("lookups:short")
-            st.hit = 0
-            return 0
+            return self._give_up(st, "lookups:short")
         if (not lk.done and self._wait_left > 0 and lk.submitted >= self._step_start
                 and self.lookups.expected_s(self.lookups.queued()) <= self._wait_left):
             # This step's batch goes now (every request that arrived since the last step is in it)
@@ -192,13 +187,17 @@ class StoreScheduler(SavePlans, CacheReset):
             return st.hit
         if lk.expired():
             # The master did not answer in time: a miss (the answer, if it comes, is dropped).
-            lk.cancel()
-            st.pending = None
-            self._waiting -= 1
-            self.stats.inc("lookups:timeout")
-            st.hit = 0
-            return 0
+            return self._give_up(st, "lookups:timeout")
         return None
+
+    def _give_up(self, st: ReqState, counter: str) -> int:
+        """The request's pending lookup is dropped (its answer, if it comes, too): a miss."""
+        st.pending.cancel()
+        st.pending = None
+        self._waiting -= 1
+        self.stats.inc(counter)
+        st.hit = 0
+        return 0
 
     def _ask(self, st: ReqState) -> None:
         """Start the request's lookup: answered at once when there is nothing to ask (no full
