@@ -9,7 +9,9 @@ index (:mod:`multi.router.storeview`); the session's no-connector reference engi
 subscriber built from vLLM's own event decoder receives the store tier's events is
 ``tests/test_store_events_e2e.py``'s.
 
-- A prompt the events say nothing of costs the master no lookup (``skipped``); a prompt whose
+- A prompt shorter than a chunk costs the master no lookup (``short``: nothing the store could
+  add is worth the round trip); a longer one the events say nothing of costs none either
+  (``skipped``); a prompt whose
   chunks an engine saved is looked up and confirmed (``confirmed``), from the events of the
   engine that saved them, wherever the request goes.
 - An object removed behind the router's back (the master's remove, as an operator's tool or an
@@ -89,7 +91,7 @@ class Routed:
 
     def checks(self) -> dict[str, float]:
         return {k: self.metric("mctier_router_store_checks_total", outcome=k)
-                for k in ("skipped", "confirmed", "stale", "unfiltered", "unanswered")}
+                for k in ("short", "skipped", "confirmed", "stale", "unfiltered", "unanswered")}
 
     def records(self) -> list[dict]:
         with open(self.log) as f:
@@ -128,18 +130,20 @@ def test_the_store_view_answers_from_the_store_tiers_events(rs, baseline):
     blocks = rs.store_blocks()
     rs.a.complete(p, 2)  # straight to A: A's store tier saves three chunks and announces them
     assert wait_for(lambda: rs.store_blocks() >= blocks + 3 * CHUNK // BLOCK, 20), rs.store_blocks()
-    # Prompts nothing stored: no lookup.
+    # Prompts nothing stored: no lookup (shorter than a chunk: not even the events asked).
     before = rs.checks()
-    for seed in (7102, 7103, 7104):
-        q, seen = prompt_ids(50, seed), len(rs.records())
+    for n, seed, outcome, said in ((100, 7102, "skipped", 0), (100, 7103, "skipped", 0), (50, 7104, "short", None)):
+        q, seen = prompt_ids(n, seed), len(rs.records())
         assert rs.complete(q)["choices"][0]["token_ids"] == baseline.tokens(q, 8)
         d = rs.decision(len(q), seen)
-        assert (d["store"], d["store_check"], d["store_events"]) == (0, "skipped", 0)
-    assert _delta(rs.checks(), before) == {"skipped": 3}
+        assert (d["store"], d["store_check"], d["store_events"]) == (0, outcome, said)
+    assert _delta(rs.checks(), before) == {"skipped": 2, "short": 1}
     # A prompt on A's chunks, with A's cache emptied: the events say 192 tokens, the lookup
     # confirms them, and the engine the router picks loads them from the store.
     rs.a.reset_prefix_cache()
-    q = p[:3 * CHUNK] + prompt_ids(30, 7105)
+    # A tail of more than a chunk: the router may still hold A's 192 tokens as cached (the engine
+    # publishes the reset's event at its next step), and would not ask the store for less (short).
+    q = p[:3 * CHUNK] + prompt_ids(CHUNK + 30, 7105)
     before, seen = rs.checks(), len(rs.records())
     resp = rs.complete(q)
     d = rs.decision(len(q), seen)
@@ -177,7 +181,7 @@ def test_an_object_removed_behind_the_routers_back_is_caught_by_the_lookup(rs, b
         raw.close()
     assert not set(gone) & all_keys(store_cluster)
     rs.b.reset_prefix_cache()
-    q = p[:3 * CHUNK] + prompt_ids(30, 7202)
+    q = p[:3 * CHUNK] + prompt_ids(CHUNK + 30, 7202)  # more than a chunk past B's 192 (as above)
     before, seen = rs.checks(), len(rs.records())
     resp = rs.complete(q)
     # The events said 192 tokens, the lookup found none of them (a chain breaks at its first
