@@ -9,6 +9,7 @@
   engine would answer, but before the router hashes them).
 - :func:`block_hashes`: the prompt's block hashes (:func:`multi.router.index.chain`), in a
   thread for more than :data:`HASH_INLINE_TOKENS` tokens.
+- :func:`model_cards`: an instance's ``/v1/models`` cards, checked (a peer's answer);
 - :func:`max_model_len`: the served model's, from the first instance whose ``/v1/models``
   answers (vLLM's model card carries it).
 """
@@ -72,14 +73,22 @@ async def block_hashes(tokens: list[int], block_size: int, salt) -> list[int]:
         raise ProxyError(400, "prompt token ids must be integers that fit in 64 bits") from None
 
 
+async def model_cards(session: aiohttp.ClientSession, url: str, timeout: float) -> list[dict]:
+    """The model cards of the instance's ``/v1/models`` (vLLM's: ``id``, ``root``, ``parent``,
+    ``max_model_len``); ``[]`` when it does not answer with a list of them within ``timeout``."""
+    try:
+        async with session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            body = await r.json() if r.status == 200 else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return []
+    data = body.get("data") if isinstance(body, dict) else None
+    return [c for c in data if isinstance(c, dict)] if isinstance(data, list) else []
+
+
 async def max_model_len(session: aiohttp.ClientSession, pool, timeout: float) -> int | None:
     for inst in pool.all:
-        try:
-            async with session.get(inst.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                n = (await r.json())["data"][0].get("max_model_len")
-            if isinstance(n, int) and n > 0:
-                return n
-        except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, ValueError, TypeError,
-                AttributeError):
-            continue
+        cards = await model_cards(session, inst.url, timeout)
+        n = cards[0].get("max_model_len") if cards else None
+        if isinstance(n, int) and n > 0:
+            return n
     return None

@@ -32,6 +32,8 @@ import os
 
 import aiohttp
 
+from multi.router.intake import model_cards
+
 logger = logging.getLogger("mctier.router")
 
 # Texts on which a tokenizer that is not the engine's would most likely differ: plain words,
@@ -90,12 +92,9 @@ class Prompts:
 
     async def _root(self, session: aiohttp.ClientSession, pool) -> str | None:
         for inst in pool.all:
-            try:
-                async with session.get(inst.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
-                    card = (await r.json())["data"][0]
-                    return card.get("root") or card.get("id")
-            except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, ValueError):
-                continue
+            cards = await model_cards(session, inst.url, self.timeout)
+            if cards:
+                return cards[0].get("root") or cards[0].get("id")
         return None
 
     async def verify(self, session: aiohttp.ClientSession, pool) -> None:
@@ -121,22 +120,22 @@ class Prompts:
                                "string prompts are sent to the pool as text", inst.url)
 
     async def _agrees(self, session, inst, renderer) -> frozenset[str]:
+        cards = await model_cards(session, inst.url, self.timeout)
+        names = frozenset(c["id"] for c in cards if isinstance(c.get("id"), str) and not c.get("parent"))
+        if not names:
+            return frozenset()
         timeout = aiohttp.ClientTimeout(total=self.timeout)
         try:
-            async with session.get(inst.url + "/v1/models", timeout=timeout) as r:
-                cards = (await r.json())["data"]
-            names = frozenset(c["id"] for c in cards if isinstance(c.get("id"), str) and not c.get("parent"))
-            if not names:
-                return frozenset()
             specials = " ".join(str(t) for t in getattr(renderer.tok, "all_special_tokens", []))
             for text in (*PROBES, f"{specials} between {specials}"):
                 for special in (True, False):
                     req = {"prompt": text, "add_special_tokens": special, "model": next(iter(names))}
                     async with session.post(inst.url + "/tokenize", json=req, timeout=timeout) as r:
-                        theirs = (await r.json()).get("tokens") if r.status == 200 else None
+                        answer = await r.json() if r.status == 200 else None
+                    theirs = answer.get("tokens") if isinstance(answer, dict) else None  # a peer's answer
                     if theirs != await asyncio.to_thread(renderer.text, text, special):
                         return frozenset()
-        except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, TypeError, ValueError) as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             logger.debug("tokenizer check of %s failed: %r", inst.url, e)
             return frozenset()
         return names
