@@ -72,10 +72,11 @@ def test_malformed_kv_transfer_params(dep, baseline):
         {"do_remote_prefill": True, "transfer_id": 5, "remote_engine_id": eid, "remote_bootstrap_addr": dep.boot},
         {"do_remote_prefill": True, "remote_engine_id": eid, "remote_bootstrap_addr": dep.boot},  # no transfer_id
         {"do_remote_prefill": "yes", "transfer_id": ["x"], "remote_engine_id": None, "remote_bootstrap_addr": 7},
+        # Forced to p2p: on the tiny model auto may recompute ~230 tokens and never ask the bootstrap.
         {"do_remote_prefill": True, "transfer_id": "faults-unknown-engine", "remote_engine_id": "no-such-engine",
-         "remote_bootstrap_addr": dep.boot},
+         "remote_bootstrap_addr": dep.boot, "kv_source": "p2p"},
         {"do_remote_prefill": True, "transfer_id": "faults-no-hold", "remote_engine_id": eid,
-         "remote_bootstrap_addr": dep.boot},  # valid shape, but P never prefilled it
+         "remote_bootstrap_addr": dep.boot, "kv_source": "p2p"},  # valid shape, but P never prefilled it
         {"kv_source": 42},
         {"kv_source": "bogus"},
         {"kv_source": "p2p"},  # forced, but nothing to pull
