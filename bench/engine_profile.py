@@ -29,14 +29,18 @@ from bench.common import model_dir, output_dir  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
 from multi.cli.deploy import Deployment  # noqa: E402
 
+WAITED: dict[tuple, float] = {}  # run-queue wait so far (s) by thread key, from the last thread_cpu call
+
 
 def thread_cpu(pid: int) -> dict[tuple, float]:
     """CPU seconds so far of every thread of ``pid`` and its descendants, keyed by
-    (pid, process name, tid, thread name)."""
+    (pid, process name, tid, thread name); each thread's seconds spent runnable but waiting
+    for a core go to ``WAITED`` (``/proc/.../schedstat``: run ns, wait ns, timeslices)."""
     import psutil
 
     out = {}
     tick = os.sysconf("SC_CLK_TCK")
+    WAITED.clear()
     for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
         try:
             name = p.name()
@@ -49,7 +53,13 @@ def thread_cpu(pid: int) -> dict[tuple, float]:
             except OSError:
                 continue
             f = st[st.rindex(")") + 2:].split()
-            out[(p.pid, name, int(t.name), st[st.index("(") + 1:st.rindex(")")])] = (int(f[11]) + int(f[12])) / tick
+            key = (p.pid, name, int(t.name), st[st.index("(") + 1:st.rindex(")")])
+            out[key] = (int(f[11]) + int(f[12])) / tick
+            try:
+                run_ns, wait_ns, _ = map(int, (t / "schedstat").read_text().split())
+                out[key], WAITED[key] = run_ns / 1e9, wait_ns / 1e9  # ns, finer than stat's ticks
+            except (OSError, ValueError):
+                pass
     return out
 
 
@@ -72,15 +82,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--idle", type=float, default=5.0, help="seconds of idle measurement before the load")
     ap.add_argument("--spy", action="store_true")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARM:JSON",
+                    help="as bench.no_reuse's: NAME runs ARM (store, tiered) with JSON added to its store config")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine_profile"))
     a = ap.parse_args(argv)
+    for v in a.variant:
+        nr.add_variant(v)
     out = output_dir(a.out)
     model = model_dir("tiny")
     dep = Deployment(out / "logs")
     load = argparse.Namespace(input_len=256, output_len=64, prompts=a.prompts, concurrency=4)
     try:
         master = "-"
-        if {"store", "tiered"} & set(a.arms.split(",")):  # as bench.no_reuse: one master and store server
+        if {"store", "tiered", *nr.VARIANTS} & set(a.arms.split(",")):  # as bench.no_reuse: one master and store server
             dep.cluster = StoreCluster(out / "logs" / "store", segment_size=1 << 30).start()
             master = dep.cluster.master_addr
         for i, arm in enumerate(a.arms.split(",")):
@@ -103,8 +117,10 @@ def main(argv: list[str] | None = None) -> int:
                         spies.append(spy(p.pid, role, f"{arm}-{i}", out))
                 time.sleep(1)
             t2 = thread_cpu(proc.popen.pid)
+            w2 = dict(WAITED)
             row = nr.bench_serve(url, str(model), out, f"{arm}-{i}", 7 + i, load)
             t3 = thread_cpu(proc.popen.pid)
+            w3 = dict(WAITED)
             print(f"== {arm} under load: TPOT {row['mean_tpot_ms']:.2f} ms, p99 TTFT {row['p99_ttft_ms']:.1f} ms, "
                   f"{row['output_throughput']:.0f} tok/s")
             by_proc: dict[str, list] = {}
@@ -112,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
                 by_proc.setdefault(k[1], []).append((d, k))
             for name, rows in by_proc.items():
                 print(f"   {name}: {sum(d for d, _ in rows) * 1e3 / a.prompts:.1f} ms/request; "
-                      + ", ".join(f"{k[3]} {d * 1e3 / a.prompts:.2f}" for d, k in rows[:6]))
+                      + ", ".join(f"{k[3]} {d * 1e3 / a.prompts:.2f}" for d, k in rows[:8]))
+                waits = sorted(((w3.get(k, 0.0) - w2.get(k, 0.0), k) for _, k in rows), reverse=True)
+                print(f"   {name} waited for the core: " + ", ".join(
+                    f"{k[3]} {d * 1e3 / a.prompts:.2f}" for d, k in waits[:4]) + " ms/request")
             for s in spies:
                 s.send_signal(2)  # py-spy writes its profile on SIGINT
                 s.wait(timeout=60)

@@ -65,12 +65,25 @@ METRICS = ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpo
 BOUNDS = {"mean_tpot_ms": 1.05, "p99_ttft_ms": 1.1, "output_throughput": 1 / 1.1}
 
 
-VARIANTS: dict[str, tuple[str, dict]] = {}  # --variant NAME=ARM:JSON: NAME runs ARM with JSON added to its store config
+# --variant NAME=ARM:JSON: NAME runs ARM with JSON added to its store config; a "kv_role" key in
+# JSON sets the arm's kv_role instead (kv_consumer: the store arm without its saves).
+VARIANTS: dict[str, tuple[str, dict, str | None]] = {}
+
+
+def add_variant(spec: str) -> str:
+    """Register ``--variant NAME=ARM:JSON``; returns NAME."""
+    name, _, rest = spec.partition("=")
+    base, _, extra = rest.partition(":")
+    if not name or base not in ("store", "tiered"):
+        raise SystemExit(f"--variant {spec!r}: NAME=ARM:JSON with ARM store or tiered")
+    extra = json.loads(extra or "{}")
+    VARIANTS[name] = (base, extra, extra.pop("kv_role", None))
+    return name
 
 
 def kv_config(arm: str, master: str, namespace: str = "mct") -> dict | None:
     """``namespace``: the store's key prefix of this run (see run_arm)."""
-    arm, extra = VARIANTS.get(arm, (arm.removesuffix(BEFORE), {}))
+    arm, extra, role = VARIANTS.get(arm, (arm.removesuffix(BEFORE), {}, None))
     store = {"master": master, "chunk_tokens": 256, "key_prefix": namespace, **extra}
     base = {"kv_load_failure_policy": "recompute"}
     if arm in ("plain", "plain2"):  # plain2: a second plain engine, the run's noise floor (A/A)
@@ -79,13 +92,14 @@ def kv_config(arm: str, master: str, namespace: str = "mct") -> dict | None:
         return {**base, "kv_connector": "NullConnector", "kv_connector_module_path": "bench.nullconn",
                 "kv_role": "kv_both"}
     if arm == "store":
-        return {**base, "kv_connector": "StoreConnector", "kv_connector_module_path": "mcstore", "kv_role": "kv_both",
+        return {**base, "kv_connector": "StoreConnector", "kv_connector_module_path": "mcstore", "kv_role": role or "kv_both",
                 "kv_connector_extra_config": store}
     if arm == "p2p":
         return {**base, "kv_connector": "P2PConnector", "kv_connector_module_path": "p2p", "kv_role": "kv_consumer",
                 "kv_connector_extra_config": {"bootstrap_port": free_port()}}
     if arm == "tiered":
-        return {**base, "kv_connector": "TieredConnector", "kv_connector_module_path": "multi", "kv_role": "kv_consumer",
+        return {**base, "kv_connector": "TieredConnector", "kv_connector_module_path": "multi",
+                "kv_role": role or "kv_consumer",
                 "kv_connector_extra_config": {"store": store, "p2p": {"bootstrap_port": free_port()}}}
     raise ValueError(f"unknown arm {arm!r} (known: {', '.join(ARMS)})")
 
@@ -239,11 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     a.prompts = a.prompts or (16 if a.quick else 64)
     arms = [x for x in a.arms.split(",") if x]
     for v in a.variant:
-        name, _, rest = v.partition("=")
-        base, _, extra = rest.partition(":")
-        if not name or base not in ("store", "tiered"):
-            raise SystemExit(f"--variant {v!r}: NAME=ARM:JSON with ARM store or tiered")
-        VARIANTS[name] = (base, json.loads(extra or "{}"))
+        name = add_variant(v)
         if name not in arms:  # also named in --arms: run once (a second run would hit the first's saves)
             arms.append(name)
     if a.before:
