@@ -203,11 +203,15 @@ def test_store_full_for_a_sustained_period(dep, baseline, raw):
     cfg = ReplicateConfig()
     cfg.with_hard_pin = True
     fill, codes = [], []
-    # Rounds until a round adds nothing: the master evicts unpinned (engine) objects when
-    # full, so space comes back for a while after the first -200.
+    # The master evicts unpinned (engine) objects when full, which gave space back to a save
+    # during the full period in a CI run: remove them first, so only hard-pinned objects,
+    # which are never evicted, fill the pool.
+    raw.remove_all()
+    # Rounds until a round adds nothing. Down to 4 KiB: a bf16 engine's smallest object (a
+    # one-block tail, 32 KiB on the tiny model) fitted in what 64 KiB objects left.
     for rnd in range(8):
         added = 0
-        for size in (4 << 20, 1 << 20, 256 << 10, 64 << 10):
+        for size in (4 << 20, 1 << 20, 256 << 10, 64 << 10, 16 << 10, 4 << 10):
             data = b"\x5a" * size
             for i in range(200):
                 key = f"faults-fill/{rnd}/{size}/{i}"
