@@ -203,12 +203,12 @@ def test_store_full_for_a_sustained_period(dep, baseline, raw):
     cfg = ReplicateConfig()
     cfg.with_hard_pin = True
     fill, codes = [], []
-    # The master evicts unpinned (engine) objects when full, which gave space back to a save
-    # during the full period in a CI run: remove them first, so only hard-pinned objects,
-    # which are never evicted, fill the pool.
+    # The master evicts unpinned (engine) objects when full: remove them first, so that only
+    # hard-pinned objects, never evicted, fill the pool and no space can come back.
     raw.remove_all()
-    # Rounds until a round adds nothing. Down to 4 KiB: a bf16 engine's smallest object (a
-    # one-block tail, 32 KiB on the tiny model) fitted in what 64 KiB objects left.
+    # Rounds until a round adds nothing. Down to 4 KiB: on the bf16 class, where a one-block
+    # tail is 32 KiB on the tiny model, 128 tokens of saves got in after a fill that ended
+    # with 64 KiB objects.
     for rnd in range(8):
         added = 0
         for size in (4 << 20, 1 << 20, 256 << 10, 64 << 10, 16 << 10, 4 << 10):
