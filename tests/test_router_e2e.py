@@ -390,7 +390,7 @@ def test_start_up_probe_seeds_estimates_that_match_this_machine(rt):
     in its /metrics; then its predicted time to first token of a short prompt is within a
     factor of 3 of the actual for the request of five that the host delayed least (the priors
     are another machine's). Not a speed assertion: the ratio of two measurements of the same
-    request. Why not the median: in CI runs on the bf16 class two or three of five requests to
+    request. Why not the median: in full runs on the bf16 class two or three of five requests to
     the prefill instance took ~0.4 s (the instance's store lookup wait peaked at 0.39 s then),
     not explained yet; a delay only lowers predicted/actual, so the largest ratio still fails
     an estimate more than 3x off in either direction."""
