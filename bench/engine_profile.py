@@ -29,18 +29,15 @@ from bench.common import model_dir, output_dir  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
 from multi.cli.deploy import Deployment  # noqa: E402
 
-WAITED: dict[tuple, float] = {}  # run-queue wait so far (s) by thread key, from the last thread_cpu call
 
-
-def thread_cpu(pid: int) -> dict[tuple, float]:
+def thread_cpu(pid: int, waited: dict[tuple, float] | None = None) -> dict[tuple, float]:
     """CPU seconds so far of every thread of ``pid`` and its descendants, keyed by
-    (pid, process name, tid, thread name); each thread's seconds spent runnable but waiting
-    for a core go to ``WAITED`` (``/proc/.../schedstat``: run ns, wait ns, timeslices)."""
+    (pid, process name, tid, thread name); with ``waited``, each thread's seconds so far spent
+    runnable but waiting for a core go there (``/proc/.../schedstat``: run ns, wait ns, timeslices)."""
     import psutil
 
     out = {}
     tick = os.sysconf("SC_CLK_TCK")
-    WAITED.clear()
     for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
         try:
             name = p.name()
@@ -57,9 +54,11 @@ def thread_cpu(pid: int) -> dict[tuple, float]:
             out[key] = (int(f[11]) + int(f[12])) / tick
             try:
                 run_ns, wait_ns, _ = map(int, (t / "schedstat").read_text().split())
-                out[key], WAITED[key] = run_ns / 1e9, wait_ns / 1e9  # ns, finer than stat's ticks
             except (OSError, ValueError):
-                pass
+                continue
+            out[key] = run_ns / 1e9  # ns, finer than stat's ticks
+            if waited is not None:
+                waited[key] = wait_ns / 1e9
     return out
 
 
@@ -116,11 +115,10 @@ def main(argv: list[str] | None = None) -> int:
                     if role:
                         spies.append(spy(p.pid, role, f"{arm}-{i}", out))
                 time.sleep(1)
-            t2 = thread_cpu(proc.popen.pid)
-            w2 = dict(WAITED)
+            w2, w3 = {}, {}
+            t2 = thread_cpu(proc.popen.pid, w2)
             row = nr.bench_serve(url, str(model), out, f"{arm}-{i}", 7 + i, load)
-            t3 = thread_cpu(proc.popen.pid)
-            w3 = dict(WAITED)
+            t3 = thread_cpu(proc.popen.pid, w3)
             print(f"== {arm} under load: TPOT {row['mean_tpot_ms']:.2f} ms, p99 TTFT {row['p99_ttft_ms']:.1f} ms, "
                   f"{row['output_throughput']:.0f} tok/s")
             by_proc: dict[str, list] = {}
