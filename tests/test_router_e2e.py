@@ -287,6 +287,22 @@ def test_client_disconnect_cancels_both_sides_and_frees_blocks(rt):
     assert 0 < rt.d.metric("vllm:generation_tokens_total") - generated < 3000
 
 
+def test_health_reads_each_engines_load_and_cache_size_from_its_metrics(rt):
+    """The router's health read keeps only the lines of the families it uses from each
+    engine's whole /metrics: its index takes each engine's cache size in blocks from them."""
+    from multi.router.instances import MAX_METRICS_BYTES
+
+    for e in rt.engines():
+        text = requests.get(e.url + "/metrics", timeout=10).text
+        assert len(text) < MAX_METRICS_BYTES
+        info = [ln for ln in text.splitlines() if ln.startswith("vllm:cache_config_info{")]
+        assert len(info) == 1, info
+        blocks = int(info[0].split('num_gpu_blocks="')[1].split('"')[0])
+        assert blocks > 0
+        assert wait_for(lambda: rt.router_metric("mctier_router_index_capacity_blocks", view=e.url) == blocks, 10), \
+            (rt.router_metric("mctier_router_index_capacity_blocks", view=e.url), blocks)
+
+
 def test_instances_file_is_reloaded_on_sighup_and_health_readmits(rt, tmp_path):
     f = tmp_path / "instances.toml"
     f.write_text(f'[[prefill]]\nurl = "{rt.p1.url}"\nbootstrap = "http://127.0.0.1:{rt.boot["p1"]}"\n'

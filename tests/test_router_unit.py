@@ -430,3 +430,26 @@ def test_store_index_flag_bounds_the_view_and_zero_turns_the_filter_off():
     assert build_app(parse_args(base[:-2] + ["--store", "approx"]))["router"].store_index is None
     with pytest.raises(SystemExit, match="--store-index-blocks"):
         build_app(parse_args([*base, "--store-index-blocks", "-1"]))
+
+
+def test_engine_metrics_read_takes_only_the_load_and_cache_lines():
+    """The health read parses only the families it uses out of an instance's whole /metrics
+    (other families' lines, comments and look-alike names are dropped; running requests of
+    two engines in one API server add up)."""
+    from multi.router.instances import _parse_metrics
+
+    text = "\n".join([
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+        "# TYPE vllm:num_requests_running gauge",
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
+        'vllm:num_requests_running{engine="1",model_name="m"} 2.0',
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0',
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25',
+        'vllm:cache_config_info{block_size="32",num_gpu_blocks="4096"} 1.0',
+        'vllm:num_requests_running_total_lookalike{engine="0"} 99.0',
+        'vllm:prompt_tokens_total{engine="0"} 123456.0',
+        'garbage that is not prometheus {{{',
+    ]) + "\n"
+    assert _parse_metrics(text) == {"vllm:num_requests_running": 5.0, "vllm:num_requests_waiting": 1.0,
+                                    "vllm:kv_cache_usage_perc": 0.25, "blocks": 4096}
+    assert _parse_metrics("vllm:prompt_tokens_total 1.0\n") == {}

@@ -227,13 +227,26 @@ class Pool:
             raise ValueError("no instances: give --prefill and --decode, --plain, or --instances FILE")
 
 
+# The engine metrics the router reads. Only their lines are parsed: vLLM's whole /metrics (~55 KB,
+# and vLLM 0.32 answers /metrics from its instrumentator, which ignores ``name[]`` filters) took
+# 8 ms to parse on an idle core, on the event loop every health interval (0.7 ms filtered first:
+# docs/benchmarks/router.md, "health reads").
+LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+CACHE_INFO = "vllm:cache_config_info"
+MAX_METRICS_BYTES = 4 << 20  # a peer's answer: a longer one is not read (the old values stay)
+
+
 def _parse_metrics(text: str) -> dict[str, float | int]:
+    """Load and cache size from an instance's Prometheus text: the lines of other families
+    are dropped before parsing."""
+    wanted = (*LOAD_METRICS, CACHE_INFO)
+    lines = "\n".join(ln for ln in text.splitlines() if ln.startswith(wanted))
     out: dict[str, float | int] = {}
-    for fam in text_string_to_metric_families(text):
+    for fam in text_string_to_metric_families(lines):
         for s in fam.samples:
-            if s.name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+            if s.name in LOAD_METRICS:
                 out[s.name] = out.get(s.name, 0.0) + s.value
-            elif s.name == "vllm:cache_config_info" and s.labels.get("num_gpu_blocks", "").isdigit():
+            elif s.name == CACHE_INFO and s.labels.get("num_gpu_blocks", "").isdigit():
                 out["blocks"] = int(s.labels["num_gpu_blocks"])
     return out
 
@@ -247,7 +260,8 @@ async def check_health(session: aiohttp.ClientSession, inst: Instance, timeout: 
         if ok:
             async with session.get(inst.url + "/metrics", timeout=t) as r:
                 if r.status == 200:
-                    m = _parse_metrics(await r.text())
+                    raw = await r.content.read(MAX_METRICS_BYTES + 1)
+                    m = _parse_metrics(raw.decode("utf-8", "replace")) if len(raw) <= MAX_METRICS_BYTES else {}
                     inst.running = m.get("vllm:num_requests_running", inst.running)
                     inst.waiting = m.get("vllm:num_requests_waiting", inst.waiting)
                     inst.kv_usage = m.get("vllm:kv_cache_usage_perc", inst.kv_usage)
