@@ -57,3 +57,32 @@ def test_nothing_is_forwarded_before_a_check():
     pool = Pool([make("plain", "http://127.0.0.1:8100")])
     assert Prompts().as_ids(PATH, {"prompt": "hello"}, IDS, pool) == {"prompt": "hello"}
     assert not Prompts().forwarding(pool)
+
+
+def test_short_prompts_are_tokenized_on_the_loop_long_ones_in_a_thread_with_the_same_ids(tiny_model, monkeypatch):
+    """A string prompt up to TOKENIZE_INLINE_CHARS is tokenized without a thread round trip,
+    a longer one in a thread; both give the tokenizer's own ids, special tokens as asked."""
+    import asyncio
+
+    from mcstore.tools.engine import Renderer
+    from multi.router import prompts as mod
+
+    ref = Renderer(tiny_model)
+    threads: list[int] = []
+    real = asyncio.to_thread
+
+    async def counted(fn, *a, **kw):
+        threads.append(len(a[0]) if a and isinstance(a[0], str) else -1)
+        return await real(fn, *a, **kw)
+    monkeypatch.setattr(mod.asyncio, "to_thread", counted)
+    short = "The quick brown fox, " * 20
+    long = "jumps over the lazy dog 12345; " * (mod.TOKENIZE_INLINE_CHARS // 20)
+    assert len(short) <= mod.TOKENIZE_INLINE_CHARS < len(long)
+    p = Prompts(tiny_model)
+
+    async def ids(prompt: str, **kw) -> list[int]:
+        return await p.token_ids(None, Pool([]), PATH, {"prompt": prompt, **kw})
+    got = asyncio.run(ids(short))
+    assert got == ref.text(short) and threads == [-1]  # the tokenizer's load only
+    assert asyncio.run(ids(short, add_special_tokens=False)) == ref.text(short, False) and threads == [-1]
+    assert asyncio.run(ids(long)) == ref.text(long) and threads == [-1, len(long)]

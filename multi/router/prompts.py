@@ -41,6 +41,11 @@ logger = logging.getLogger("mctier.router")
 PROBES = ("The quick brown fox jumps over the lazy dog, 1234567890 times.",
           "  leading,\ttabs\n\nand trailing spaces   ",
           "Ünïcödé — 漢字 かな 🙂 ∑ ≠ ﬁ")
+# A string prompt up to this many characters (~2K tokens, ~2 ms on an idle core) is tokenized on
+# the event loop: the thread round trip cost more than the work on two busy cores (tokenize
+# phase 5.2 ms a request for 1.4 ms of work, docs/benchmarks/router.md, "the hop"). Longer
+# prompts and chat templates go to a thread, off the loop that relays every other answer.
+TOKENIZE_INLINE_CHARS = 8192
 # Body fields with which an id prompt would answer differently from the text it came from.
 NEEDS_TEXT = ("echo", "return_token_offsets", "prompt_embeds")
 
@@ -170,7 +175,10 @@ class Prompts:
             try:
                 if isinstance(prompt, str) and not path.endswith("chat/completions"):
                     special = body.get("add_special_tokens", True)  # vLLM's completion field
-                    return await asyncio.to_thread(renderer.text, prompt, special if isinstance(special, bool) else True)
+                    special = special if isinstance(special, bool) else True
+                    if len(prompt) <= TOKENIZE_INLINE_CHARS:
+                        return renderer.text(prompt, special)
+                    return await asyncio.to_thread(renderer.text, prompt, special)
                 return await asyncio.to_thread(renderer.messages, messages, True)
             except Exception as e:  # noqa: BLE001 - a prompt the tokenizer cannot take: route by load
                 logger.debug("tokenizer failed: %s", e)
