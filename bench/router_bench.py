@@ -18,8 +18,10 @@ engine holds):
 - S, the issue's comparison (``tiny`` model, default cache): ``vllm bench serve
   --dataset-name prefix_repetition`` (1,024-token prefixes, 64-token suffixes, 4 prefixes,
   16 output tokens, concurrency 4) against one plain engine (core 1), the same engine behind
-  ``mctier proxy --plain`` (the router's own share), then through ``mctier proxy`` over a
-  ``TieredConnector`` 1P1D pair (core 0, core 1) with each policy.
+  ``mctier proxy --plain`` (the router's own share), and through ``mctier proxy`` over a
+  ``TieredConnector`` 1P1D pair (core 0, core 1) with each policy; all three up together, in
+  ``--serve-rounds`` rounds (default 3; ``--quick`` 1), each arm once a round in rotated order,
+  every ratio against the same round's plain engine and the verdict on the median of rounds.
 
 Workloads: :mod:`bench.router_workloads` (prefix, multi-turn chat, short prompts, no reuse,
 a scaled window of Mooncake's conversation trace; ``--quick``: prefix only, fewer prompts),
@@ -142,12 +144,15 @@ class Bench:
     # ---- one row
     def run(self, workload: str, deployment: str, policy: str, router_args: list[str], *,
             slo: float | None = None, admission: bool = False, rate: float | None = None,
-            rows: list[dict] | None = None, model: str | None = None, data: list[str] | None = None) -> dict:
+            rows: list[dict] | None = None, model: str | None = None, data: list[str] | None = None,
+            round_: int | None = None) -> dict:
         self.n += 1
         seed = self.a.seed + 1000 * self.n  # a fresh dataset per run: no run warms the next
         name = f"{self.n:02d}-{workload}-{deployment}-{policy}" + ("-slo" if admission else "")
         row = {"workload": workload, "deployment": deployment, "policy": policy, "admission": admission,
                "slo_s": slo, "rate": rate, "seed": seed, "name": name}
+        if round_ is not None:
+            row["round"] = round_
         n0 = len(self.dep.procs)
         log = self.runs / f"{name}.decisions.jsonl"
         log.unlink(missing_ok=True)
@@ -260,32 +265,45 @@ class Bench:
                 self.run(w, "plain", pol, ["--plain", *urls, "--policy", pol])
 
     def deployment_serve(self) -> None:
-        """S: the issue's comparison on the tiny model (module docstring)."""
+        """S: the issue's comparison on the tiny model (module docstring), in rounds."""
         if self.a.workloads and "serve" not in self.a.workloads:
             return
-        print("[router] S: tiny model, one plain engine (core 1), then a TieredConnector 1P1D pair", flush=True)
+        print("[router] S: tiny model, one plain engine (core 1) and a TieredConnector 1P1D pair (core 0, core 1), "
+              f"{self.a.serve_rounds} rounds", flush=True)
         data = serve_args(self.sc.serve_prompts)
         extra = ["--max-model-len", "4096"]
-        n0 = len(self.dep.procs)
         [url] = self.start_engines([("serve-plain", 1, None)], self.tiny, extra)
         self.warm(url, "serve-plain")
+        spec, d, master = self.pd_pair(self.tiny, extra, "serve")
+        # All up together (an idle engine takes no CPU); the arms' order rotates by round, so a
+        # drift of the host over the run reaches every arm alike: each round's ratios are taken
+        # against that round's plain engine (docs/benchmarks/router.md: the reference moved
+        # 25-48 ms between runs one after the other).
+        arms = [("engine", "none", None), ("plain", "kv", ["--plain", url, "--policy", "kv"])] + [
+            ("pd", pol, ["--prefill", spec, "--decode", d, "--store", master, "--policy", pol])
+            for pol in self.policies("pd")]
+        for r in range(self.a.serve_rounds):
+            k = r % len(arms)
+            for dep, pol, args in arms[k:] + arms[:k]:
+                if args is None:
+                    self.serve_engine(url, data, r)
+                else:
+                    # Each run its own seed, so its own four prefixes, cold at its start.
+                    self.run("serve", dep, pol, args, rows=self.serve_rows, model=self.tiny, data=data, round_=r)
+
+    def serve_engine(self, url: str, data: list[str], r: int) -> None:
+        """One run of vLLM's client straight to the plain engine: the round's reference."""
         self.n += 1
         name = f"{self.n:02d}-serve-engine"
-        row = {"workload": "serve", "deployment": "engine", "policy": "none", "name": name, "seed": self.a.seed}
+        seed = self.a.seed + 1000 * self.n
+        row = {"workload": "serve", "deployment": "engine", "policy": "none", "name": name, "seed": seed, "round": r}
         try:
-            row.update(summarize(bench_serve(url, name, self.runs, self.tiny, self.a.seed, data), None))
-        except Exception as e:  # noqa: BLE001
+            row.update(summarize(bench_serve(url, name, self.runs, self.tiny, seed, data), None))
+            print(f"[router] {name}: TTFT mean {row['mean_ttft_ms']:.0f} ms p90 {row['p90_ttft_ms']:.0f} ms", flush=True)
+        except Exception as e:  # noqa: BLE001 - one broken run must not lose the others
             row["error"] = f"{type(e).__name__}: {e}"[:3000]
+            print(f"[router] {name} FAILED: {row['error']}", flush=True)
         self.serve_rows.append(row)
-        # The router's own share: the same engine behind mctier proxy (one instance, kv).
-        self.run("serve", "plain", "kv", ["--plain", url, "--policy", "kv"], rows=self.serve_rows, model=self.tiny,
-                 data=data)
-        self.dep.stop(self.dep.procs[n0:])
-        spec, d, master = self.pd_pair(self.tiny, extra, "serve")
-        for pol in self.policies("pd"):
-            # Each run its own seed, so its own four prefixes, cold at its start as the plain engine's were.
-            self.run("serve", "pd", pol, ["--prefill", spec, "--decode", d, "--store", master, "--policy", pol],
-                     rows=self.serve_rows, model=self.tiny, data=data)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,9 +321,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="admission target in seconds (default: bench.router_workloads.admission_target)")
     ap.add_argument("--deployments", type=lambda v: v.split(","),
                     help="some of pd,plain,serve (default all): re-measure only the deployments a change touches")
+    ap.add_argument("--serve-rounds", type=int, default=None,
+                    help="rounds of the comparison against one plain engine, each arm once a round in rotated "
+                         "order (default 3, --quick 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "router"))
     a = ap.parse_args(argv)
+    a.serve_rounds = (1 if a.quick else 3) if a.serve_rounds is None else a.serve_rounds
+    if a.serve_rounds < 1:
+        ap.error("--serve-rounds: at least 1")
     known = set(POLICIES["pd"])
     if a.policies and not set(a.policies) <= known:
         ap.error(f"--policies: unknown {sorted(set(a.policies) - known)}; known: {sorted(known)}")
@@ -321,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     cap = sc.cache_blocks * BLOCK
     working = sc.num_prefixes * (sc.prefix_len + SUFFIX)
     result = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(model), "model": a.model,
-              "serve_model": a.serve_model, "quick": a.quick, "scale": asdict(sc), "concurrency": CONCURRENCY,
+              "serve_model": a.serve_model, "serve_rounds": a.serve_rounds, "quick": a.quick, "scale": asdict(sc),
+              "concurrency": CONCURRENCY,
               "output_tokens": OUTPUT, "fixed": list(FIXED),
               "cache": {"blocks_per_engine": sc.cache_blocks, "max_model_len": sc.max_model_len,
                         "tokens_per_engine": cap, "kv_bytes_per_token": per_token,

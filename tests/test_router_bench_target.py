@@ -33,3 +33,23 @@ def test_the_target_is_never_below_what_a_prompt_nothing_held_takes_idle(tmp_pat
     # A p90 above the cold prompts' margin is the target; nothing measured: 0.5 s at least.
     assert admission_target(1.72, 0.48) == pytest.approx(1.72)
     assert admission_target(0.3, None) == 0.5
+
+
+def test_the_serve_verdict_takes_each_round_against_its_own_plain_engine():
+    """Three rounds in which the reference moved 25 to 48 ms: the kv router over 1P1D is
+    judged on the median of its per-round ratios (1.2, 1.0, 1.05), not on one run's."""
+    from bench.router_report import serve_ratios, verdicts
+
+    def row(dep, pol, r, ms):
+        return {"workload": "serve", "deployment": dep, "policy": pol, "round": r, "mean_ttft_ms": ms}
+    serve = [row("engine", "none", 0, 25.0), row("pd", "kv", 0, 30.0), row("plain", "kv", 0, 25.0),
+             row("pd", "kv", 1, 48.0), row("engine", "none", 1, 48.0), row("plain", "kv", 1, 36.0),
+             row("plain", "kv", 2, 40.0), row("pd", "kv", 2, 42.0), row("engine", "none", 2, 40.0)]
+    assert serve_ratios(serve, "pd", "kv") == pytest.approx([1.2, 1.0, 1.05])
+    assert serve_ratios(serve, "plain", "kv") == pytest.approx([1.0, 0.75, 1.0])
+    line = next(x for x in verdicts({"rows": [], "serve_rows": serve}) if x.startswith("vllm bench serve"))
+    assert "reached (median of 3 rounds x1.05; rounds 1.20, 1.00, 1.05; the router alone" in line
+    assert "median x1.00)" in line
+    serve[1]["mean_ttft_ms"], serve[3]["mean_ttft_ms"] = 40.0, 60.0  # 1.6, 1.25, 1.05: median 1.25
+    line = next(x for x in verdicts({"rows": [], "serve_rows": serve}) if x.startswith("vllm bench serve"))
+    assert "NOT reached (median of 3 rounds x1.25" in line
