@@ -204,8 +204,9 @@ def verdicts(r: dict) -> list[str]:
                     misses.append(f"{w} {DEPLOYMENTS[dep]}: mean x{m:.2f} of {best['policy']}, p90 x{p:.2f} "
                                   f"of {best90['policy']}")
     lines.append("kv mean and p90 TTFT within 5% of the best fixed policy: "
-                 + ("not measured" if not checked else f"{'reached' if not misses else 'NOT reached'} in "
-                    f"{checked - len(misses)} of {checked} workload-deployments" + (f" ({'; '.join(misses)})"
+                 + ("not measured" if not checked else f"{'reached' if not misses else 'NOT reached'}: within in "
+                    f"{checked - len(misses)} of {checked} workload-deployments" + (f"; missed in {len(misses)} "
+                                                                                     f"({'; '.join(misses)})"
                                                                                      if misses else "")))
     serve = r.get("serve_rows") or []
     ratios = serve_ratios(serve, "pd", "kv")

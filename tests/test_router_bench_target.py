@@ -53,3 +53,18 @@ def test_the_serve_verdict_takes_each_round_against_its_own_plain_engine():
     serve[1]["mean_ttft_ms"], serve[3]["mean_ttft_ms"] = 40.0, 60.0  # 1.6, 1.25, 1.05: median 1.25
     line = next(x for x in verdicts({"rows": [], "serve_rows": serve}) if x.startswith("vllm bench serve"))
     assert "NOT reached (median of 3 rounds x1.25" in line
+
+
+def test_the_best_fixed_verdict_counts_within_and_missed_apart():
+    """"within in 1 of 2; missed in 1": the count before "of" is the workloads within 5%."""
+    from bench.router_report import verdicts
+
+    def row(w, pol, mean, p90):
+        return {"workload": w, "deployment": "plain", "policy": pol, "admission": False,
+                "mean_ttft_ms": mean, "p90_ttft_ms": p90}
+    rows = [row("prefix", "kv", 100, 200), row("prefix", "round-robin", 200, 300),
+            row("short", "kv", 120, 150), row("short", "round-robin", 100, 140)]
+    line = next(x for x in verdicts({"rows": rows}) if x.startswith("kv mean and p90"))
+    assert line == ("kv mean and p90 TTFT within 5% of the best fixed policy: NOT reached: within in 1 of 2 "
+                    "workload-deployments; missed in 1 (short plain (B): mean x1.20 of round-robin, p90 x1.07 of "
+                    "round-robin)"), line
