@@ -453,3 +453,60 @@ def test_engine_metrics_read_takes_only_the_load_and_cache_lines():
     assert _parse_metrics(text) == {"vllm:num_requests_running": 5.0, "vllm:num_requests_waiting": 1.0,
                                     "vllm:kv_cache_usage_perc": 0.25, "blocks": 4096}
     assert _parse_metrics("vllm:prompt_tokens_total 1.0\n") == {}
+
+
+def test_health_read_takes_a_metrics_body_that_arrives_in_many_chunks():
+    """A real aiohttp server on loopback streams a ~200 KB /metrics in small chunks with the
+    cache size last: the health read gets all of it (one ``read(n)`` returns only what has
+    arrived); a body over MAX_METRICS_BYTES is not parsed, the old values stay."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from multi.router import instances as mod
+
+    filler = "".join(f'vllm:other_metric{{i="{i}"}} {i}.0\n' for i in range(6000))
+    tail = ('vllm:num_requests_running{engine="0"} 2.0\n'
+            'vllm:cache_config_info{block_size="32",num_gpu_blocks="777"} 1.0\n')
+
+    async def metrics(request):
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        body = (filler + tail).encode()
+        for i in range(0, len(body), 4096):
+            await resp.write(body[i:i + 4096])
+            await asyncio.sleep(0.001)
+        await resp.write_eof()
+        return resp
+
+    async def health(request):
+        return web.Response(text="ok")
+
+    async def run(limit: int) -> tuple[bool, int | None, float]:
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            inst = make("plain", f"http://127.0.0.1:{port}")
+            mod.MAX_METRICS_BYTES = limit
+            async with aiohttp.ClientSession() as session:
+                ok = await mod.check_health(session, inst, 10.0)
+            return ok, inst.cache_blocks, inst.running
+        finally:
+            await runner.cleanup()
+
+    size = len((filler + tail).encode())
+    assert size > 150_000
+    limit0 = mod.MAX_METRICS_BYTES
+    try:
+        assert asyncio.run(run(limit0)) == (True, 777, 2.0)
+        ok, blocks, running = asyncio.run(run(size - 1))
+        assert ok and blocks != 777 and running != 2.0
+    finally:
+        mod.MAX_METRICS_BYTES = limit0

@@ -236,6 +236,18 @@ CACHE_INFO = "vllm:cache_config_info"
 MAX_METRICS_BYTES = 4 << 20  # a peer's answer: a longer one is not read (the old values stay)
 
 
+async def read_at_most(stream: aiohttp.StreamReader, limit: int) -> bytes:
+    """The body up to its end or ``limit`` bytes, whichever comes first (``read(n)`` alone
+    returns what has arrived so far, which may be one chunk of it)."""
+    out = bytearray()
+    while len(out) < limit:
+        chunk = await stream.read(limit - len(out))
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
+
+
 def _parse_metrics(text: str) -> dict[str, float | int]:
     """Load and cache size from an instance's Prometheus text: the lines of other families
     are dropped before parsing."""
@@ -260,7 +272,7 @@ async def check_health(session: aiohttp.ClientSession, inst: Instance, timeout: 
         if ok:
             async with session.get(inst.url + "/metrics", timeout=t) as r:
                 if r.status == 200:
-                    raw = await r.content.read(MAX_METRICS_BYTES + 1)
+                    raw = await read_at_most(r.content, MAX_METRICS_BYTES + 1)
                     m = _parse_metrics(raw.decode("utf-8", "replace")) if len(raw) <= MAX_METRICS_BYTES else {}
                     inst.running = m.get("vllm:num_requests_running", inst.running)
                     inst.waiting = m.get("vllm:num_requests_waiting", inst.waiting)
