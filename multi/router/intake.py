@@ -9,6 +9,8 @@
   engine would answer, but before the router hashes them).
 - :func:`block_hashes`: the prompt's block hashes (:func:`multi.router.index.chain`), in a
   thread for more than :data:`HASH_INLINE_TOKENS` tokens.
+- :func:`peer_json`: a peer's JSON answer, at most :data:`MAX_PEER_JSON_BYTES` (a longer one
+  is not read and counts as no answer);
 - :func:`model_cards`: an instance's ``/v1/models`` cards, checked (a peer's answer);
 - :func:`max_model_len`: the served model's, from the first instance whose ``/v1/models``
   answers (vLLM's model card carries it).
@@ -23,10 +25,13 @@ import aiohttp
 from aiohttp import web
 
 from multi.router.index import chain
+from multi.router.instances import read_at_most
 from p2p.proxy import ProxyError
 
 PARSE_INLINE = 64 << 10
 HASH_INLINE_TOKENS = 8192
+# A peer's /v1/models or /tokenize answer: a 1M-token prompt's ids are ~10 MB of JSON.
+MAX_PEER_JSON_BYTES = 16 << 20
 
 
 def is_json(content_type: str) -> bool:
@@ -73,12 +78,26 @@ async def block_hashes(tokens: list[int], block_size: int, salt) -> list[int]:
         raise ProxyError(400, "prompt token ids must be integers that fit in 64 bits") from None
 
 
+async def peer_json(r: aiohttp.ClientResponse, limit: int | None = None):
+    """The JSON value of a peer's answer ``r``; ``ValueError`` when it is longer than
+    ``limit`` bytes (default :data:`MAX_PEER_JSON_BYTES`) or not JSON. A long answer is parsed
+    in a thread, as a client's body is."""
+    limit = MAX_PEER_JSON_BYTES if limit is None else limit
+    raw = await read_at_most(r.content, limit + 1)
+    if len(raw) > limit:
+        raise ValueError(f"answer longer than {limit} bytes")
+    try:
+        return json.loads(raw) if len(raw) <= PARSE_INLINE else await asyncio.to_thread(json.loads, raw)
+    except RecursionError:
+        raise ValueError("answer nested too deeply") from None
+
+
 async def model_cards(session: aiohttp.ClientSession, url: str, timeout: float) -> list[dict]:
     """The model cards of the instance's ``/v1/models`` (vLLM's: ``id``, ``root``, ``parent``,
     ``max_model_len``); ``[]`` when it does not answer with a list of them within ``timeout``."""
     try:
         async with session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-            body = await r.json() if r.status == 200 else None
+            body = await peer_json(r) if r.status == 200 else None
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return []
     data = body.get("data") if isinstance(body, dict) else None

@@ -7,7 +7,8 @@
 - the tokenizer is loaded once from ``tokenizer`` (``--tokenizer``), else from the
   ``root`` the first instance reports in ``/v1/models`` when that path exists here.
   Without a local tokenizer the instance's own ``/tokenize`` endpoint is asked (one
-  extra round trip, deadline ``timeout``).
+  extra round trip, deadline ``timeout``; its answer is a peer's: at most
+  :data:`multi.router.intake.MAX_PEER_JSON_BYTES`, ids checked by :func:`token_ids`).
 
 Anything else (a batch of prompts, a tokenizer error, an instance that does not
 answer ``/tokenize``) gives no token ids: the router then routes by load alone, never
@@ -32,7 +33,7 @@ import os
 
 import aiohttp
 
-from multi.router.intake import model_cards
+from multi.router.intake import model_cards, peer_json
 
 logger = logging.getLogger("mctier.router")
 
@@ -137,7 +138,7 @@ class Prompts:
                 for special in (True, False):
                     req = {"prompt": text, "add_special_tokens": special, "model": next(iter(names))}
                     async with session.post(inst.url + "/tokenize", json=req, timeout=timeout) as r:
-                        answer = await r.json() if r.status == 200 else None
+                        answer = await peer_json(r) if r.status == 200 else None
                     theirs = answer.get("tokens") if isinstance(answer, dict) else None  # a peer's answer
                     if theirs != await asyncio.to_thread(renderer.text, text, special):
                         return frozenset()
@@ -196,8 +197,16 @@ class Prompts:
         try:
             async with session.post(up[0].url + "/tokenize", json=req,
                                     timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
-                if r.status == 200:
-                    return list((await r.json()).get("tokens") or [])
+                answer = await peer_json(r) if r.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-            pass
+            return []
+        return token_ids(answer.get("tokens") if isinstance(answer, dict) else None)
+
+
+def token_ids(value) -> list[int]:
+    """``value`` when it is a list of token ids (integers in [0, 2**63)), else ``[]`` (a peer's
+    ``/tokenize`` answer; a prompt without ids is routed by load)."""
+    if not isinstance(value, list):
         return []
+    ok = all(type(t) is int and 0 <= t < 1 << 63 for t in value)
+    return value if ok else []
