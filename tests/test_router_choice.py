@@ -51,6 +51,26 @@ def test_a_new_prefix_goes_to_the_less_busy_of_instances_near_the_best():
     assert c2.choose(pool2, n, lambda i: 0, 0, None, now=now).target is f0
 
 
+def test_near_the_best_a_new_prefix_goes_beside_requests_decoding_rather_than_one_prefilling():
+    # e0 has one request in flight still without its first token, though predicted to have it
+    # by now (so its score does not count it as pending): this prompt would share its steps. e1
+    # has two in flight, both decoding. The scores are within the tie band: fewer in flight
+    # would pick e0 (least-outstanding's choice), fewer without a first token picks e1.
+    c, pool = plain_pair(1.0)
+    e0, e1 = pool.role("plain")
+    now = time.monotonic()
+    e0.outstanding, e0.inflight["a"] = 1, (0.001, now - 1.0)
+    assert not e0.pending(now)
+    e1.outstanding, e1.decoding = 2, {"b", "c"}
+    n = 400
+    est = {i.url: c.plain_score(Prompt(n), Candidate(i), now) for i in (e0, e1)}
+    assert max(est.values()) <= 1.25 * min(est.values()), est
+    assert c.choose(pool, n, lambda i: 0, 0, None, now=now).target is e1
+    # Both without requests prefilling: the one with fewer in flight.
+    e0.inflight.clear()
+    assert c.choose(pool, n, lambda i: 0, 0, None, now=now).target is e0
+
+
 def test_an_instance_holding_the_prefix_keeps_it_while_its_estimate_is_near_the_best():
     # e1 holds 30 of the prompt's 31 blocks but has work queued: its estimate is 1.15x that of
     # computing the whole prompt on idle e0. Near the best: it stays with e1 (a conversation's

@@ -60,7 +60,10 @@ of the cheapest counts as equally fast: ``near = exp(spread)``, the estimates' t
 error measured by the honesty window (:meth:`multi.router.honesty.Honesty.spread`,
 clamped to [1, ``NEAR``]), ``NEAR`` (1.25x, their accuracy target) until it has measured
 one. Among them the one holding the longest prefix ``L_e`` wins, then the one with fewer
-requests in flight, then in turn (an idle pool takes turns).
+requests still without their first token (``inflight``: beside one still prefilling a prompt
+shares its steps, beside one decoding it waits a token's step; fewer in flight alone put each
+arrival beside the request that had just started, docs/benchmarks/router.md), then fewer in
+flight, then in turn (an idle pool takes turns).
 
 Fixed policies (they still estimate, so predicted-against-actual metrics exist for them):
 ``round-robin`` and ``least-outstanding`` as the earlier proxy (a P/D pair always handing
@@ -345,10 +348,12 @@ class Chooser(Ledger):
     def _near_best(order: list[Instance], est: dict[str, float], match, near: float = NEAR) -> Instance:
         """The kv policy's plain instance: among those whose score is within ``near`` of the
         best, the one holding the longest prefix of the prompt, then the one with fewer
-        requests in flight, then the first in ``order`` (the turn)."""
+        requests still without their first token (``inflight``), then fewer requests in
+        flight, then the first in ``order`` (the turn). A prompt that lands beside one still
+        prefilling shares its steps; beside one decoding it waits for a token's step only."""
         best = min(est.values())
         tied = [i for i in order if est[i.url] <= best * near]
-        return min(tied, key=lambda i: (-match(i), i.outstanding))
+        return min(tied, key=lambda i: (-match(i), len(i.inflight), i.outstanding))
 
     def _choose_plain(self, pool: Pool, prompt: Prompt, match, now: float, policy: str) -> Route | None:
         store = prompt.store
