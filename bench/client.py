@@ -89,15 +89,17 @@ def complete(url: str, prompt: list[int], max_tokens: int = 1, kv: dict | None =
     return r.json()
 
 
-def reset_prefix_cache(url: str, deadline_s: float = 30.0) -> None:
+def reset_prefix_cache(url: str, deadline_s: float = 30.0, external: bool = False) -> None:
     """Empty an engine's local prefix cache (vLLM's dev-mode ``POST /reset_prefix_cache``; the
-    engine runs with ``VLLM_SERVER_DEV_MODE=1``). vLLM refuses while blocks are still held (a
-    finishing request, a store save still reading them), so this retries until ``deadline_s``,
-    then raises ``TimeoutError``. The benchmarks' and the tests' engines (``tests/harness.py``)
-    both reset through here."""
+    engine runs with ``VLLM_SERVER_DEV_MODE=1``), with ``external`` its connector's too
+    (``?reset_external=true``: vLLM's ``reset_cache`` hook). vLLM refuses while blocks are still
+    held (a finishing request, a store save still reading them) or when the connector's reset
+    fails, so this retries until ``deadline_s``, then raises ``TimeoutError``. The benchmarks'
+    and the tests' engines (``tests/harness.py``) both reset through here."""
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        r = requests.post(url + "/reset_prefix_cache", timeout=10)
+        r = requests.post(url + "/reset_prefix_cache", params={"reset_external": "true"} if external else None,
+                          timeout=10)
         r.raise_for_status()
         if r.json().get("success"):
             return

@@ -3,6 +3,7 @@
 of ours, side by side in one run (not a test).
 
     .venv/bin/python -m bench.no_reuse [--quick] [--rounds 3] [--prompts 64] [--out DIR]
+    .venv/bin/python -m bench.no_reuse --keep-up --rounds 10 --arms plain,plain2,store,p2p,tiered
     MCTIER_SIMULATE_CPU=avx2 .venv/bin/python -m bench.no_reuse      (the slow CPU class)
 
 Arms (``--arms``), each one engine pinned to core 1 (``tiny`` model, block size 32), started
@@ -33,6 +34,15 @@ on the test model's 2,048-token vocabulary two of 64 prompts often start alike, 
 table's store hits say how many its own lookups found). Writes ``no_reuse.json``
 and ``no_reuse.md`` to ``--out`` (default ``bench/results/no_reuse/``). Everything started is
 stopped at the end, also on failure and Ctrl-C. Exit status 1 if a run failed.
+
+``--keep-up``: every arm's engine is started once, before the first round, and all stay up
+together (each on core 1; an idle engine waits on its queue), so a round costs its runs only
+and ten rounds cost what three do without it. Before each run the arm's engine is reset with
+vLLM's dev-mode ``POST /reset_prefix_cache?reset_external=true`` (its prefix cache; a store
+arm's connector, with ``reset_removes_objects``, also removes every object of its key space
+from the store), so a run finds neither an earlier round's prompts nor their chunks; each arm
+has one namespace for all its rounds. An engine's own layout then stays the same across rounds:
+``plain2`` measures how far two engines differ.
 """
 
 from __future__ import annotations
@@ -50,7 +60,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.client import complete, ids  # noqa: E402
+from bench.client import complete, ids, reset_prefix_cache  # noqa: E402
 from bench.common import commit, engine_cpus, machine, model_dir, output_dir, rotated, term_as_interrupt  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
@@ -81,10 +91,13 @@ def add_variant(spec: str) -> str:
     return name
 
 
-def kv_config(arm: str, master: str, namespace: str = "mct") -> dict | None:
-    """``namespace``: the store's key prefix of this run (see run_arm)."""
+def kv_config(arm: str, master: str, namespace: str = "mct", reset_removes: bool = False) -> dict | None:
+    """``namespace``: the store's key prefix of this run (see run_arm); ``reset_removes``: a
+    reset of the engine's cache removes its key space's objects from the store (``--keep-up``)."""
     arm, extra, role = VARIANTS.get(arm, (arm.removesuffix(BEFORE), {}, None))
     store = {"master": master, "chunk_tokens": 256, "key_prefix": namespace, **extra}
+    if reset_removes:
+        store["reset_removes_objects"] = True
     base = {"kv_load_failure_policy": "recompute"}
     if arm in ("plain", "plain2"):  # plain2: a second plain engine, the run's noise floor (A/A)
         return None
@@ -149,17 +162,30 @@ def cpu_seconds(root_pid: int) -> dict[str, float]:
     return out
 
 
-def run_arm(dep: Deployment, arm: str, master: str, model: str, runs: Path, rnd: int, a) -> dict:
-    name = f"{arm}-r{rnd}"
-    # A store namespace of its own per run: vLLM's random prompts are runs of consecutive token ids
-    # (vllm.benchmarks.datasets.RandomDataset), on a 2,048-token vocabulary a prompt often starts
-    # where an earlier one did; in a shared namespace a run hit what earlier runs stored.
-    url, proc = dep.engine(name, model, ENGINE_CORE, kv_config(arm, master, f"nr{rnd}{arm.replace('-', '')}"),
+def start_arm(dep: Deployment, arm: str, master: str, model: str, name: str, namespace: str, a):
+    """``arm``'s engine, up and warmed by one untimed request: its (url, proc)."""
+    url, proc = dep.engine(name, model, ENGINE_CORE, kv_config(arm, master, namespace, reset_removes=a.keep_up),
                            cwd=a.before if arm.endswith(BEFORE) else None,
+                           env={"VLLM_SERVER_DEV_MODE": "1"} if a.keep_up else None,
                            **engine_cpus(a.reserve_core))
+    dep.wait_http(url, proc)
+    complete(url, ids(a.input_len, random.Random(f"warm-{name}")), max_tokens=4)  # untimed
+    return url, proc
+
+
+def run_arm(dep: Deployment, arm: str, master: str, model: str, runs: Path, rnd: int, a, kept=None) -> dict:
+    """One run of ``arm`` in round ``rnd``: on a fresh engine, or on ``kept`` (url, proc), the
+    engine ``--keep-up`` started, reset first."""
+    name = f"{arm}-r{rnd}"
+    if kept is None:
+        # A store namespace of its own per run: vLLM's random prompts are runs of consecutive token ids
+        # (vllm.benchmarks.datasets.RandomDataset), on a 2,048-token vocabulary a prompt often starts
+        # where an earlier one did; in a shared namespace a run hit what earlier runs stored.
+        url, proc = start_arm(dep, arm, master, model, name, f"nr{rnd}{arm.replace('-', '')}", a)
+    else:
+        url, proc = kept
+        reset_prefix_cache(url, external=True)  # neither the prefix cache nor the store holds a prompt
     try:
-        dep.wait_http(url, proc)
-        complete(url, ids(a.input_len, random.Random(f"warm-{name}")), max_tokens=4)  # untimed
         time.sleep(1.2)  # bench.common.QUIET_S: the warm-up's spin of vLLM's queues has ended
         # A seed of its own per arm and round (with a shared seed, the tiered arm of a round hit
         # what the store arm had saved and loaded instead of computing).
@@ -170,10 +196,16 @@ def run_arm(dep: Deployment, arm: str, master: str, model: str, runs: Path, rnd:
         row["cpu_ms_per_request"] = {k: (cpu1[k] - cpu0.get(k, 0.0)) * 1e3 / a.prompts for k in cpu1}
         counters = {f"{k[0].removeprefix('vllm:mctier_')}{':' + k[1] if k[1] else ''}": v
                     for k, v in metrics(url).items() if k[0].endswith("_total") and v}
-        row["mctier_counters"] = counters
+        if kept is not None:  # the engine's counters since it started: this run's are the difference
+            before = a.counters.setdefault(arm, {})
+            row["mctier_counters"] = {k: v - before.get(k, 0) for k, v in counters.items() if v - before.get(k, 0)}
+            a.counters[arm] = counters
+        else:
+            row["mctier_counters"] = counters
         return row
     finally:
-        dep.stop([proc])
+        if kept is None:
+            dep.stop([proc])
 
 
 def summarize(results: dict[str, list[dict]]) -> dict:
@@ -245,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="every arm's engine started on both cores with its forward (OpenMP) on core 1, as vLLM "
                          "lays out an engine with reserved cores: its other processes and a tier's I/O threads "
                          "where its io_cpus is auto share core 0 with the client")
+    ap.add_argument("--keep-up", action="store_true",
+                    help="start every arm's engine once and keep all up together, each reset (its prefix cache "
+                         "and its store objects) before every run: rounds cost their runs only")
     ap.add_argument("--before", metavar="DIR",
                     help="also run each connector arm from DIR (an export of an earlier commit: `git archive`), "
                          "as ARM-before, side by side with this tree's")
@@ -260,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         a.before = str(Path(a.before).resolve())
         arms += [x + BEFORE for x in arms if x in ARMS and x != "plain"]
     a.arm_list = arms
+    a.counters = {}  # --keep-up: each arm's engine counters at the end of its last run
     for arm in arms:
         kv_config(arm, "-")  # an unknown arm fails before anything starts
     term_as_interrupt()
@@ -270,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     info = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "before": a.before, "machine": machine(model),
             "rounds": a.rounds,
             "prompts": a.prompts, "arms": arms, "input_len": a.input_len, "output_len": a.output_len,
-            "concurrency": a.concurrency, "quick": a.quick, "reserve_core": a.reserve_core}
+            "concurrency": a.concurrency, "quick": a.quick, "reserve_core": a.reserve_core, "keep_up": a.keep_up}
     dep = Deployment(out / "logs")
     results: dict[str, list] = {arm: [] for arm in arms}
     errors: dict[str, str] = {}
@@ -279,10 +315,12 @@ def main(argv: list[str] | None = None) -> int:
         if any(VARIANTS.get(arm, (arm.removesuffix(BEFORE),))[0] in ("store", "tiered") for arm in arms):
             dep.cluster = StoreCluster(out / "logs" / "store", segment_size=1 << 30).start()
             master = dep.cluster.master_addr
+        kept = {arm: start_arm(dep, arm, master, model, arm, f"nr{arm.replace('-', '')}", a)
+                for arm in (arms if a.keep_up else [])}
         for rnd in range(a.rounds):
             for arm in rotated(arms, rnd):
                 try:
-                    row = run_arm(dep, arm, master, model, runs, rnd, a)
+                    row = run_arm(dep, arm, master, model, runs, rnd, a, kept.get(arm))
                 except Exception as e:  # noqa: BLE001 - the others' figures still stand
                     errors[f"{arm}-r{rnd}"] = f"{type(e).__name__}: {e}"[:3000]
                     print(f"[no_reuse] {arm} round {rnd} FAILED: {errors[f'{arm}-r{rnd}']}", file=sys.stderr, flush=True)

@@ -187,6 +187,34 @@ def test_no_reuse_quick_measures_every_connector_beside_plain(tmp_path):
 
 
 @pytest.mark.bench_harness
+def test_no_reuse_kept_up_runs_two_rounds_on_one_engine_per_arm_reset_between(tmp_path):
+    """``python -m bench.no_reuse --quick --keep-up --rounds 2 --arms plain,store``: each arm's
+    engine started once and kept for both rounds (one engine process per arm), every run
+    complete, the store arm's lookups counted per run (the counters' difference, not their
+    total), and its reset before round 1 removed round 0's saved chunks from the store (the
+    engine's log). No assertion on speed."""
+    import re
+
+    proc = subprocess.run([sys.executable, "-m", "bench.no_reuse", "--quick", "--keep-up", "--rounds", "2",
+                           "--arms", "plain,store", "--out", str(tmp_path)],
+                          cwd=str(ROOT), capture_output=True, text=True, timeout=1200)
+    (tmp_path / "stdout.txt").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((tmp_path / "no_reuse.json").read_text())
+    assert r["keep_up"] and r["rounds"] == 2 and not r["errors"]
+    for arm in ("plain", "store"):
+        assert [row["completed"] for row in r["results"][arm]] == [16, 16]
+    for row in r["results"]["store"]:  # this run's lookups: 16 prompts, each looked up once or more
+        assert 16 <= sum(v for k, v in row["mctier_counters"].items() if k.startswith("store_lookups_total")) < 48
+    assert len(r["pids"]) == 2 + 2  # the master and store server, one engine per arm
+    assert sorted(p.name for p in (tmp_path / "logs").glob("*.log")) == ["plain.log", "store.log"]
+    # Reset before each run: before round 0 the warm-up's chunk, before round 1 round 0's chunks.
+    removed = [int(n) for n in re.findall(r"reset removed (\d+) object", (tmp_path / "logs" / "store.log").read_text())]
+    assert len(removed) == 2 and removed[1] >= 16 > removed[0], removed
+    assert [p for p in r["pids"] if not _gone(p)] == []
+
+
+@pytest.mark.bench_harness
 def test_lookup_stall_quick_measures_every_mode_with_the_same_hits(tmp_path):
     """``python -m bench.lookup_stall --quick`` (32 arrivals, two repetitions, no engine): every
     lookup mode with the master idle and busy, each answering every request with the same hit
