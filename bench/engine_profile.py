@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="as bench.no_reuse's: NAME runs ARM (store, tiered) with JSON added to its store config")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine_profile"))
     a = ap.parse_args(argv)
+    bindir = Path(sys.executable).parent
+    if a.spy and not (bindir / "py-spy").exists():
+        ap.error(f"--spy runs {bindir / 'py-spy'}, not installed: {bindir / 'pip'} install py-spy")
     for v in a.variant:
         nr.add_variant(v)
     out = output_dir(a.out)
