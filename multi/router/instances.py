@@ -236,16 +236,17 @@ CACHE_INFO = "vllm:cache_config_info"
 MAX_METRICS_BYTES = 4 << 20  # a peer's answer: a longer one is not read (the old values stay)
 
 
-async def read_at_most(stream: aiohttp.StreamReader, limit: int) -> bytes:
-    """The body up to its end or ``limit`` bytes, whichever comes first (``read(n)`` alone
-    returns what has arrived so far, which may be one chunk of it)."""
+async def read_at_most(stream: aiohttp.StreamReader, limit: int) -> bytes | None:
+    """The whole body, or None when it is longer than ``limit`` bytes (read no further than
+    one byte past it; ``read(n)`` alone returns what has arrived so far, which may be one
+    chunk of it)."""
     out = bytearray()
-    while len(out) < limit:
-        chunk = await stream.read(limit - len(out))
+    while len(out) <= limit:
+        chunk = await stream.read(limit + 1 - len(out))
         if not chunk:
-            break
+            return bytes(out)
         out += chunk
-    return bytes(out)
+    return None
 
 
 def _parse_metrics(text: str) -> dict[str, float | int]:
@@ -272,8 +273,8 @@ async def check_health(session: aiohttp.ClientSession, inst: Instance, timeout: 
         if ok:
             async with session.get(inst.url + "/metrics", timeout=t) as r:
                 if r.status == 200:
-                    raw = await read_at_most(r.content, MAX_METRICS_BYTES + 1)
-                    m = _parse_metrics(raw.decode("utf-8", "replace")) if len(raw) <= MAX_METRICS_BYTES else {}
+                    raw = await read_at_most(r.content, MAX_METRICS_BYTES)
+                    m = _parse_metrics(raw.decode("utf-8", "replace")) if raw is not None else {}
                     inst.running = m.get("vllm:num_requests_running", inst.running)
                     inst.waiting = m.get("vllm:num_requests_waiting", inst.waiting)
                     inst.kv_usage = m.get("vllm:kv_cache_usage_perc", inst.kv_usage)

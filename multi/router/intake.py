@@ -83,8 +83,8 @@ async def peer_json(r: aiohttp.ClientResponse, limit: int | None = None):
     ``limit`` bytes (default :data:`MAX_PEER_JSON_BYTES`) or not JSON. A long answer is parsed
     in a thread, as a client's body is."""
     limit = MAX_PEER_JSON_BYTES if limit is None else limit
-    raw = await read_at_most(r.content, limit + 1)
-    if len(raw) > limit:
+    raw = await read_at_most(r.content, limit)
+    if raw is None:
         raise ValueError(f"answer longer than {limit} bytes")
     try:
         return json.loads(raw) if len(raw) <= PARSE_INLINE else await asyncio.to_thread(json.loads, raw)
