@@ -34,6 +34,12 @@ HASH_INLINE_TOKENS = 8192
 MAX_PEER_JSON_BYTES = 16 << 20
 
 
+async def loads(raw: bytes):
+    """``json.loads(raw)``, in a thread above :data:`PARSE_INLINE` bytes (off the event loop
+    that serves every other request)."""
+    return json.loads(raw) if len(raw) <= PARSE_INLINE else await asyncio.to_thread(json.loads, raw)
+
+
 def is_json(content_type: str) -> bool:
     return content_type == "application/json" or (content_type.startswith("application/")
                                                    and content_type.endswith("+json"))
@@ -49,7 +55,7 @@ async def read_json(request: web.Request) -> dict:
     except web.HTTPRequestEntityTooLarge as e:
         raise ProxyError(413, f"request body larger than the router's limit ({e.text})") from None
     try:
-        body = json.loads(raw) if len(raw) <= PARSE_INLINE else await asyncio.to_thread(json.loads, raw)
+        body = await loads(raw)
     except (ValueError, RecursionError) as e:
         raise ProxyError(400, f"invalid JSON body: {str(e)[:200]}") from None
     if not isinstance(body, dict):
@@ -80,14 +86,14 @@ async def block_hashes(tokens: list[int], block_size: int, salt) -> list[int]:
 
 async def peer_json(r: aiohttp.ClientResponse, limit: int | None = None):
     """The JSON value of a peer's answer ``r``; ``ValueError`` when it is longer than
-    ``limit`` bytes (default :data:`MAX_PEER_JSON_BYTES`) or not JSON. A long answer is parsed
-    in a thread, as a client's body is."""
+    ``limit`` bytes (default :data:`MAX_PEER_JSON_BYTES`) or not JSON (parsed by :func:`loads`,
+    as a client's body is)."""
     limit = MAX_PEER_JSON_BYTES if limit is None else limit
     raw = await read_at_most(r.content, limit)
     if raw is None:
         raise ValueError(f"answer longer than {limit} bytes")
     try:
-        return json.loads(raw) if len(raw) <= PARSE_INLINE else await asyncio.to_thread(json.loads, raw)
+        return await loads(raw)
     except RecursionError:
         raise ValueError("answer nested too deeply") from None
 
