@@ -30,6 +30,11 @@ on A unthrottled, kv router without and with ``--ttft-slo T`` (T: ``--ttft-slo``
 larger of the p90 TTFT of that unthrottled run and 1.25x its median TTFT of prompts nothing
 held, at least 0.5 s), ``--goodput``.
 
+``--rounds N`` runs every workload and policy of A and B N times, in rounds, each round
+starting one policy later; each policy's figures are then the median over rounds, and kv's
+ratio to a fixed policy the median of the per-round ratios (kv and that policy in the same
+round, minutes apart).
+
 Every router is its own ``mctier proxy`` process started fresh for its run, with the start-up
 probe (``--probe-timeout 60``, the fixed policies too, so their estimates mean the same) and
 a decision log, from which each row gets the median predicted / actual TTFT after the first
@@ -232,9 +237,7 @@ class Bench:
         print("[router] A: master + store server, prefill P (core 0), decode D (core 1)", flush=True)
         spec, d, master = self.pd_pair(self.model, self.extra, "pd")
         base = ["--prefill", spec, "--decode", d, "--store", master]
-        for w in self.workloads():
-            for pol in self.policies("pd"):
-                self.run(w, "pd", pol, base + ["--policy", pol])
+        self.rotated("pd", lambda pol: base + ["--policy", pol])
         if not self.a.workloads or "admission" in self.a.workloads:
             self.admission(base + ["--policy", "kv"])
 
@@ -260,9 +263,19 @@ class Bench:
         urls = self.start_engines([("plain-0", 0, None), ("plain-1", 1, None)])
         for i, u in enumerate(urls):
             self.warm(u, f"plain-{i}")
-        for w in self.workloads():
-            for pol in self.policies("plain"):
-                self.run(w, "plain", pol, ["--plain", *urls, "--policy", pol])
+        self.rotated("plain", lambda pol: ["--plain", *urls, "--policy", pol])
+
+    def rotated(self, deployment: str, args) -> None:
+        """Every workload with every policy, ``--rounds`` times: a round runs each workload's
+        policies one after the other, starting one policy later each round, so that a drift
+        of the host reaches every policy alike (docs/benchmarks/router.md: one run per policy
+        could not tell kv from round-robin where both placed alike)."""
+        pols = self.policies(deployment)
+        for r in range(self.a.rounds):
+            for w in self.workloads():
+                k = r % len(pols)
+                for pol in pols[k:] + pols[:k]:
+                    self.run(w, deployment, pol, args(pol), round_=r)
 
     def deployment_serve(self) -> None:
         """S: the issue's comparison on the tiny model (module docstring), in rounds."""
@@ -324,12 +337,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-rounds", type=int, default=None,
                     help="rounds of the comparison against one plain engine, each arm once a round in rotated "
                          "order (default 3, --quick 1)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="runs of every workload and policy on the P/D and plain deployments, in rounds, the "
+                         "policies' order rotated each round; the tables and verdicts take the median over "
+                         "rounds (default 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "router"))
     a = ap.parse_args(argv)
     a.serve_rounds = (1 if a.quick else 3) if a.serve_rounds is None else a.serve_rounds
-    if a.serve_rounds < 1:
-        ap.error("--serve-rounds: at least 1")
+    if a.serve_rounds < 1 or a.rounds < 1:
+        ap.error("--rounds and --serve-rounds: at least 1")
     known = set(POLICIES["pd"])
     if a.policies and not set(a.policies) <= known:
         ap.error(f"--policies: unknown {sorted(set(a.policies) - known)}; known: {sorted(known)}")
@@ -345,8 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     cap = sc.cache_blocks * BLOCK
     working = sc.num_prefixes * (sc.prefix_len + SUFFIX)
     result = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(model), "model": a.model,
-              "serve_model": a.serve_model, "serve_rounds": a.serve_rounds, "quick": a.quick, "scale": asdict(sc),
-              "concurrency": CONCURRENCY,
+              "serve_model": a.serve_model, "serve_rounds": a.serve_rounds, "rounds": a.rounds, "quick": a.quick,
+              "scale": asdict(sc), "concurrency": CONCURRENCY,
               "output_tokens": OUTPUT, "fixed": list(FIXED),
               "cache": {"blocks_per_engine": sc.cache_blocks, "max_model_len": sc.max_model_len,
                         "tokens_per_engine": cap, "kv_bytes_per_token": per_token,

@@ -63,6 +63,36 @@ def _find(r: dict, workload: str, deployment: str, policy: str, admission: bool 
     return None
 
 
+def _runs(r: dict, workload: str, deployment: str, policy: str) -> dict[int, dict]:
+    """The measured runs of a workload, deployment and policy by round (a row without a round
+    is round 0; admission runs left out)."""
+    return {x.get("round", 0): x for x in r.get("rows") or []
+            if (x["workload"], x["deployment"], x["policy"]) == (workload, deployment, policy)
+            and not x.get("admission") and x.get("mean_ttft_ms") is not None}
+
+
+def _summary(r: dict, workload: str, deployment: str, policy: str) -> dict | None:
+    """A policy's figures on a workload and deployment: its run's, or with ``--rounds`` the
+    median over its rounds of each (``rounds``: how many)."""
+    runs = list(_runs(r, workload, deployment, policy).values())
+    if len(runs) <= 1:
+        return runs[0] if runs else None
+    keys = ("mean_ttft_ms", "p90_ttft_ms", "request_throughput")
+    return {"workload": workload, "deployment": deployment, "policy": policy, "rounds": len(runs),
+            **{k: median(x[k] for x in runs) if all(x.get(k) for x in runs) else None for k in keys}}
+
+
+def _paired(r: dict, workload: str, deployment: str, a: str, b: str, key: str) -> list[float]:
+    """``a``'s ``key`` over ``b``'s, per round in which both ran (one run each: one ratio)."""
+    ra, rb = _runs(r, workload, deployment, a), _runs(r, workload, deployment, b)
+    return [ra[k][key] / rb[k][key] for k in sorted(ra.keys() & rb.keys()) if ra[k].get(key) and rb[k].get(key)]
+
+
+def _paired_median(r: dict, workload: str, deployment: str, a: str, b: dict | None, key: str) -> float | None:
+    q = _paired(r, workload, deployment, a, b["policy"], key) if b else []
+    return median(q) if q else None
+
+
 def _ratio(a: dict | None, b: dict | None, key: str) -> float | None:
     if not a or not b or not a.get(key) or not b.get(key):
         return None
@@ -99,7 +129,8 @@ def _note(x: dict) -> str:
 
 
 def _best_fixed(r: dict, workload: str, deployment: str, key: str = "mean_ttft_ms") -> dict | None:
-    fixed = [x for p in FIXED if (x := _find(r, workload, deployment, p))]
+    """The fixed policy with the lowest ``key`` (with rounds: its median over them)."""
+    fixed = [x for p in FIXED if (x := _summary(r, workload, deployment, p)) and x.get(key)]
     return min(fixed, key=lambda x: x[key]) if fixed else None
 
 
@@ -111,7 +142,7 @@ def _run_rows(r: dict, rows: list[dict]) -> list[list[str]]:
     body = []
     for x in rows:
         v, e = x.get("router_view") or {}, _est(x)
-        body.append([x["workload"], DEPLOYMENTS[x["deployment"]],
+        body.append([_f(x.get("round", 0), "{}"), x["workload"], DEPLOYMENTS[x["deployment"]],
                      x["policy"] + (f" --ttft-slo {x['slo_s']:.2f}" if x.get("admission") else ""),
                      f"{x['completed']}/{x['requests']}" if "completed" in x else "-", _f(x.get("rejected_429")),
                      _f(x.get("mean_ttft_ms")), _f(x.get("median_ttft_ms")), _f(x.get("p90_ttft_ms")),
@@ -126,13 +157,13 @@ def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     rows = r.get("rows") or []
     settle = (r.get("scale") or {}).get("settle", 50)
     out = []
-    head = ["workload", "deployment", "policy", "ok/requests", "429", "mean TTFT ms", "p50 TTFT ms", "p90 TTFT ms",
+    head = ["round", "workload", "deployment", "policy", "ok/requests", "429", "mean TTFT ms", "p50 TTFT ms", "p90 TTFT ms",
             "req/s", "router: routes", f"predicted/actual TTFT, median after {settle} (n)", "same, all",
             "kv fallback share", "note"]
     out.append((f"1. Every run (vllm bench serve, {r['output_tokens']} output tokens; closed loop at "
                 f"--max-concurrency {r['concurrency']} except trace and admission)", head, _run_rows(r, rows)))
     pols = ("kv",) + FIXED
-    head = ["workload", "deployment", "best fixed policy (mean TTFT)", "kv / best fixed: mean TTFT",
+    head = ["workload", "deployment", "rounds", "best fixed policy (mean TTFT)", "kv / best fixed: mean TTFT",
             "kv / best fixed: p90 TTFT"] + [f"{SHORT[p]} / best fixed mean" for p in pols]
     body = []
     for w in dict.fromkeys(x["workload"] for x in rows if x["workload"] != "admission"):
@@ -140,12 +171,14 @@ def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
             best, best90 = _best_fixed(r, w, dep), _best_fixed(r, w, dep, "p90_ttft_ms")
             if best is None:
                 continue
-            kv = _find(r, w, dep, "kv")
-            body.append([w, DEPLOYMENTS[dep], f"{best['policy']} ({best['mean_ttft_ms']:.0f} ms)",
-                         _f(_ratio(kv, best, "mean_ttft_ms"), "{:.2f}"), _f(_ratio(kv, best90, "p90_ttft_ms"), "{:.2f}")]
-                        + [_f(_ratio(_find(r, w, dep, p), best, "mean_ttft_ms"), "{:.2f}") for p in pols])
+            body.append([w, DEPLOYMENTS[dep], str(best.get("rounds", 1)),
+                         f"{best['policy']} ({best['mean_ttft_ms']:.0f} ms)",
+                         _f(_paired_median(r, w, dep, "kv", best, "mean_ttft_ms"), "{:.2f}"),
+                         _f(_paired_median(r, w, dep, "kv", best90, "p90_ttft_ms"), "{:.2f}")]
+                        + [_f(_paired_median(r, w, dep, p, best, "mean_ttft_ms"), "{:.2f}") for p in pols])
     out.append(("2. Side by side: each policy's mean TTFT over the best fixed policy's on the same deployment "
-                "(< 1: better than the best fixed policy)", head, body))
+                "(< 1: better than the best fixed policy; with rounds, the best by median over rounds and each "
+                "ratio the median of the per-round ratios)", head, body))
     adm = [x for x in rows if x["workload"] == "admission"]
     if adm:
         head = ["admission", "rate req/s", "TTFT target s", "admitted", "rejected (429)", "other failures",
@@ -196,13 +229,15 @@ def verdicts(r: dict) -> list[str]:
     misses, checked = [], 0
     for w in dict.fromkeys(x["workload"] for x in rows if x["workload"] != "admission"):
         for dep in ("pd", "plain"):
-            best, best90, k = _best_fixed(r, w, dep), _best_fixed(r, w, dep, "p90_ttft_ms"), _find(r, w, dep, "kv")
-            if best and k:
+            best, best90 = _best_fixed(r, w, dep), _best_fixed(r, w, dep, "p90_ttft_ms")
+            m = _paired_median(r, w, dep, "kv", best, "mean_ttft_ms")
+            p = _paired_median(r, w, dep, "kv", best90, "p90_ttft_ms")
+            if m is not None and p is not None:
                 checked += 1
-                m, p = k["mean_ttft_ms"] / best["mean_ttft_ms"], k["p90_ttft_ms"] / best90["p90_ttft_ms"]
                 if m > WITHIN or p > WITHIN:
+                    n = len(_paired(r, w, dep, "kv", best["policy"], "mean_ttft_ms"))
                     misses.append(f"{w} {DEPLOYMENTS[dep]}: mean x{m:.2f} of {best['policy']}, p90 x{p:.2f} "
-                                  f"of {best90['policy']}")
+                                  f"of {best90['policy']}" + (f" (medians of {n} rounds)" if n > 1 else ""))
     lines.append("kv mean and p90 TTFT within 5% of the best fixed policy: "
                  + ("not measured" if not checked else f"{'reached' if not misses else 'NOT reached'}: within in "
                     f"{checked - len(misses)} of {checked} workload-deployments" + (f"; missed in {len(misses)} "
@@ -219,8 +254,9 @@ def verdicts(r: dict) -> list[str]:
                      + (f"median x{median(alone):.2f})" if alone else "not measured)"))
     else:
         lines.append("vllm bench serve through the kv router against one plain engine: not measured")
-    k, rr = _find(r, "prefix", "plain", "kv"), _find(r, "prefix", "plain", "round-robin")
-    x = _ratio(rr, k, "mean_ttft_ms")
+    k, rr = _summary(r, "prefix", "plain", "kv"), _summary(r, "prefix", "plain", "round-robin")
+    q = _paired(r, "prefix", "plain", "round-robin", "kv", "mean_ttft_ms")
+    x = median(q) if q else None
     lines.append("plain (B) prefix workload, kv at least 1.5x round-robin (mean TTFT): " + (
         "not measured" if x is None else f"{'reached' if x >= 1.5 else 'NOT reached'} ({k['mean_ttft_ms']:.0f} vs "
                                          f"{rr['mean_ttft_ms']:.0f} ms, x{x:.2f})"))
@@ -278,7 +314,7 @@ def plot(r: dict, path: Path) -> None:
         for j, (d, p) in enumerate(configs):
             xs, ys, p90 = [], [], []
             for i, w in enumerate(work):
-                x = _find(r, w, d, p)
+                x = _summary(r, w, d, p)
                 if x:
                     xs.append(i + (j - (len(configs) - 1) / 2) * width)
                     ys.append(x[key])
