@@ -76,8 +76,10 @@ BOUNDS = {"mean_tpot_ms": 1.05, "p99_ttft_ms": 1.1, "output_throughput": 1 / 1.1
 
 
 # --variant NAME=ARM:JSON: NAME runs ARM with JSON added to its store config; a "kv_role" key in
-# JSON sets the arm's kv_role instead (kv_consumer: the store arm without its saves).
-VARIANTS: dict[str, tuple[str, dict, str | None]] = {}
+# JSON sets the arm's kv_role instead (kv_consumer: the store arm without its saves), and a
+# "connector" key's object is merged into its kv_connector_extra_config ({"store": null}: the
+# tiered arm with its P2P tier only).
+VARIANTS: dict[str, tuple[str, dict, str | None, dict]] = {}
 
 
 def add_variant(spec: str) -> str:
@@ -87,14 +89,14 @@ def add_variant(spec: str) -> str:
     if not name or base not in ("store", "tiered"):
         raise SystemExit(f"--variant {spec!r}: NAME=ARM:JSON with ARM store or tiered")
     extra = json.loads(extra or "{}")
-    VARIANTS[name] = (base, extra, extra.pop("kv_role", None))
+    VARIANTS[name] = (base, extra, extra.pop("kv_role", None), extra.pop("connector", {}))
     return name
 
 
 def kv_config(arm: str, master: str, namespace: str = "mct", reset_removes: bool = False) -> dict | None:
     """``namespace``: the store's key prefix of this run (see run_arm); ``reset_removes``: a
     reset of the engine's cache removes its key space's objects from the store (``--keep-up``)."""
-    arm, extra, role = VARIANTS.get(arm, (arm.removesuffix(BEFORE), {}, None))
+    arm, extra, role, top = VARIANTS.get(arm, (arm.removesuffix(BEFORE), {}, None, {}))
     store = {"master": master, "chunk_tokens": 256, "key_prefix": namespace, **extra}
     if reset_removes:
         store["reset_removes_objects"] = True
@@ -106,14 +108,14 @@ def kv_config(arm: str, master: str, namespace: str = "mct", reset_removes: bool
                 "kv_role": "kv_both"}
     if arm == "store":
         return {**base, "kv_connector": "StoreConnector", "kv_connector_module_path": "mcstore", "kv_role": role or "kv_both",
-                "kv_connector_extra_config": store}
+                "kv_connector_extra_config": {**store, **top}}
     if arm == "p2p":
         return {**base, "kv_connector": "P2PConnector", "kv_connector_module_path": "p2p", "kv_role": "kv_consumer",
                 "kv_connector_extra_config": {"bootstrap_port": free_port()}}
     if arm == "tiered":
         return {**base, "kv_connector": "TieredConnector", "kv_connector_module_path": "multi",
                 "kv_role": role or "kv_consumer",
-                "kv_connector_extra_config": {"store": store, "p2p": {"bootstrap_port": free_port()}}}
+                "kv_connector_extra_config": {"store": store, "p2p": {"bootstrap_port": free_port()}, **top}}
     raise ValueError(f"unknown arm {arm!r} (known: {', '.join(ARMS)})")
 
 
