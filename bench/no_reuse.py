@@ -62,6 +62,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.client import complete, ids, reset_prefix_cache  # noqa: E402
 from bench.common import commit, engine_cpus, machine, model_dir, output_dir, rotated, term_as_interrupt  # noqa: E402
+from bench.engine_metrics import REQUEST_TIMES, request_sums, series_delta  # noqa: E402
 from kvcore.procs import free_port  # noqa: E402
 from mcstore.server import StoreCluster  # noqa: E402
 from multi.cli.deploy import Deployment, metrics  # noqa: E402
@@ -191,9 +192,14 @@ def run_arm(dep: Deployment, arm: str, master: str, model: str, runs: Path, rnd:
         time.sleep(1.2)  # bench.common.QUIET_S: the warm-up's spin of vLLM's queues has ended
         # A seed of its own per arm and round (with a shared seed, the tiered arm of a round hit
         # what the store arm had saved and loaded instead of computing).
-        cpu0 = cpu_seconds(proc.popen.pid)
+        cpu0, rs0 = cpu_seconds(proc.popen.pid), request_sums(url)
         row = bench_serve(url, model, runs, name, 1000 + 100 * rnd + a.arm_list.index(arm), a)
-        cpu1 = cpu_seconds(proc.popen.pid)
+        cpu1, rs1 = cpu_seconds(proc.popen.pid), request_sums(url)
+        # vLLM's split of a request's TTFT: queued (arrival until first scheduled, where a store
+        # lookup defers it) and prefill (scheduled until the first token), mean ms per request.
+        row["vllm_request_ms"] = {key: 1e3 * series_delta(rs1, rs0, f"{n}_sum") / n_
+                                  for n, key in REQUEST_TIMES.items()
+                                  if (n_ := series_delta(rs1, rs0, f"{n}_count")) > 0}
         # CPU milliseconds per request by process: steadier than latencies on a shared host.
         row["cpu_ms_per_request"] = {k: (cpu1[k] - cpu0.get(k, 0.0)) * 1e3 / a.prompts for k in cpu1}
         counters = {f"{k[0].removeprefix('vllm:mctier_')}{':' + k[1] if k[1] else ''}": v
@@ -222,7 +228,9 @@ def summarize(results: dict[str, list[dict]]) -> dict:
              # Must be 0: a hit would make it a reuse workload.
              "store_hits": sum(r.get("mctier_counters", {}).get("store_lookups_total:hit", 0) for r in ok),
              "cpu_ms_per_request": {k: statistics.median(r["cpu_ms_per_request"].get(k, 0.0) for r in ok)
-                                    for k in ok[0].get("cpu_ms_per_request", {})}}
+                                    for k in ok[0].get("cpu_ms_per_request", {})},
+             "vllm_request_ms": {k: statistics.median(r["vllm_request_ms"][k] for r in ok)
+                                 for k in REQUEST_TIMES.values() if all(k in r.get("vllm_request_ms", {}) for r in ok)}}
         if arm != "plain" and plain:
             ratios = {k: [r[k] / p[k] for r, p in zip(rows, plain) if r is not None and p is not None and p[k]]
                       for k in METRICS}
@@ -236,8 +244,8 @@ def summarize(results: dict[str, list[dict]]) -> dict:
 
 def render(summary: dict, info: dict) -> str:
     head = ("| arm | TTFT p50 ms | p90 | p99 | TPOT ms | tok/s | TPOT / plain | p99 TTFT / plain | "
-            "throughput / plain | CPU ms per request: API server / EngineCore / Worker | store hits |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|")
+            "throughput / plain | vLLM's mean queued / prefill ms | CPU ms per request: API server / EngineCore / "
+            "Worker | store hits |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for arm, s in summary.items():
         m = s["median"]
@@ -248,6 +256,8 @@ def render(summary: dict, info: dict) -> str:
             cells.append("-" if r is None else
                          f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})"
                          f"{'' if s['within_bounds'][k] else ' **over**'}")
+        v = s.get("vllm_request_ms", {})
+        cells.append(" / ".join(f"{v[k]:.1f}" if k in v else "-" for k in REQUEST_TIMES.values()))
         cpu = s.get("cpu_ms_per_request", {})
         cells.append(" / ".join(f"{cpu.get(k, 0):.1f}" for k in ("api", "engine_core", "worker")))
         cells.append(f"{s['store_hits']:.0f}")
