@@ -25,7 +25,9 @@ One Mooncake master and store server serve every arm (started once, beside the c
 round runs every arm once, the order rotated by one per round; the table gives per arm the
 median over rounds of TTFT p50/p90/p99, mean TPOT and output throughput, and each connector's
 ratio to ``plain`` (the median over rounds of the per-round ratio, with its range), against the
-issue's bounds: TPOT within 1.05x, p99 TTFT and throughput within 1.1x. Each run is
+issue's bounds: TPOT within 1.05x, p99 TTFT and throughput within 1.1x; beside them vLLM's
+own split of a request's time to first token (mean queued and prefill ms, from the engine's
+``vllm:request_queue_time_seconds`` and ``vllm:request_prefill_time_seconds``). Each run is
 ``--random-input-len 256 --random-output-len 64 --max-concurrency 4 --ignore-eos``, with its
 own seed per arm and round and its own store namespace (``key_prefix``), after one untimed
 warm-up request. vLLM's random prompts are runs of consecutive token ids from a random start:
@@ -284,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "no_reuse"))
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARM:JSON",
                     help="one more arm NAME: ARM (store or tiered) with JSON added to its store config, e.g. "
-                         "store-nowait=store:'{\"lookup_wait_ms\": 0}'")
+                         "store-nowait=store:'{\"lookup_wait_ms\": 0}'; in JSON, \"kv_role\" sets the arm's role "
+                         "and \"connector\" merges into its kv_connector_extra_config (tiered:'{\"connector\": "
+                         "{\"store\": null}}': no store tier)")
     ap.add_argument("--reserve-core", action="store_true",
                     help="every arm's engine started on both cores with its forward (OpenMP) on core 1, as vLLM "
                          "lays out an engine with reserved cores: its other processes and a tier's I/O threads "

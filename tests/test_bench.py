@@ -177,6 +177,7 @@ def test_no_reuse_quick_measures_every_connector_beside_plain(tmp_path):
         for k in ("p50_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "output_throughput"):
             assert math.isfinite(row[k]) and row[k] > 0, (arm, k, row[k])
         assert row["cpu_ms_per_request"]["worker"] > 0
+        assert row["vllm_request_ms"]["prefill_s"] > 0 and row["vllm_request_ms"]["queue_s"] >= 0
         if arm != "plain":
             assert set(r["summary"][arm]["ratio"]) >= {"mean_tpot_ms", "p99_ttft_ms", "output_throughput"}
     for arm in ("store", "tiered"):  # their store lookups ran, one per request at least

@@ -102,6 +102,28 @@ def test_no_reuse_has_a_null_connector_arm_and_an_a_a_arm():
 
 
 @pytest.mark.unit
+def test_no_reuse_variants_set_the_store_config_the_role_and_the_connector_config():
+    """``--variant NAME=ARM:JSON``: JSON goes to the arm's store config, but its ``kv_role`` sets
+    the role and its ``connector`` merges into kv_connector_extra_config (``{"store": null}``: a
+    tiered arm without its store tier)."""
+    from bench import no_reuse
+
+    try:
+        p2p_only = no_reuse.kv_config(no_reuse.add_variant('t1=tiered:{"connector": {"store": null}}'), "m:1")
+        assert p2p_only["kv_connector"] == "TieredConnector" and p2p_only["kv_role"] == "kv_consumer"
+        assert p2p_only["kv_connector_extra_config"]["store"] is None and "p2p" in p2p_only["kv_connector_extra_config"]
+        cons = no_reuse.kv_config(no_reuse.add_variant('s1=store:{"kv_role": "kv_consumer", "lookup_wait_ms": 0}'),
+                                  "m:1")
+        assert cons["kv_role"] == "kv_consumer"
+        assert cons["kv_connector_extra_config"]["lookup_wait_ms"] == 0
+        assert "kv_role" not in cons["kv_connector_extra_config"]
+        with pytest.raises(SystemExit):
+            no_reuse.add_variant('p=plain:{}')
+    finally:
+        no_reuse.VARIANTS.pop("t1", None), no_reuse.VARIANTS.pop("s1", None)
+
+
+@pytest.mark.unit
 def test_the_null_connector_implements_every_hook_and_does_nothing():
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
