@@ -53,7 +53,7 @@ def spread(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def rotated(items: list[str], k: int) -> list[str]:
+def rotated(items: list, k: int) -> list:
     k %= len(items)
     return items[k:] + items[:k]
 

@@ -65,7 +65,7 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine, model_dir, output_dir, run_deployments, start_engines, start_router, term_as_interrupt  # noqa: E402
+from bench.common import machine, model_dir, output_dir, rotated, run_deployments, start_engines, start_router, term_as_interrupt  # noqa: E402
 from bench.router_report import plot, render_markdown, render_table, router_view, summarize  # noqa: E402
 from bench.router_workloads import FULL, OUTPUT, QUICK, SUFFIX, WORKLOADS, admission_target, dataset_args, estimates, serve_args  # noqa: E402
 from kvcore.procs import Proc, free_port  # noqa: E402
@@ -237,7 +237,7 @@ class Bench:
         print("[router] A: master + store server, prefill P (core 0), decode D (core 1)", flush=True)
         spec, d, master = self.pd_pair(self.model, self.extra, "pd")
         base = ["--prefill", spec, "--decode", d, "--store", master]
-        self.rotated("pd", lambda pol: base + ["--policy", pol])
+        self.each_policy("pd", lambda pol: base + ["--policy", pol])
         if not self.a.workloads or "admission" in self.a.workloads:
             self.admission(base + ["--policy", "kv"])
 
@@ -263,18 +263,17 @@ class Bench:
         urls = self.start_engines([("plain-0", 0, None), ("plain-1", 1, None)])
         for i, u in enumerate(urls):
             self.warm(u, f"plain-{i}")
-        self.rotated("plain", lambda pol: ["--plain", *urls, "--policy", pol])
+        self.each_policy("plain", lambda pol: ["--plain", *urls, "--policy", pol])
 
-    def rotated(self, deployment: str, args) -> None:
+    def each_policy(self, deployment: str, args) -> None:
         """Every workload with every policy, ``--rounds`` times: a round runs each workload's
         policies one after the other, starting one policy later each round, so that a drift
         of the host reaches every policy alike (docs/benchmarks/router.md: one run per policy
         could not tell kv from round-robin where both placed alike)."""
         pols = self.policies(deployment)
-        for r in range(self.a.rounds):
+        for r in range(self.a.rounds if pols else 0):
             for w in self.workloads():
-                k = r % len(pols)
-                for pol in pols[k:] + pols[:k]:
+                for pol in rotated(pols, r):
                     self.run(w, deployment, pol, args(pol), round_=r)
 
     def deployment_serve(self) -> None:
@@ -296,8 +295,7 @@ class Bench:
             ("pd", pol, ["--prefill", spec, "--decode", d, "--store", master, "--policy", pol])
             for pol in self.policies("pd")]
         for r in range(self.a.serve_rounds):
-            k = r % len(arms)
-            for dep, pol, args in arms[k:] + arms[:k]:
+            for dep, pol, args in rotated(arms, r):
                 if args is None:
                     self.serve_engine(url, data, r)
                 else:
