@@ -63,10 +63,10 @@ def _find(r: dict, workload: str, deployment: str, policy: str, admission: bool 
     return None
 
 
-def _runs(r: dict, workload: str, deployment: str, policy: str) -> dict[int, dict]:
+def _runs(rows: list[dict], workload: str, deployment: str, policy: str) -> dict[int, dict]:
     """The measured runs of a workload, deployment and policy by round (a row without a round
     is round 0; admission runs left out)."""
-    return {x.get("round", 0): x for x in r.get("rows") or []
+    return {x.get("round", 0): x for x in rows
             if (x["workload"], x["deployment"], x["policy"]) == (workload, deployment, policy)
             and not x.get("admission") and x.get("mean_ttft_ms") is not None}
 
@@ -74,7 +74,7 @@ def _runs(r: dict, workload: str, deployment: str, policy: str) -> dict[int, dic
 def _summary(r: dict, workload: str, deployment: str, policy: str) -> dict | None:
     """A policy's figures on a workload and deployment: its run's, or with ``--rounds`` the
     median over its rounds of each (``rounds``: how many)."""
-    runs = list(_runs(r, workload, deployment, policy).values())
+    runs = list(_runs(r.get("rows") or [], workload, deployment, policy).values())
     if len(runs) <= 1:
         return runs[0] if runs else None
     keys = ("mean_ttft_ms", "p90_ttft_ms", "request_throughput")
@@ -82,14 +82,15 @@ def _summary(r: dict, workload: str, deployment: str, policy: str) -> dict | Non
             **{k: median(x[k] for x in runs) if all(x.get(k) for x in runs) else None for k in keys}}
 
 
-def _paired(r: dict, workload: str, deployment: str, a: str, b: str, key: str) -> list[float]:
-    """``a``'s ``key`` over ``b``'s, per round in which both ran (one run each: one ratio)."""
-    ra, rb = _runs(r, workload, deployment, a), _runs(r, workload, deployment, b)
+def _paired(rows: list[dict], workload: str, a: tuple[str, str], b: tuple[str, str], key: str) -> list[float]:
+    """``key`` of ``a`` over ``b`` (each a deployment and policy), per round in which both ran,
+    in round order (one run each: one ratio)."""
+    ra, rb = _runs(rows, workload, *a), _runs(rows, workload, *b)
     return [ra[k][key] / rb[k][key] for k in sorted(ra.keys() & rb.keys()) if ra[k].get(key) and rb[k].get(key)]
 
 
 def _paired_median(r: dict, workload: str, deployment: str, a: str, b: dict | None, key: str) -> float | None:
-    q = _paired(r, workload, deployment, a, b["policy"], key) if b else []
+    q = _paired(r.get("rows") or [], workload, (deployment, a), (deployment, b["policy"]), key) if b else []
     return median(q) if q else None
 
 
@@ -107,13 +108,7 @@ def serve_reference(serve: list[dict], x: dict) -> dict | None:
 
 def serve_ratios(serve: list[dict], deployment: str, policy: str) -> list[float]:
     """Mean TTFT of ``deployment``/``policy`` over the same round's plain engine, per round."""
-    out = []
-    for x in serve:
-        if x["deployment"] == deployment and x["policy"] == policy and x.get("mean_ttft_ms"):
-            q = _ratio(x, serve_reference(serve, x), "mean_ttft_ms")
-            if q is not None:
-                out.append(q)
-    return out
+    return _paired(serve, "serve", (deployment, policy), ("engine", "none"), "mean_ttft_ms")
 
 
 def _note(x: dict) -> str:
@@ -235,7 +230,7 @@ def verdicts(r: dict) -> list[str]:
             if m is not None and p is not None:
                 checked += 1
                 if m > WITHIN or p > WITHIN:
-                    n = len(_paired(r, w, dep, "kv", best["policy"], "mean_ttft_ms"))
+                    n = len(_paired(rows, w, (dep, "kv"), (dep, best["policy"]), "mean_ttft_ms"))
                     misses.append(f"{w} {DEPLOYMENTS[dep]}: mean x{m:.2f} of {best['policy']}, p90 x{p:.2f} "
                                   f"of {best90['policy']}" + (f" (medians of {n} rounds)" if n > 1 else ""))
     lines.append("kv mean and p90 TTFT within 5% of the best fixed policy: "
@@ -255,7 +250,7 @@ def verdicts(r: dict) -> list[str]:
     else:
         lines.append("vllm bench serve through the kv router against one plain engine: not measured")
     k, rr = _summary(r, "prefix", "plain", "kv"), _summary(r, "prefix", "plain", "round-robin")
-    q = _paired(r, "prefix", "plain", "round-robin", "kv", "mean_ttft_ms")
+    q = _paired(rows, "prefix", ("plain", "round-robin"), ("plain", "kv"), "mean_ttft_ms")
     x = median(q) if q else None
     lines.append("plain (B) prefix workload, kv at least 1.5x round-robin (mean TTFT): " + (
         "not measured" if x is None else f"{'reached' if x >= 1.5 else 'NOT reached'} ({k['mean_ttft_ms']:.0f} vs "
