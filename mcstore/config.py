@@ -205,12 +205,19 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "on the lookup thread, ~25 us each), nor again for lookups sent at an earlier step. 0: never wait "
         "(every lookup costs its request at least one step). Within [0, 100].")] = 0.5
     lookup_defer_min_tokens: Annotated[int | None, doc(
-        "The fewest prompt tokens past the engine's own prefix cache for which a request waits a step "
-        "for its store lookup. When fewer are left and the answer is not in when vLLM asks, the lookup "
-        "is given up (lookups{kind=short}) and those tokens are computed: at most this many tokens of "
-        "compute against a step of delay for every such request (a decode instance whose prefix cache "
-        "holds the shared prefix waited 9 ms a request for misses: docs/benchmarks/router.md). "
-        "None (default): one chunk (chunk_tokens); 0: always wait.")] = None
+        "The fewest prompt tokens past the engine's own prefix cache for which a request waits a step for "
+        "its store lookup, and of which the store's recent yield (the share of such tokens recent lookups "
+        "found, starting at 1) must promise an eighth (mcstore.lookupgate). Otherwise, when the answer is "
+        "not in when vLLM asks, the lookup is given up (lookups{kind=short}) and those tokens are computed: "
+        "at most this many tokens of compute against a step of delay for every such request (a decode "
+        "instance whose prefix cache holds the shared prefix waited 9 ms a request for misses: "
+        "docs/benchmarks/router.md). None (default): one chunk (chunk_tokens); 0: always wait.")] = None
+    lookup_probe_every: Annotated[int, doc(
+        "While recent lookups found so little that a whole prompt is not worth a step's wait "
+        "(lookup_defer_min_tokens), only one request in this many is looked up (not waited for; its "
+        "answer keeps the share current), the others are not asked (lookups{kind=gated}): where nothing "
+        "is reused the lookups cost nothing (docs/benchmarks/no-reuse.md). 0: no gate, the share stays 1 "
+        "and every request is looked up. At least 0.")] = 8
     lookup_timeout_ms: Annotated[float, doc(
         "Milliseconds a non-blocking lookup may wait for the master's answer; past it the request's "
         "lookup counts as a miss (lookups{kind=timeout}) and its prompt is computed. Long enough for a "
@@ -260,6 +267,8 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             self.lookup_defer_min_tokens = self.chunk_tokens
         elif self.lookup_defer_min_tokens < 0:
             raise ConfigError(f"mcstore: lookup_defer_min_tokens must be >= 0, got {self.lookup_defer_min_tokens}")
+        if self.lookup_probe_every < 0:
+            raise ConfigError(f"mcstore: lookup_probe_every must be >= 0, got {self.lookup_probe_every}")
         if not 0 <= self.lookup_wait_ms <= 100:
             raise ConfigError(f"mcstore: lookup_wait_ms must be within [0, 100], got {self.lookup_wait_ms}")
         if self.idle_step_ms is not None and not 0 <= self.idle_step_ms <= 1000:

@@ -39,7 +39,8 @@ SPEC = MetricSpec(
     counters={
         "lookups": "Store lookups by outcome (kind=hit|miss|unavailable: the breaker was open|timeout: no answer "
                    "within lookup_timeout_ms|failed: the call failed|short: given up, fewer than "
-                   "lookup_defer_min_tokens past the prefix cache), each a miss but hit",
+                   "lookup_defer_min_tokens expected past the prefix cache|gated: not asked, recent lookups "
+                   "found too little: lookup_probe_every), each a miss but hit",
         "hit_tokens": "Prompt tokens the store could supply at lookup",
         "partial_hit_tokens": "Of those, the tokens past the whole chunks: leading blocks of another prompt's "
                               "stored chunk or saved tail, found through its directory entry",

@@ -12,14 +12,39 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvcore.log import get_logger
 from kvcore.vllm_glue import request_cache_salt, request_lora_name, request_mm_hashes
 from mcstore.batchlookup import Lookup
 from mcstore.keys import KeySpace
 from mcstore.lookup import Partial, Probe, finish_many
 
+logger = get_logger("mcstore.reqstate")
+
+
+_warned = False
+
+
+def hashed_blocks(ks: KeySpace, request) -> int:
+    """How many of the request's full prompt blocks have a block hash to key them by."""
+    global _warned
+    if ks.block_hashes is None:  # our own chain of its tokens
+        return len(request.prompt_token_ids or ()) // ks.block_tokens
+    # vLLM hashed the request's blocks on its input thread already; a request whose hashes
+    # do not cover its tokens at the key space's hash block size gets no link (a miss,
+    # computed and not saved) rather than a link of other tokens.
+    hashes = getattr(request, "block_hashes", None) or []
+    if len(hashes) != request.num_tokens // ks.block_hashes.block_size:
+        if not _warned:
+            _warned = True
+            logger.warning("mcstore: request %s has %d block hashes for %d tokens at %d tokens a block: "
+                           "not looked up or saved (warned once)", request.request_id, len(hashes),
+                           request.num_tokens, ks.block_hashes.block_size)
+        return 0
+    return min(len(hashes), request.num_prompt_tokens // ks.block_tokens)
+
 
 def block_hashes(ks: KeySpace, request, nblocks: int) -> list[bytes]:
-    """The hashes of the request's first ``nblocks`` full prompt blocks (:meth:`mcstore.scheduler.StoreScheduler._state`
+    """The hashes of the request's first ``nblocks`` full prompt blocks (:func:`hashed_blocks`
     counted them): vLLM's, or our own chain of its tokens. Reads the request only: the lookup
     thread calls it too."""
     if not nblocks:

@@ -4,40 +4,39 @@ The tier's half of the scheduler-side contract (``kvcore.tier``; the connector
 facade exposes it, ``release`` is a no-op there), kept apart from vLLM's hooks:
 
 ``lookup(request, local_tokens=0) -> int | None``
-    Prompt tokens ``[0, n)`` the store can supply: the longest prefix of full
-    chunks whose every part exists (every TP rank of every pipeline stage, of every KV cache
-    group: :mod:`mcstore.groups`, which also cuts a hit back to where each sliding-window
-    group's blocks are stored), then the leading blocks of one more stored object that are
-    the request's own (a writer's chunk or saved prompt tail that diverges from this prompt,
-    or ends, inside the chunk; not with groups), capped
-    so the last prompt token is left to the engine; None while the answer is not in yet
+    Prompt tokens ``[0, n)`` the store can supply: the longest prefix of full chunks whose
+    every part exists (every TP rank of every pipeline stage, of every KV cache group:
+    :mod:`mcstore.groups`, which also cuts a hit back to where each sliding-window group's
+    blocks are stored), then the leading blocks of one more stored object that are the
+    request's own (a writer's chunk or saved prompt tail that diverges from this prompt, or
+    ends, inside the chunk; not with groups), capped so the last prompt token is left to the
+    engine; None while the answer is not in yet
     (ask again at a later step). What is asked and what the answers mean: :mod:`mcstore.lookup`
     (one ``batch_is_exist``, two more round trips only when a directory entry may add blocks).
     A lookup is queued when vLLM adds the request (``on_new_request``, or the first call), in
-    O(1): its hashes, links and keys are made on the lookup thread (:mod:`mcstore.reqstate`); the
-    step's first call sends every queued one to the master in one batch on the lookup thread
-    (:mod:`mcstore.batchlookup`; a batch's directory reads in one call) and waits for it, at
-    most ``lookup_wait_ms`` per step in all, and only for this step's lookups when the last
-    batches say they can be answered in that time; later answers are used at a later step.
+    O(1) (keys made on the lookup thread: :mod:`mcstore.reqstate`); the step's first call sends
+    every queued one to the master in one batch (:mod:`mcstore.batchlookup`) and waits for it, at
+    most ``lookup_wait_ms`` per step in all, only for this step's lookups and when the last
+    batches say they are answered in that time; later answers are used at a later step.
     Unanswered within ``lookup_timeout_ms``: a miss; 0 at once while the master is unreachable,
-    and 0 at once, the lookup given up, when it is not answered yet and fewer than
-    ``lookup_defer_min_tokens`` prompt tokens lie past the ``local_tokens`` of the engine's own
-    prefix cache (a step of delay would cost more than they can save).
+    and 0 at once, the lookup given up, when it is not answered yet and the store's recent yield
+    says the tokens past the ``local_tokens`` of the engine's own prefix cache are worth less than
+    a step of delay; while it says so of a whole prompt, most requests are not asked at all
+    (:mod:`mcstore.lookupgate`, ``lookup_defer_min_tokens``, ``lookup_probe_every``).
     ``lookup_blocking`` asks at once. Keys: from vLLM's block hashes where the key space says so
     (``mcstore.keys``), else the token ids.
 ``plan_load(request, start, end, block_ids)``
-    Load tokens ``[start, end)`` (``start`` block aligned, ``end <= lookup``) into
-    the request's blocks; ``block_ids`` is the request's block list indexed by
-    block position (with KV cache groups, one such list per group). The worker reports the
+    Load tokens ``[start, end)`` (``start`` block aligned, ``end <= lookup``) into the
+    request's blocks; ``block_ids``: its block list by block position (with KV cache groups,
+    one such list per group). The worker reports the
     request in ``finished_recving`` and any block it could not fill in
     ``get_block_ids_with_load_errors`` (with groups: the request in ``failed_recving``).
 ``reserve_sync(request, start, end) -> bool``
     Whether that load may end inside the step that schedules the request (below), counted
     in the step's budget if so: a composite asks before answering vLLM ``load_async``.
 
-As a connector of its own (vLLM's hooks, not the composite's API),
-``get_num_new_matched_tokens`` answers ``(None, False)`` while the request's lookup is not
-answered (vLLM skips the request in that step and asks again in the next). A load within
+As a connector of its own, ``get_num_new_matched_tokens`` answers ``(None, False)`` while the
+request's lookup is not answered (vLLM asks again in the next step). A load within
 ``sync_load_max`` bytes is synchronous: ``get_num_new_matched_tokens`` answers
 ``load_async=False``, vLLM schedules the request in the same step, and the worker ends the load
 before that step's forward (a failed block is reported in the same step). Larger loads, and
@@ -65,9 +64,10 @@ from mcstore.events import StoreEvents
 from mcstore.groups import Pins, StoreGroups
 from mcstore.keys import KeySpace
 from mcstore.lookup import Probe, Reach, reach
+from mcstore.lookupgate import LookupGate
 from mcstore.metrics import StoreStats
 from mcstore.protocol import ChunkIO, LoadJob, StoreMetadata
-from mcstore.reqstate import Ask, ReqState, answer_batch
+from mcstore.reqstate import Ask, ReqState, answer_batch, hashed_blocks
 from mcstore.reset import CacheReset
 from mcstore.saveplan import SavePlans
 
@@ -105,11 +105,11 @@ class StoreScheduler(SavePlans, CacheReset):
         self._granted: set[str] = set()  # requests whose load may be synchronous in the coming step
         self._async_loads: set[str] = set()  # loading in the background, not yet scheduled
         self._kv_cache_manager = None
-        self._warned_hashes = False
         # KV events (mcstore.events), at vLLM's hash block size.
         hash_bs = keys.block_hashes.block_size if keys.block_hashes is not None else block_size
         self.events = StoreEvents(keys.parts, hash_bs, cfg.chunk_tokens // hash_bs) if events else None
         self.blocking = cfg.lookup_blocking
+        self.gate = LookupGate(cfg.lookup_defer_min_tokens, cfg.lookup_probe_every)
         self.lookups = (LookupQueue(self.client.exists, "scheduler", answer_many=answer_batch(self.client))
                         if self.client is not None else None)
         self._waiting = 0  # lookups queued or asked, not yet answered
@@ -127,41 +127,25 @@ class StoreScheduler(SavePlans, CacheReset):
         (on the lookup thread for its lookup)."""
         st = self._reqs.get(request.request_id)
         if st is None:
-            st = self._reqs[request.request_id] = ReqState(request, self.keys, self._nblocks(request))
+            st = self._reqs[request.request_id] = ReqState(request, self.keys, hashed_blocks(self.keys, request))
         return st
-
-    def _nblocks(self, request) -> int:
-        """How many of the request's full prompt blocks have a block hash to key them by."""
-        if self.keys.block_hashes is None:  # our own chain of its tokens
-            return len(request.prompt_token_ids or ()) // self.keys.block_tokens
-        # vLLM hashed the request's blocks on its input thread already; a request whose hashes
-        # do not cover its tokens at the key space's hash block size gets no link (a miss,
-        # computed and not saved) rather than a link of other tokens.
-        hashes = getattr(request, "block_hashes", None) or []
-        if len(hashes) != request.num_tokens // self.keys.block_hashes.block_size:
-            if not self._warned_hashes:
-                self._warned_hashes = True
-                logger.warning("mcstore: request %s has %d block hashes for %d tokens at %d tokens a block: "
-                               "not looked up or saved (warned once)", request.request_id, len(hashes),
-                               request.num_tokens, self.keys.block_hashes.block_size)
-            return 0
-        return min(len(hashes), request.num_prompt_tokens // self.keys.block_tokens)
 
     # -- composite API ---------------------------------------------------------------
 
     def lookup(self, request, local_tokens: int = 0) -> int | None:
         if self.lookups is not None:
             self.lookups.busy()  # this step's: the lookup thread keeps off the GIL but while we wait
+            self.gate.poll()
         st = self._state(request)
         if st.hit is None and st.pending is None:
             self._ask(st)
         if st.hit is not None:
             return st.hit
         lk = st.pending
-        if not lk.done and request.num_prompt_tokens - local_tokens < self.cfg.lookup_defer_min_tokens:
-            # What the store could add past the engine's own prefix cache is worth less than the
-            # step the request would wait for the answer (config: lookup_defer_min_tokens).
-            return self._give_up(st, "lookups:short")
+        if not lk.done and not self.gate.worth_waiting(request.num_prompt_tokens, local_tokens):
+            # What the store is expected to add past the prefix cache is worth less than the step
+            # the request would wait (mcstore.lookupgate); the answer still counts there.
+            return self._give_up(st, "lookups:short", local_tokens)
         if (not lk.done and self._wait_left > 0 and lk.submitted >= self._step_start
                 and self.lookups.expected_s(self.lookups.queued()) <= self._wait_left):
             # This step's batch goes now (every request that arrived since the last step is in it)
@@ -184,15 +168,20 @@ class StoreScheduler(SavePlans, CacheReset):
             r, probe = lk.result
             st.adopt(probe)
             self._found(st, r, lk.seconds)
+            self.gate.note(st.hit, request.num_prompt_tokens, local_tokens)
             return st.hit
         if lk.expired():
             # The master did not answer in time: a miss (the answer, if it comes, is dropped).
             return self._give_up(st, "lookups:timeout")
         return None
 
-    def _give_up(self, st: ReqState, counter: str) -> int:
-        """The request's pending lookup is dropped (its answer, if it comes, too): a miss."""
-        st.pending.cancel()
+    def _give_up(self, st: ReqState, counter: str, local: int | None = None) -> int:
+        """The request's pending lookup is dropped, a miss; its answer, if it comes, is counted in
+        the gate's yield if ``local`` (its prefix cache's tokens) is given, else dropped too."""
+        if local is None:
+            st.pending.cancel()
+        else:
+            self.gate.watch(st.pending, st.request.num_prompt_tokens, local)
         st.pending = None
         self._waiting -= 1
         self.stats.inc(counter)
@@ -215,6 +204,10 @@ class StoreScheduler(SavePlans, CacheReset):
             probe = Probe(self.keys, st.hashes, n, self.partial, links=st.links)
             t0 = time.perf_counter()
             self._found(st, reach(self.client, probe, usable_tokens=n - 1), time.perf_counter() - t0)
+            return
+        if not self.gate.ask(n):  # recent lookups found too little to wait for (mcstore.lookupgate)
+            self.stats.inc("lookups:gated")
+            st.hit = 0
             return
         # The lookup thread makes the keys (Ask.keys) and reads the request only, never its state.
         ask = Ask(self.keys, st.request, st.nblocks, self.partial)
@@ -389,6 +382,7 @@ class StoreScheduler(SavePlans, CacheReset):
         return self.stats.take()
 
     def close(self) -> None:
+        self.gate.close()
         if self.lookups is not None:
             self.lookups.close()
         if self.client is not None:

@@ -177,3 +177,42 @@ def test_a_lookup_that_could_add_less_than_a_chunk_past_the_prefix_cache_never_d
         assert s.stats.data["counters"]["lookups:hit"] == 2 and s.stats.data["counters"]["lookups:short"] == 1
     finally:
         s.close()
+
+
+def test_where_lookups_find_nothing_most_requests_are_not_asked_and_probes_reopen_the_gate(store_cluster, raw):
+    """``lookup_probe_every`` (mcstore.lookupgate): after a run of misses even a whole prompt is
+    not worth a step's wait, so new requests are answered 0 at once and only one in 8 is asked
+    (not waited for: counted ``short``), the others not at all (``gated``: no batch goes to the
+    master for them). Once the store holds the prompts, a probe's late answer raises the yield
+    and requests wait for their lookups again and load what is stored."""
+    s = _sched(store_cluster.master_addr, lookup_wait_ms=0)
+    try:
+        for i in range(50):  # the yield falls to (15/16)^50 = 0.040 < 1/8 of 64/197 (49: 0.042)
+            r = _request(f"miss{i}", 100 + i)
+            assert _answers(s, [r]) == {r.request_id: (0, False)}
+        counters = s.stats.data["counters"]
+        assert counters["lookups:miss"] == 50 and not s.gate.worth_waiting(3 * CHUNK + 5, 0)
+        batches = s.lookups.batches
+        for i in range(16):
+            r = _request(f"gated{i}", 200 + i)  # not stored: nothing to learn
+            assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+            s.build_connector_meta(_step())
+        assert counters["lookups:gated"] == 14 and counters["lookups:short"] == 2
+        time.sleep(0.2)  # the lookup thread counts a batch once asked
+        # Only the two probes went to the master (one batch if the second came while it was busy).
+        assert batches + 1 <= s.lookups.batches <= batches + 2
+        for i in range(200):
+            r = _request(f"stored{i}", 300 + i)
+            _store(raw, r, 3)
+            got = s.get_num_new_matched_tokens(r, 0)
+            if got == (None, False):  # waited for: the gate is open again
+                assert _answers(s, [r]) == {r.request_id: (3 * CHUNK, True)}
+                break
+            assert got == (0, False)
+            s.build_connector_meta(_step())
+            time.sleep(0.005)  # the step's forward: a probe's answer comes in
+        else:
+            pytest.fail(f"the gate stayed closed over 200 stored prompts (yield {s.gate.share:.2f})")
+        assert 7 <= i < 40, i  # the first probes' hits (one in 8 requests) reopen it
+    finally:
+        s.close()
