@@ -20,6 +20,11 @@ While the second condition fails for a prompt with nothing cached (``local = 0``
 not looked up at all, except one in ``probe_every`` (``lookup_probe_every``): that one is asked and
 not waited for, so ``share`` rises again when the store starts to have hits (one probe that finds a
 whole prompt is enough). ``probe_every = 0`` turns the gate off (``share`` stays 1).
+
+A request that came with ``kv_transfer_params`` (``steered``: a P/D handoff's, a composite's
+``kv_source``) is neither gated nor counted: its sender chose where its KV comes from (a decode
+instance's lookups of prompts its prefill instance is computing would close the gate on it, and a
+client that asks for the store means it: tests/test_multihost.py).
 """
 
 from __future__ import annotations
@@ -40,10 +45,10 @@ class LookupGate:
         self._skipped = 0  # requests not asked since the last probe
         self._watched: deque[tuple[Any, int, int]] = deque()  # (Lookup, n, local)
 
-    def worth_waiting(self, n: int, local: int) -> bool:
+    def worth_waiting(self, n: int, local: int, steered: bool = False) -> bool:
         """Whether a request with ``n - local`` prompt tokens past its prefix cache waits for its
-        lookup (both conditions above)."""
-        return n - local >= self.min_tokens and self._expected(n - local)
+        lookup (both conditions above; the first only for a ``steered`` request)."""
+        return n - local >= self.min_tokens and (steered or self._expected(n - local))
 
     def _expected(self, tokens: int) -> bool:
         return self.share * tokens >= self.min_tokens * MIN_SHARE

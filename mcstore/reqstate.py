@@ -99,6 +99,10 @@ class ReqState:
     load_tried: bool = False  # one load per request: a failed one is recomputed, not retried
     sync: bool = False  # its load ends inside the step that schedules it (sync_load_max)
     pending: Lookup | None = None  # its lookup, queued or on the lookup thread (not answered yet)
+    steered: bool = False  # it came with kv_transfer_params: a P/D handoff's, a kv_source (lookupgate)
+
+    def __post_init__(self):
+        self.steered = bool(getattr(self.request, "kv_transfer_params", None))
 
     @property
     def hashes(self) -> list[bytes]:

@@ -22,7 +22,8 @@ facade exposes it, ``release`` is a no-op there), kept apart from vLLM's hooks:
     and 0 at once, the lookup given up, when it is not answered yet and the store's recent yield
     says the tokens past the ``local_tokens`` of the engine's own prefix cache are worth less than
     a step of delay; while it says so of a whole prompt, most requests are not asked at all
-    (:mod:`mcstore.lookupgate`, ``lookup_defer_min_tokens``, ``lookup_probe_every``).
+    (:mod:`mcstore.lookupgate`, ``lookup_defer_min_tokens``, ``lookup_probe_every``; a request
+    with ``kv_transfer_params`` is routed by its sender, neither gated nor counted).
     ``lookup_blocking`` asks at once. Keys: from vLLM's block hashes where the key space says so
     (``mcstore.keys``), else the token ids.
 ``plan_load(request, start, end, block_ids)``
@@ -142,10 +143,10 @@ class StoreScheduler(SavePlans, CacheReset):
         if st.hit is not None:
             return st.hit
         lk = st.pending
-        if not lk.done and not self.gate.worth_waiting(request.num_prompt_tokens, local_tokens):
+        if not lk.done and not self.gate.worth_waiting(request.num_prompt_tokens, local_tokens, st.steered):
             # What the store is expected to add past the prefix cache is worth less than the step
             # the request would wait (mcstore.lookupgate); the answer still counts there.
-            return self._give_up(st, "lookups:short", local_tokens)
+            return self._give_up(st, "lookups:short", None if st.steered else local_tokens)
         if (not lk.done and self._wait_left > 0 and lk.submitted >= self._step_start
                 and self.lookups.expected_s(self.lookups.queued()) <= self._wait_left):
             # This step's batch goes now (every request that arrived since the last step is in it)
@@ -168,7 +169,8 @@ class StoreScheduler(SavePlans, CacheReset):
             r, probe = lk.result
             st.adopt(probe)
             self._found(st, r, lk.seconds)
-            self.gate.note(st.hit, request.num_prompt_tokens, local_tokens)
+            if not st.steered:
+                self.gate.note(st.hit, request.num_prompt_tokens, local_tokens)
             return st.hit
         if lk.expired():
             # The master did not answer in time: a miss (the answer, if it comes, is dropped).
@@ -205,7 +207,7 @@ class StoreScheduler(SavePlans, CacheReset):
             t0 = time.perf_counter()
             self._found(st, reach(self.client, probe, usable_tokens=n - 1), time.perf_counter() - t0)
             return
-        if not self.gate.ask(n):  # recent lookups found too little to wait for (mcstore.lookupgate)
+        if not st.steered and not self.gate.ask(n):  # recent lookups found too little (mcstore.lookupgate)
             self.stats.inc("lookups:gated")
             st.hit = 0
             return

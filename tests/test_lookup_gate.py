@@ -38,6 +38,7 @@ def test_misses_close_the_gate_and_then_one_request_in_probe_every_is_asked():
         g.note(0, 1024, 0)
     assert g.share < MIN_SHARE  # 0.021
     assert not g.worth_waiting(1024, 0) and g.worth_waiting(4096, 0)
+    assert g.worth_waiting(1024, 0, steered=True) and not g.worth_waiting(255, 0, steered=True)
     asked = [g.ask(1024) for _ in range(24)]
     assert asked == ([False] * 7 + [True]) * 3
     assert all(g.ask(4096) for _ in range(5))  # a long prompt is still worth it

@@ -201,6 +201,20 @@ def test_where_lookups_find_nothing_most_requests_are_not_asked_and_probes_reope
         time.sleep(0.2)  # the lookup thread counts a batch once asked
         # Only the two probes went to the master (one batch if the second came while it was busy).
         assert batches + 1 <= s.lookups.batches <= batches + 2
+        # A request whose sender chose its source (kv_transfer_params: a handoff's, a kv_source)
+        # is not gated: it waits for its lookup as before, and its answer does not count.
+        steered = _request("steered", 250)
+        steered.kv_transfer_params = {"kv_source": "store"}
+        _store(raw, steered, 3)
+        deadline = time.monotonic() + 5
+        while s.gate._watched:  # the two probes' answers (misses), counted
+            assert time.monotonic() < deadline, "the probes were not answered"
+            time.sleep(0.01)
+            s.gate.poll()
+        share = s.gate.share
+        assert s.get_num_new_matched_tokens(steered, 0) == (None, False)
+        assert _answers(s, [steered]) == {"steered": (3 * CHUNK, True)}
+        assert s.gate.share == share and counters["lookups:gated"] == 14
         for i in range(200):
             r = _request(f"stored{i}", 300 + i)
             _store(raw, r, 3)
