@@ -216,8 +216,9 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "While recent lookups found so little that a whole prompt is not worth a step's wait "
         "(lookup_defer_min_tokens), only one request in this many is looked up (not waited for; its "
         "answer keeps the share current), the others are not asked (lookups{kind=gated}): where nothing "
-        "is reused the lookups cost nothing (docs/benchmarks/no-reuse.md). 0: no gate, the share stays 1 "
-        "and every request is looked up. At least 0.")] = 8
+        "is reused the lookups cost nothing (docs/benchmarks/no-reuse.md). A request with kv_transfer_params "
+        "(a P/D handoff's, a kv_source) is neither gated nor counted. 0: no gate, the share stays 1 and "
+        "every request is looked up. At least 0.")] = 8
     lookup_timeout_ms: Annotated[float, doc(
         "Milliseconds a non-blocking lookup may wait for the master's answer; past it the request's "
         "lookup counts as a miss (lookups{kind=timeout}) and its prompt is computed. Long enough for a "
