@@ -11,9 +11,10 @@ cache and ``T = lookup_defer_min_tokens``, a request waits when
 ``share``: the fraction of the tokens past the prefix cache that recent lookups found in the store,
 an exponentially weighted mean over answers with weight ``1 / WINDOW`` (``share <- share + (found /
 asked - share) / WINDOW``). It starts at 1, so a fresh engine, and one whose store keeps finding,
-waits exactly as the first condition alone says; a one-chunk prompt stops waiting after about 50
-answers in a row that found nothing (``(15/16)^50 < 1/8 * 64/197`` for chunks of 64), a longer one
-later. A lookup given up is not cancelled: its answer, when it comes, still updates ``share``
+waits exactly as the first condition alone says; after answers in a row that found nothing, a
+request with one chunk past its cache stops waiting at the 33rd (``(15/16)^33 < 1/8``), one with
+three chunks and 5 tokens at the 50th (``(15/16)^50 < 1/8 * 64/197`` for chunks of 64), a longer
+one later. A lookup given up is not cancelled: its answer, when it comes, still updates ``share``
 (:meth:`LookupGate.watch`, at most ``MAX_WATCHED`` at once).
 
 While the second condition fails for a prompt with nothing cached (``local = 0``), a new request is
