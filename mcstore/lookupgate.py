@@ -84,7 +84,8 @@ class LookupGate:
         self._watched.append((lk, n, local))
 
     def poll(self) -> None:
-        """Count the watched lookups answered since the last call; drop the expired ones."""
+        """Count the watched lookups answered since the last call; drop the expired ones (the
+        scheduler calls it once a step)."""
         for _ in range(len(self._watched)):
             lk, n, local = self._watched.popleft()
             if lk.done:

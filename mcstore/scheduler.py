@@ -136,7 +136,6 @@ class StoreScheduler(SavePlans, CacheReset):
     def lookup(self, request, local_tokens: int = 0) -> int | None:
         if self.lookups is not None:
             self.lookups.busy()  # this step's: the lookup thread keeps off the GIL but while we wait
-            self.gate.poll()
         st = self._state(request)
         if st.hit is None and st.pending is None:
             self._ask(st)
@@ -334,6 +333,7 @@ class StoreScheduler(SavePlans, CacheReset):
         if self.lookups is not None:
             self.lookups.flush()  # lookups not sent yet: one batch, answered while the step runs
             self.lookups.idle()  # the step's scheduling is over: the lookup thread works freely
+            self.gate.poll()  # once a step, not per request: up to MAX_WATCHED lookups to look at
         self._wait_left = self._wait_s
         self._step_start = time.monotonic()
         meta = StoreMetadata(loads=self._loads, preempted=sorted(scheduler_output.preempted_req_ids or ()))
