@@ -40,7 +40,7 @@ setup:
 # tier and the composite (bench/store_divergence.py), then a scaled window of Mooncake's conversation
 # trace through the real stack (bench/trace_replay.py) and the cluster simulator checked
 # against it (bench/sim validate), then what each connector costs when nothing is reused
-# (bench/no_reuse.py), the scheduling step's time in store lookups when many requests
+# (bench/no_reuse.py) and, quieter, what each adds to an engine's steps (bench/step_cost.py), the scheduling step's time in store lookups when many requests
 # arrive at once (bench/lookup_stall.py) and what vLLM's hybrid KV cache allocator saves with
 # the store tier (bench/hybrid_memory.py); each runs even when one before it failed.
 # BENCH_ARGS=--quick for the reduced versions; ROUTER_BENCH_ARGS for the router's alone.
@@ -54,6 +54,7 @@ bench: setup
 	$(PY) -m bench.trace_replay $(filter --quick,$(BENCH_ARGS)) || status=$$?; \
 	$(PY) -m bench.sim validate --replay bench/results/trace_replay || status=$$?; \
 	$(PY) -m bench.no_reuse $(filter --quick,$(BENCH_ARGS)) || status=$$?; \
+	$(PY) -m bench.step_cost $(filter --quick,$(BENCH_ARGS)) || status=$$?; \
 	$(PY) -m bench.lookup_stall $(filter --quick,$(BENCH_ARGS)) || status=$$?; \
 	$(PY) -m bench.hybrid_memory $(filter --quick,$(BENCH_ARGS)) || status=$$?; \
 	exit $$status

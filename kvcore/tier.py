@@ -69,7 +69,8 @@ import msgspec
 # (rebuilt by its build_kv_connector_stats) and kv_connector_worker_meta set to what its
 # own workers built (build_connector_worker_meta); request_finished results are joined
 # (the request's blocks are held until every tier that asked let go); take_events
-# yields every tier's events; reset_cache succeeds when no tier's failed.
+# yields every tier's events; reset_cache succeeds when no tier's failed. The per-layer hooks
+# (wait_for_layer_load, save_kv_layer) skip a tier whose Tier.layer_hooks is False.
 FORWARDED_HOOKS = (
     # scheduler side
     "bind_kv_cache_manager", "build_connector_meta", "update_connector_output", "request_finished",
@@ -155,11 +156,15 @@ class Tier:
         from it first waits for that prefill.
     ``load_prior``
         Start of the composite's load-time fit for this tier.
+    ``layer_hooks``
+        False when the tier's ``wait_for_layer_load`` and ``save_kv_layer`` never do anything:
+        the composite then does not forward them (they run at every layer of every step).
     """
 
     name: ClassVar[str]
     remote_prefill: ClassVar[bool] = False
     load_prior: ClassVar[LoadPrior] = LoadPrior()
+    layer_hooks: ClassVar[bool] = True
 
     @classmethod
     def composite_role(cls, kv_role: str, write_back: bool) -> str:

@@ -196,6 +196,8 @@ class StoreWorker(Loads, LayerLoads, Saves, WorkerNews):
     # -- per-step hooks --------------------------------------------------------------
 
     def start_load_kv(self, meta: StoreMetadata) -> None:
+        if not meta.loads:
+            return
         now = time.monotonic()
         layered = [job for job in meta.loads if self._layerwise(job)]
         if layered:  # first: the forward waits for their first layers (mcstore.layerwise)
@@ -293,6 +295,8 @@ class StoreWorker(Loads, LayerLoads, Saves, WorkerNews):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._end_layers()  # this step's layer-wise loads, into this step's load errors
+        if not (finished_req_ids or self._finished_waiting or self._done_loads):
+            return None, None  # most steps (read unlocked: a load ending now is reported next step)
         with self._lock:
             for rid in finished_req_ids:
                 if rid in self._pending_saves:

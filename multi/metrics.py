@@ -55,7 +55,9 @@ class TieredStats(KVConnectorStats):
         TierStats(data=self.data["own"]).observe(op, seconds)
 
     def is_empty(self) -> bool:
-        return not (self.data["tiers"] or self.data["samples"]) and TierStats(data=self.data["own"]).is_empty()
+        # Asked several times a step: the dicts themselves, no TierStats built around them.
+        d = self.data
+        return not (d["tiers"] or d["samples"] or d["own"]["counters"] or d["own"]["ops"])
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         if other is None or other.is_empty():

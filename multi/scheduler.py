@@ -35,6 +35,12 @@ from multi.protocol import TieredMetadata
 
 logger = get_logger("multi.scheduler")
 
+# Decode-only forward passes sampled per second (a burst of as many is allowed): what the
+# forward-time fit needs of them (its fixed cost per pass). A sample on every decode step made
+# the stats record travel (worker, scheduler, API server) and the fit learn at every step, and
+# building the step's token list cost the scheduler at every step (docs/benchmarks/no-reuse.md).
+DECODE_SAMPLES_PER_S = 20.0
+
 
 @dataclass
 class _Decision:
@@ -74,6 +80,8 @@ class TieredScheduler:
         # Loads in flight: request -> tier -> (when the load was planned, the plan's estimate
         # of a prefill instance's compute for it, 0 for a tier with none), see load_seconds.
         self._planned: dict[str, dict[str, tuple[float, float]]] = {}
+        self._decode_budget = DECODE_SAMPLES_PER_S  # token bucket of decode-only samples (_sampled)
+        self._budget_at = time.monotonic()
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         for tier in self.tiers.values():
@@ -168,14 +176,32 @@ class TieredScheduler:
 
     def build_connector_meta(self, scheduler_output) -> TieredMetadata:
         metas = {name: tier.build_connector_meta(scheduler_output) for name, tier in self.tiers.items()}
-        # Context length before this step's tokens, for the forward-time fit.
-        ctx = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
-        cached = scheduler_output.scheduled_cached_reqs
-        ctx.update(zip(cached.req_ids, cached.num_computed_tokens))
-        step = [(n, ctx.get(rid, 0)) for rid, n in scheduler_output.num_scheduled_tokens.items()]
+        step = []
+        if self._sampled(scheduler_output.num_scheduled_tokens, time.monotonic()):
+            # Context length before this step's tokens, for the forward-time fit.
+            ctx = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+            cached = scheduler_output.scheduled_cached_reqs
+            ctx.update(zip(cached.req_ids, cached.num_computed_tokens))
+            step = [(n, ctx.get(rid, 0)) for rid, n in scheduler_output.num_scheduled_tokens.items()]
         meta = TieredMetadata(metas, loads=self._loads, sends=self._sends, step_tokens=step, sync=self._sync)
         self._loads, self._sends, self._sync = {}, {}, []
         return meta
+
+    def _sampled(self, scheduled: dict[str, int], now: float) -> bool:
+        """Whether this step's forward pass is a calibration sample (the worker times the
+        steps whose metadata carries ``step_tokens``): always when it computes prompt tokens,
+        else while the decode-only budget lasts (``DECODE_SAMPLES_PER_S``)."""
+        if not scheduled:
+            return False
+        if any(n > 1 for n in scheduled.values()):
+            return True
+        self._decode_budget = min(DECODE_SAMPLES_PER_S,
+                                  self._decode_budget + (now - self._budget_at) * DECODE_SAMPLES_PER_S)
+        self._budget_at = now
+        if self._decode_budget < 1.0:
+            return False
+        self._decode_budget -= 1.0
+        return True
 
     # -- results -----------------------------------------------------------------------
 

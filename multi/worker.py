@@ -13,11 +13,13 @@ handoff) is reported finished-sending once all of them let go.
 Calibration samples are measured here: forward passes are timed
 (:class:`multi.policy.ForwardSample`), and every successful ``LoadReport`` of a
 tier becomes a :class:`multi.policy.LoadSample`; both ride on the stats record,
-encoded by :func:`multi.policy.encode_samples`. Every pass that computes prompt tokens
-is a sample; passes that only decode are sampled at most ``DECODE_SAMPLES_PER_S`` a second:
-a sample on every decode step made the stats record travel (worker, scheduler, API
-server) and the fit learn at every step, a per-step cost on the engine's one core
-(docs/benchmarks/no-reuse.md).
+encoded by :func:`multi.policy.encode_samples`. A pass is timed when its metadata carries
+``step_tokens``: the scheduler picks them (every pass that computes prompt tokens, at most
+``multi.scheduler.DECODE_SAMPLES_PER_S`` decode-only passes a second).
+
+Every hook here runs at every step (the per-layer ones at every layer): a step that moves
+nothing must cost next to nothing (docs/benchmarks/no-reuse.md, the per-step cost). A tier
+whose per-layer hooks do nothing (``Tier.layer_hooks`` False) is not called per layer.
 """
 
 from __future__ import annotations
@@ -33,10 +35,6 @@ from multi.protocol import TieredMetadata, TieredWorkerMeta
 
 logger = get_logger("multi.worker")
 
-# Decode-only forward passes sampled per second (a burst of as many is allowed): what the
-# forward-time fit needs of them (its fixed cost per pass), without a sample per step.
-DECODE_SAMPLES_PER_S = 20.0
-
 
 class TieredWorker:
     def __init__(self, tiers: dict[str, Tier]):
@@ -51,8 +49,9 @@ class TieredWorker:
         self._invalid: set[int] = set()
         self._forward_start = 0.0
         self._step_tokens: list[tuple[int, int]] = []
-        self._decode_budget = DECODE_SAMPLES_PER_S  # token bucket of decode-only samples
-        self._budget_at = time.monotonic()
+        layered = [t for t in tiers.values() if t.layer_hooks]
+        self._layer_loads = [t.wait_for_layer_load for t in layered]
+        self._layer_saves = [t.save_kv_layer for t in layered]
 
     # -- hooks forwarded to every tier -------------------------------------------------
 
@@ -89,12 +88,12 @@ class TieredWorker:
             tier.start_load_kv(forward_context, **kwargs)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        for tier in self.tiers.values():
-            tier.wait_for_layer_load(layer_name)
+        for wait in self._layer_loads:
+            wait(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
-        for tier in self.tiers.values():
-            tier.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+        for save in self._layer_saves:
+            save(layer_name, kv_layer, attn_metadata, **kwargs)
 
     def wait_for_save(self) -> None:
         self._forward_done()
@@ -108,26 +107,13 @@ class TieredWorker:
     # -- joined results ----------------------------------------------------------------
 
     def _forward_done(self) -> None:
-        if self._step_tokens and self._forward_start and self._sampled(time.monotonic()):
+        if self._step_tokens and self._forward_start:
             seconds = time.monotonic() - self._forward_start
             self.stats.data["samples"].extend(encode_samples([ForwardSample(
                 [n for n, _ in self._step_tokens], [c for _, c in self._step_tokens], seconds)]))
             self.stats.own_observe("forward", seconds)
         self._step_tokens = []
         self._forward_start = 0.0
-
-    def _sampled(self, now: float) -> bool:
-        """Whether this step's forward pass is a calibration sample: always when it computes
-        prompt tokens, else while the decode-only budget lasts."""
-        if any(n > 1 for n, _ in self._step_tokens):
-            return True
-        self._decode_budget = min(DECODE_SAMPLES_PER_S,
-                                  self._decode_budget + (now - self._budget_at) * DECODE_SAMPLES_PER_S)
-        self._budget_at = now
-        if self._decode_budget < 1.0:
-            return False
-        self._decode_budget -= 1.0
-        return True
 
     def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults(finished_sending=set(), finished_recving=set(), failed_recving=set())
@@ -198,7 +184,8 @@ class TieredWorker:
                 self.stats.data["tiers"][name] = s.data
             loads = [LoadSample(name, r.bytes, r.seconds, r.req_id, r.waited_s) for r in tier.take_load_reports()
                      if r.ok and r.bytes > 0]
-            self.stats.data["samples"].extend(encode_samples(loads))
+            if loads:
+                self.stats.data["samples"].extend(encode_samples(loads))
         if self.stats.is_empty():
             return None
         out, self.stats = self.stats, TieredStats()

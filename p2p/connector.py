@@ -44,6 +44,7 @@ class P2PConnector(KVConnectorBase_V1, SupportsHMA, Tier):
     name = "p2p"
     remote_prefill = True  # the prefill instance computes the KV after the request arrives
     load_prior = LOAD_PRIOR
+    layer_hooks = False  # its wait_for_layer_load and save_kv_layer do nothing: a pull is whole
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)

@@ -143,8 +143,8 @@ class P2PWorker:
                     self.cfg.bootstrap_url)
 
     def start_load_kv(self, meta) -> None:
-        if meta is None:
-            return
+        if meta is None or not (meta.holds or meta.aborted or meta.recvs):
+            return  # most steps
         if self.side is not None:
             fence = platform.current().kv_ready_fence() if meta.holds else None
             for req_id, tid, blocks, prompt, groups in meta.holds:

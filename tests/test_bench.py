@@ -3,6 +3,7 @@
 The tests marked ``bench_harness`` run the benchmark programs' reduced versions for real
 (``bench.suite --quick``, ``bench.router_bench --quick``, ``bench.trace_replay --quick``,
 ``bench.tiered_bench --quick``, ``bench.store_streams --quick``, ``bench.no_reuse --quick``,
+``bench.step_cost --quick``,
 ``bench.lookup_stall --quick``, ``bench.store_divergence --quick``,
 ``bench.hybrid_memory --quick``): a Mooncake master, the
 store tier's writer and reader engines, LMCache's server and engines from their own
@@ -185,6 +186,37 @@ def test_no_reuse_quick_measures_every_connector_beside_plain(tmp_path):
         assert sum(v for k, v in row["mctier_counters"].items() if k.startswith("store_lookups_total")) >= 16
     assert "TPOT / plain" in (tmp_path / "no_reuse.md").read_text()
     assert len(r["pids"]) >= 4 + 2 and [p for p in r["pids"] if not _gone(p)] == []
+
+
+@pytest.mark.bench_harness
+def test_step_cost_quick_times_each_arm_in_turn_beside_plain_and_an_earlier_tree(tmp_path):
+    """``python -m bench.step_cost --quick --arms plain,tiered --before DIR`` (DIR: an export of
+    this tree): four rounds, each arm's two batches timed every round, the ``-before`` arm's
+    engine importing the connector from DIR, a ratio to plain per arm and batch, and every
+    process gone. No assertion on speed."""
+    import math
+    import shutil
+
+    before = tmp_path / "before"
+    skip = shutil.ignore_patterns(".venv", ".cache", ".git", ".hypothesis", "results", "__pycache__")
+    shutil.copytree(ROOT, before, ignore=skip)
+    proc = subprocess.run([sys.executable, "-m", "bench.step_cost", "--quick", "--arms", "plain,tiered",
+                           "--before", str(before), "--out", str(tmp_path / "out")],
+                          cwd=str(ROOT), capture_output=True, text=True, timeout=1200)
+    (tmp_path / "stdout.txt").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((tmp_path / "out" / "step_cost.json").read_text())
+    assert r["arms"] == ["plain", "tiered", "tiered-before"] and r["rounds"] == 4 and not r["errors"]
+    for batch in ("decode", "mixed"):
+        for arm in r["arms"]:
+            xs = r["results"][batch][arm]
+            assert len(xs) == 4 and all(math.isfinite(x) and x > 0 for x in xs), (batch, arm, xs)
+            if arm != "plain":
+                assert r["summary"][batch][arm]["ratio"]["median"] > 0
+    logs = tmp_path / "out" / "logs"
+    assert f"connector packages of {before}" in (logs / "tiered-before.log").read_text()
+    assert f"connector packages of {ROOT}" in (logs / "tiered.log").read_text()
+    assert len(r["pids"]) == 3 and [p for p in r["pids"] if not _gone(p)] == []
 
 
 @pytest.mark.bench_harness

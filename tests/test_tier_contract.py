@@ -107,6 +107,12 @@ class FakeTier(Tier):
     def wait_for_save(self):
         self.calls.append(("wait_for_save",))
 
+    def wait_for_layer_load(self, layer_name):
+        self.calls.append(("wait_layer", layer_name))
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        self.calls.append(("save_layer", layer_name))
+
 
 def request(rid: str, n: int, **params):
     return SimpleNamespace(request_id=rid, num_prompt_tokens=n, kv_transfer_params=params or None)
@@ -424,3 +430,36 @@ def test_a_plan_over_two_tiers_or_a_remote_prefill_is_never_synchronous():
     assert s.get_num_new_matched_tokens(request("both", 4096), 0)[1] is True
     assert s.get_num_new_matched_tokens(request("p2p", 4096, kv_source="p2p"), 0)[1] is True
     assert store.asked == [] and p2p.asked == []
+
+
+def test_per_layer_hooks_skip_a_tier_whose_layer_hooks_are_off():
+    tiers = three_tiers()
+    tiers["p2p"].layer_hooks = False  # as p2p.connector.P2PConnector declares
+    w = TieredWorker(tiers)
+    for layer in ("l0", "l1"):
+        w.wait_for_layer_load(layer)
+        w.save_kv_layer(layer, None, None)
+    per_layer = {n: [c for c in t.calls if c[0] in ("wait_layer", "save_layer")] for n, t in tiers.items()}
+    assert per_layer["store"] == per_layer["disk"] == [("wait_layer", "l0"), ("save_layer", "l0"),
+                                                       ("wait_layer", "l1"), ("save_layer", "l1")]
+    assert per_layer["p2p"] == []
+
+
+def decode_step(rids: list[str]):
+    return SimpleNamespace(scheduled_new_reqs=[],
+                           scheduled_cached_reqs=SimpleNamespace(req_ids=rids, num_computed_tokens=[300] * len(rids)),
+                           num_scheduled_tokens=dict.fromkeys(rids, 1))
+
+
+def test_the_scheduler_asks_for_every_prefill_step_timed_and_decode_steps_at_most_20_a_second():
+    from multi.scheduler import DECODE_SAMPLES_PER_S
+
+    s = TieredScheduler(three_tiers(), PolicyConfig(), BS, 8192.0)
+    timed = [bool(s.build_connector_meta(decode_step(["a", "b"])).step_tokens) for _ in range(100)]
+    # A burst of DECODE_SAMPLES_PER_S, then one more for every 50 ms these 100 steps took.
+    assert DECODE_SAMPLES_PER_S == 20 and all(timed[:20]) and 20 <= sum(timed) <= 22
+    assert s.build_connector_meta(step("c", 256)).step_tokens == [(256, 0)]  # prompt tokens: always
+    s._decode_budget, s._budget_at = 0.0, s._budget_at - 0.1  # spent, and 100 ms later: two more
+    assert s.build_connector_meta(decode_step(["a", "b"])).step_tokens == [(1, 300), (1, 300)]
+    assert s.build_connector_meta(decode_step(["a", "b"])).step_tokens
+    assert not s.build_connector_meta(decode_step(["a", "b"])).step_tokens
