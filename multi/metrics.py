@@ -56,8 +56,8 @@ class TieredStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         # Asked several times a step: the dicts themselves, no TierStats built around them.
-        d = self.data
-        return not (d["tiers"] or d["samples"] or d["own"]["counters"] or d["own"]["ops"])
+        d, own = self.data, self.data["own"]
+        return not (d["tiers"] or d["samples"] or own.get("counters") or own.get("ops"))
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         if other is None or other.is_empty():
