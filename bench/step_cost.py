@@ -24,7 +24,8 @@ nothing is reused: ``store`` saves, and looks up, prompts it never saw). Arms ar
 kv_consumer, ``--variant``), each with its own store namespace on one Mooncake master and
 store server (started beside the driver, on core 0). The table gives per arm the median over
 rounds of each batch's seconds and of its ratio to the ``plain`` runs beside it, with the
-ratios' interquartile range. ``--before DIR`` adds every connector arm once more from DIR's
+ratios' interquartile range. ``--before DIR`` runs each of the ``store``, ``p2p`` and ``tiered``
+arms asked for once more with the connector packages (and ``bench.no_reuse``'s arms) of DIR's
 tree (``ARM-before``). Writes ``step_cost.json`` and ``step_cost.md`` to ``--out`` (default
 ``bench/results/step_cost/``); everything started is stopped at the end, also on failure and
 Ctrl-C. Exit status 1 when an arm failed.
@@ -49,7 +50,7 @@ if os.environ.get(TREE_ENV):
     sys.path.insert(0, os.environ[TREE_ENV])
 
 from bench.common import commit, machine, model_dir, output_dir, rotated, term_as_interrupt  # noqa: E402
-from bench.no_reuse import BEFORE, add_variant, kv_config  # noqa: E402
+from bench.no_reuse import ARMS, BEFORE, add_variant, kv_config  # noqa: E402
 
 ENGINE_CORE = 1
 BATCHES = {  # name: (prompts, prompt tokens, output tokens)
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     arms += [add_variant(v) for v in a.variant if v.partition("=")[0] not in arms]
     if a.before:
         a.before = str(Path(a.before).resolve())
-        arms += [x + BEFORE for x in arms if x != "plain"]
+        arms += [x + BEFORE for x in arms if x in ARMS and x != "plain"]
     for arm in arms:
         kv_config(arm, "-")  # an unknown arm fails before anything starts
     term_as_interrupt()
