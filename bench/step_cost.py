@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 if os.environ.get(TREE_ENV):
     sys.path.insert(0, os.environ[TREE_ENV])
 
+from bench.client import ids  # noqa: E402
 from bench.common import commit, machine, model_dir, output_dir, rotated, term_as_interrupt  # noqa: E402
 from bench.no_reuse import ARMS, BEFORE, add_variant, kv_config  # noqa: E402
 
@@ -63,7 +64,7 @@ START_TIMEOUT_S, BATCH_TIMEOUT_S = 300, 300
 def prompts(name: str, run: int) -> list[list[int]]:
     n, length, _ = BATCHES[name]
     rng = random.Random(f"{name}-{run}")
-    return [[rng.randrange(10, 2000) for _ in range(length)] for _ in range(n)]
+    return [ids(length, rng) for _ in range(n)]
 
 
 def child(arm: str, master: str, model: str, variants: list[str]) -> None:
