@@ -56,14 +56,19 @@ that term a conversation's home kept its next turns while its queue cost them le
 recomputing their prefix elsewhere, and the conversations in flight together piled on one
 engine (multi-turn chat on plain engines: a predicted wait of 31 ms against round-robin's
 9 ms, docs/benchmarks/router.md). Every instance whose score is within a factor ``near``
-of the cheapest counts as equally fast: ``near = exp(spread)``, the estimates' typical
-error measured by the honesty window (:meth:`multi.router.honesty.Honesty.spread`,
-clamped to [1, ``NEAR``]), ``NEAR`` (1.25x, their accuracy target) until it has measured
-one. Among them the one holding the longest prefix ``L_e`` wins, then the one with fewer
-requests still without their first token (``inflight``: beside one still prefilling a prompt
-shares its steps, beside one decoding it waits a token's step; fewer in flight alone put each
-arrival beside the request that had just started, docs/benchmarks/router.md), then fewer in
-flight, then in turn (an idle pool takes turns).
+of the cheapest counts as equally fast: ``near = exp(spread_0.9)``, the error of nine
+estimates in ten measured by the honesty window (:meth:`multi.router.honesty.Honesty.spread`
+at :data:`NEAR_Q`, clamped to [1, ``NEAR``]), ``NEAR`` (1.25x, their accuracy target) until
+it has measured one (with the median error, a band of 2-8% on the fast CPU class, scores
+apart by the estimates' noise broke the alternation of a closed loop's arrivals,
+docs/benchmarks/router.md). Among them the one holding the longest prefix ``L_e`` wins, then
+the one with fewer requests still without their first token (``inflight``: beside one still
+prefilling a prompt shares its steps, beside one decoding it waits a token's step; fewer in
+flight alone put each arrival beside the request that had just started,
+docs/benchmarks/router.md), then in turn. Not by fewer in flight: requests decoding cost an
+arrival a token's step, which the score already counts (the wait's ``decoding_i``), and in a
+closed loop that tie-break broke the arrivals' alternation, which keeps a conversation's home
+beside the others' (multi-turn chat on plain engines, docs/benchmarks/router.md).
 
 Fixed policies (they still estimate, so predicted-against-actual metrics exist for them):
 ``round-robin`` and ``least-outstanding`` as the earlier proxy (a P/D pair always handing
@@ -107,13 +112,14 @@ from p2p.config import LOAD_PRIOR as P2P_PRIOR
 POLICIES = ("kv", "least-outstanding", "round-robin", "direct", "handoff")
 WAIT_FLOOR_S = 1.0  # the instance fits' OnlineFit floor (multi.router.fits), read when a fit is made
 # Plain instances whose scores are within this factor of the best count as equally fast
-# until the honesty window measures the estimates' spread (then exp(spread), at most this):
-# the estimates' own accuracy target (+-25%, multi.router.honesty's LEAVE). Among them the
+# until the honesty window measures the estimates' spread (then exp of its NEAR_Q-quantile,
+# at most this): the estimates' own accuracy target (+-25%, multi.router.honesty's LEAVE). Among them the
 # choice keeps affinity, then balance: a prompt placed where its prefix is not becomes that
 # prefix's home for its later requests (a conversation's next turns), so a choice by a
 # difference the estimates cannot vouch for piled conversations on one engine
 # (docs/benchmarks/router.md, multi-turn chat on plain engines).
 NEAR = 1.25
+NEAR_Q = 0.9  # the band: a difference nine estimates in ten are more accurate than
 
 
 @dataclass(frozen=True)
@@ -333,9 +339,10 @@ class Chooser(Ledger):
         return cands, alternatives
 
     def near(self) -> float:
-        """The tie band among plain instances: ``exp(spread)`` of the direct estimates once
-        the honesty window has measured it, within [1, :data:`NEAR`]; :data:`NEAR` before."""
-        spread = self.honesty.spread("direct")
+        """The tie band among plain instances: ``exp`` of the direct estimates' spread at
+        :data:`NEAR_Q` once the honesty window has measured it, within [1, :data:`NEAR`];
+        :data:`NEAR` before."""
+        spread = self.honesty.spread("direct", NEAR_Q)
         return NEAR if spread is None else min(NEAR, math.exp(spread))
 
     def plain_score(self, prompt: Prompt, e: Candidate, now: float) -> float:
@@ -348,12 +355,12 @@ class Chooser(Ledger):
     def _near_best(order: list[Instance], est: dict[str, float], match, near: float = NEAR) -> Instance:
         """The kv policy's plain instance: among those whose score is within ``near`` of the
         best, the one holding the longest prefix of the prompt, then the one with fewer
-        requests still without their first token (``inflight``), then fewer requests in
-        flight, then the first in ``order`` (the turn). A prompt that lands beside one still
-        prefilling shares its steps; beside one decoding it waits for a token's step only."""
+        requests still without their first token (``inflight``), then the first in ``order``
+        (the turn). A prompt that lands beside one still prefilling shares its steps; beside
+        one decoding it waits for a token's step only."""
         best = min(est.values())
         tied = [i for i in order if est[i.url] <= best * near]
-        return min(tied, key=lambda i: (-match(i), len(i.inflight), i.outstanding))
+        return min(tied, key=lambda i: (-match(i), len(i.inflight)))
 
     def _choose_plain(self, pool: Pool, prompt: Prompt, match, now: float, policy: str) -> Route | None:
         store = prompt.store

@@ -30,9 +30,9 @@ follows within ``2 * hold`` answers of the last return, up to 8x) and every kind
 enough answers drifts less than ``leave`` (ln 1.25: the target). The hysteresis between
 ``enter`` and ``leave`` and the growing hold stop it from flapping.
 
-**Spread.** :meth:`Honesty.spread` is a kind's median ``|ln(actual / predicted)|`` over the
-window: how far one estimate is typically off. The kv policy's tie band among plain
-instances is ``exp(spread)`` (:mod:`multi.router.choose`).
+**Spread.** :meth:`Honesty.spread` is a quantile of a kind's ``|ln(actual / predicted)|`` over
+the window: the median says how far one estimate is typically off. The kv policy's tie band
+among plain instances is ``exp`` of its 0.9-quantile (:mod:`multi.router.choose`).
 
 **Admission margin.** :meth:`Honesty.margin` is the 0.9-quantile of actual / predicted of
 a kind over the window, clamped to [0.8, 3]: admission (:mod:`multi.router.admission`)
@@ -100,11 +100,12 @@ class Honesty:
         r = self._ratios(kind)
         return _quantile(r, 0.5) if len(r) >= self.min_samples else None
 
-    def spread(self, kind: str) -> float | None:
-        """Median ``|ln(actual / predicted)|`` of ``kind`` over the window (how far a single
-        estimate is typically off, either way); None with too few answers."""
+    def spread(self, kind: str, q: float = 0.5) -> float | None:
+        """The ``q``-quantile of ``|ln(actual / predicted)|`` of ``kind`` over the window (the
+        median: how far a single estimate is typically off, either way); None with too few
+        answers."""
         r = self._ratios(kind)
-        return _quantile([abs(math.log(x)) for x in r], 0.5) if len(r) >= self.min_samples else None
+        return _quantile([abs(math.log(x)) for x in r], q) if len(r) >= self.min_samples else None
 
     def margin(self, kind: str, prior: float = PRIOR_MARGIN) -> float:
         """0.9-quantile of ``kind``'s actual / predicted over the window, with
