@@ -148,7 +148,7 @@ def test_the_tie_band_narrows_to_the_estimates_measured_spread():
 def test_the_tie_band_is_the_error_of_nine_estimates_in_ten_not_the_typical_one():
     # Three answers in four exact, one in four 20% late: the typical (median) error is 0, but
     # a 10% difference between two scores is within what one estimate in ten misses by. The
-    # median made the band 2-8% on the fast CPU class, and scores apart by noise broke a closed
+    # median made the band 0-9% on the fast CPU class, and scores apart by noise broke a closed
     # loop's alternation (docs/benchmarks/router.md).
     c, pool = plain_pair(1.0)
     for i in range(40):

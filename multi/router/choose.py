@@ -59,7 +59,7 @@ engine (multi-turn chat on plain engines: a predicted wait of 31 ms against roun
 of the cheapest counts as equally fast: ``near = exp(spread_0.9)``, the error of nine
 estimates in ten measured by the honesty window (:meth:`multi.router.honesty.Honesty.spread`
 at :data:`NEAR_Q`, clamped to [1, ``NEAR``]), ``NEAR`` (1.25x, their accuracy target) until
-it has measured one (with the median error, a band of 2-8% on the fast CPU class, scores
+it has measured one (with the median error, a band of 0-9% on the fast CPU class, scores
 apart by the estimates' noise broke the alternation of a closed loop's arrivals,
 docs/benchmarks/router.md). Among them the one holding the longest prefix ``L_e`` wins, then
 the one with fewer requests still without their first token (``inflight``: beside one still
@@ -113,10 +113,10 @@ POLICIES = ("kv", "least-outstanding", "round-robin", "direct", "handoff")
 WAIT_FLOOR_S = 1.0  # the instance fits' OnlineFit floor (multi.router.fits), read when a fit is made
 # Plain instances whose scores are within this factor of the best count as equally fast
 # until the honesty window measures the estimates' spread (then exp of its NEAR_Q-quantile,
-# at most this): the estimates' own accuracy target (+-25%, multi.router.honesty's LEAVE). Among them the
-# choice keeps affinity, then balance: a prompt placed where its prefix is not becomes that
-# prefix's home for its later requests (a conversation's next turns), so a choice by a
-# difference the estimates cannot vouch for piled conversations on one engine
+# at most this): the estimates' own accuracy target (+-25%, multi.router.honesty's LEAVE).
+# Among them the choice keeps affinity, then balance: a prompt placed where its prefix is
+# not becomes that prefix's home for its later requests (a conversation's next turns), so a
+# choice by a difference the estimates cannot vouch for piled conversations on one engine
 # (docs/benchmarks/router.md, multi-turn chat on plain engines).
 NEAR = 1.25
 NEAR_Q = 0.9  # the band: a difference nine estimates in ten are more accurate than
