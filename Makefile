@@ -40,8 +40,9 @@ setup:
 # tier and the composite (bench/store_divergence.py), then a scaled window of Mooncake's conversation
 # trace through the real stack (bench/trace_replay.py) and the cluster simulator checked
 # against it (bench/sim validate), then what each connector costs when nothing is reused
-# (bench/no_reuse.py) and, quieter, what each adds to an engine's steps (bench/step_cost.py), the scheduling step's time in store lookups when many requests
-# arrive at once (bench/lookup_stall.py) and what vLLM's hybrid KV cache allocator saves with
+# (bench/no_reuse.py) and, quieter, what each adds to an engine's steps (bench/step_cost.py),
+# the scheduling step's time in store lookups when many requests arrive at once
+# (bench/lookup_stall.py) and what vLLM's hybrid KV cache allocator saves with
 # the store tier (bench/hybrid_memory.py); each runs even when one before it failed.
 # BENCH_ARGS=--quick for the reduced versions; ROUTER_BENCH_ARGS for the router's alone.
 bench: setup
