@@ -52,6 +52,17 @@ Worker side (``Worker`` process):
     One report per load that ended since the last call (success or not), in end
     order. Reports are kept even when nobody asks (a tier used alone), up to
     :data:`MAX_UNREAD_REPORTS`; older ones are dropped.
+``quiet_step(meta) -> bool``
+    Asked when a step's metadata is bound, with the tier's own metadata of the step: True
+    when none of the tier's worker hooks of this step would do or report anything (``meta``
+    asks nothing, nothing is queued, unreported or held, and nothing it was told of waits for
+    a finished request). The composite then skips them all for the step, from
+    ``bind_connector_metadata`` to ``clear_connector_metadata`` (``handle_preemptions``
+    excepted), and asks again at the next step; a load or hold it planned and has not seen
+    end makes it call the tier whatever this answers. Something that happens on another thread
+    between the answer and the step's end (a count, a load ending) is reported at the next
+    step the tier is called. Default False: always called. Why: each hook costs a few
+    microseconds at every step (docs/benchmarks/no-reuse.md, the per-step cost).
 """
 
 from __future__ import annotations
@@ -131,11 +142,17 @@ class LoadReports:
         self._lock = threading.Lock()
         self._q: deque[LoadReport] = deque(maxlen=maxlen)
 
+    def __bool__(self) -> bool:
+        """Whether a report waits to be taken (read unlocked: one added now counts at the next look)."""
+        return bool(self._q)
+
     def add(self, report: LoadReport) -> None:
         with self._lock:
             self._q.append(report)
 
     def take(self) -> list[LoadReport]:
+        if not self._q:  # asked every step, most steps have none
+            return []
         with self._lock:
             out = list(self._q)
             self._q.clear()
@@ -195,6 +212,9 @@ class Tier:
 
     def take_load_reports(self) -> list[LoadReport]:
         raise NotImplementedError
+
+    def quiet_step(self, meta) -> bool:
+        return False
 
 
 def blocks_of(start_token: int, end_token: int, block_size: int, block_ids: list[int]) -> list[int]:

@@ -148,6 +148,9 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA, Tier):
     def take_load_reports(self) -> list[LoadReport]:
         return self._worker.reports.take() if self._worker is not None else []
 
+    def quiet_step(self, meta) -> bool:
+        return self._worker is not None and self._worker.quiet(meta)
+
     # -- scheduler side ------------------------------------------------------------
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:

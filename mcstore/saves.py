@@ -1,5 +1,5 @@
-"""One save job's I/O on the store tier's worker (:class:`Saves`, mixed into
-:class:`mcstore.worker.StoreWorker`, whose save thread calls :meth:`Saves._save`).
+"""The save thread of the store tier's worker and one save job's I/O (:class:`Saves`, mixed into
+:class:`mcstore.worker.StoreWorker`, whose save thread runs :meth:`Saves._save_loop`).
 
 Chunks already in the store are skipped (and still announced as stored); the rest go to
 the store as zero-copy batch puts from the registered pages, each with its checksum trailer
@@ -22,6 +22,7 @@ import time
 
 from kvcore.errors import cause_of, is_no_space
 from kvcore.log import get_logger
+from kvcore.platform import wait_fence
 from mcstore.loads import MAX_RANGES_PER_CALL, ranged_batches
 from mcstore.objects import TRAILER as _TRAILER, pack_trailer
 from mcstore.protocol import SaveJob
@@ -35,7 +36,40 @@ class Saves:
     """Needs of the host: ``client``, ``keys``, ``cfg``, ``geo``, ``groups``, ``rank``, ``block_size``,
     ``verify`` and ``trailer`` (bytes), ``_save_trailers`` (a host buffer of trailer slots),
     ``_full_until``, ``_lock``, ``stats``, ``_ptrs``, ``_phase``, ``_count``, ``_count_io`` and
-    ``_news_of``."""
+    ``_news_of``; for the save thread also ``_stop``, ``_save_q`` (``(job, fence, queued at, step)``),
+    ``_save_q_chunks``, ``_save_ready``, ``_saving``, ``_tainted``, ``_pending_saves``,
+    ``_observe_phase`` and ``_job_ended``."""
+
+    def _save_loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                while not self._stop.is_set() and (not self._save_q or self._save_ready(time.monotonic()) > 0):
+                    self._lock.wait(self._save_ready(time.monotonic()) if self._save_q else 0.5)
+                if self._stop.is_set():
+                    return
+                job, fence, queued, _ = self._save_q.popleft()
+                self._save_q_chunks -= len(job.chunks)
+                self._saving = job
+            try:
+                wait_fence(fence)
+                self._observe_phase("save_queue", time.monotonic() - queued)
+                written = self._save(job)
+            except Exception as e:  # noqa: BLE001 - a save must end, whatever happened
+                logger.exception("mcstore: save of %s failed: %s", job.req_id, e)
+                self._count("failures:save_error")
+                written = []
+            with self._lock:
+                tainted = id(job) in self._tainted
+                self._tainted.discard(id(job))
+            if tainted and written:
+                self.client.store.batch_remove(written, True)
+            elif written:
+                self._news_of(stored_keys=written)  # before the request can be reported finished
+            with self._lock:
+                self._saving = None
+                self._pending_saves[job.req_id] -= 1
+                self._job_ended(job)
+                self._lock.notify_all()
 
     def _dirs_setup(self) -> None:
         """The registered buffer the directory entries ride in (:meth:`_riders`); only the first TP

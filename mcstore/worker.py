@@ -35,7 +35,7 @@ from kvcore.errors import ConfigError
 from kvcore.geometry import KVGeometry
 from kvcore.log import get_logger
 from kvcore.pages import PageViews
-from kvcore.platform import current as current_platform, wait_fence
+from kvcore.platform import current as current_platform
 from kvcore.procs import name_thread
 from kvcore.tier import LoadReports
 from kvcore.vllm_glue import KVConnectorTransferResults
@@ -250,12 +250,21 @@ class StoreWorker(Loads, LayerLoads, Saves, WorkerNews):
                 self._save_q_chunks += n
             self._lock.notify_all()
 
+    def quiet(self, meta: StoreMetadata | None) -> bool:
+        """:meth:`kvcore.tier.Tier.quiet_step`: ``meta`` asks nothing, and no save is queued or
+        running or waits for its request to finish, no load result or news waits to be taken.
+        Read unlocked (the I/O threads add under the lock): what they add now is seen next step."""
+        return (meta is not None and not (meta.loads or meta.saves or meta.preempted)
+                and not (self._save_q or self._saving or self._pending_saves or self._done_loads or self._failed_reqs
+                         or self._step_errors or getattr(self, "_unit", None) or self.reports)
+                and not (self._news.stored or self._news.gone or self._news.saved) and self.stats.is_empty())
+
     def next_step(self) -> None:
         """A new step's metadata is bound: the saves queued by earlier steps may start (see
         :meth:`_save_ready`)."""
-        with self._lock:
-            self._step += 1
-            if self._save_q:
+        self._step += 1  # written on this thread only; the save thread reads it under the lock
+        if self._save_q:
+            with self._lock:
                 self._lock.notify_all()
 
     def _save_ready(self, now: float) -> float:
@@ -320,18 +329,24 @@ class StoreWorker(Loads, LayerLoads, Saves, WorkerNews):
         a sliding group a recompute from the failed block would read blocks it freed behind the
         window; so the whole request is recomputed (vLLM's ``failed_recving``)."""
         sending, recving = self.get_finished(finished_req_ids)
-        with self._lock:
-            failed, self._failed_reqs = self._failed_reqs, set()
+        failed = set()
+        if self._failed_reqs:  # written on this thread only (get_finished): read unlocked, most steps
+            with self._lock:
+                failed, self._failed_reqs = self._failed_reqs, set()
         return KVConnectorTransferResults(finished_sending=sending or set(), finished_recving=recving or set(),
                                           failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._end_layers()  # vLLM calls get_finished first; this covers a caller that does not
+        if not self._step_errors:  # written on this thread only: read unlocked, most steps
+            return set()
         with self._lock:
             out, self._step_errors = self._step_errors, set()
         return out
 
     def take_stats(self) -> StoreStats | None:
+        if self.stats.is_empty():  # read unlocked: a count added now is taken at the next call
+            return None
         with self._lock:
             return self.stats.take()
 
@@ -357,39 +372,6 @@ class StoreWorker(Loads, LayerLoads, Saves, WorkerNews):
         with self._lock:
             self.stats.inc(f"io_chunks:{kind}", len(ptrs))
             self.stats.inc(f"io_ranges:{kind}", sum(map(len, ptrs)))
-
-    # -- saves -----------------------------------------------------------------------
-
-    def _save_loop(self) -> None:
-        while not self._stop.is_set():
-            with self._lock:
-                while not self._stop.is_set() and (not self._save_q or self._save_ready(time.monotonic()) > 0):
-                    self._lock.wait(self._save_ready(time.monotonic()) if self._save_q else 0.5)
-                if self._stop.is_set():
-                    return
-                job, fence, queued, _ = self._save_q.popleft()
-                self._save_q_chunks -= len(job.chunks)
-                self._saving = job
-            try:
-                wait_fence(fence)
-                self._observe_phase("save_queue", time.monotonic() - queued)
-                written = self._save(job)
-            except Exception as e:  # noqa: BLE001 - a save must end, whatever happened
-                logger.exception("mcstore: save of %s failed: %s", job.req_id, e)
-                self._count("failures:save_error")
-                written = []
-            with self._lock:
-                tainted = id(job) in self._tainted
-                self._tainted.discard(id(job))
-            if tainted and written:
-                self.client.store.batch_remove(written, True)
-            elif written:
-                self._news_of(stored_keys=written)  # before the request can be reported finished
-            with self._lock:
-                self._saving = None
-                self._pending_saves[job.req_id] -= 1
-                self._job_ended(job)
-                self._lock.notify_all()
 
     def close(self) -> None:
         self._stop.set()

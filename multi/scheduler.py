@@ -207,6 +207,10 @@ class TieredScheduler:
 
     def update_connector_output(self, out) -> None:
         stats, worker_meta = out.kv_connector_stats, getattr(out, "kv_connector_worker_meta", None)
+        if stats is None and worker_meta is None:  # most steps: the tiers see the joined results alone
+            for tier in self.tiers.values():
+                tier.update_connector_output(out)
+            return
         tier_data = stats.data.get("tiers", {}) if stats is not None and not stats.is_empty() else {}
         tier_meta = getattr(worker_meta, "tiers", {})
         try:

@@ -19,7 +19,10 @@ encoded by :func:`multi.policy.encode_samples`. A pass is timed when its metadat
 
 Every hook here runs at every step (the per-layer ones at every layer): a step that moves
 nothing must cost next to nothing (docs/benchmarks/no-reuse.md, the per-step cost). A tier
-whose per-layer hooks do nothing (``Tier.layer_hooks`` False) is not called per layer.
+whose per-layer hooks do nothing (``Tier.layer_hooks`` False) is not called per layer, and a
+tier quiet for the step (``Tier.quiet_step``, asked in ``bind``) is not called from
+``bind_connector_metadata`` to ``clear_connector_metadata`` unless a load or hold planned on
+it has not ended (``_loading``, ``_holders``): those end as soon as the tier reports them.
 """
 
 from __future__ import annotations
@@ -49,7 +52,12 @@ class TieredWorker:
         self._invalid: set[int] = set()
         self._forward_start = 0.0
         self._step_tokens: list[tuple[int, int]] = []
-        layered = [t for t in tiers.values() if t.layer_hooks]
+        self._active: dict[str, Tier] = tiers  # the tiers called in this step (bind .. clear)
+        self._layer_hooks(tiers)
+
+    def _layer_hooks(self, active: dict[str, Tier]) -> None:
+        self._layered_for = tuple(active)  # the tiers whose per-layer hooks these are
+        layered = [t for t in active.values() if t.layer_hooks]
         self._layer_loads = [t.wait_for_layer_load for t in layered]
         self._layer_saves = [t.save_kv_layer for t in layered]
 
@@ -61,8 +69,18 @@ class TieredWorker:
 
     def bind(self, meta: TieredMetadata) -> None:
         now = time.monotonic()
+        # Loads and holds planned (this step's too) and not ended: called whatever the tier answers.
+        busy = (set().union(*self._loading.values(), *self._holders.values(), *meta.loads.values(), *meta.sends.values())
+                if self._loading or self._holders or meta.loads or meta.sends else ())
+        active = {}
         for name, tier in self.tiers.items():
-            tier.bind_connector_metadata(meta.tiers.get(name))
+            m = meta.tiers.get(name)
+            if name in busy or not tier.quiet_step(m):
+                active[name] = tier
+                tier.bind_connector_metadata(m)
+        if tuple(active) != self._layered_for:
+            self._layer_hooks(active)
+        self._active = active
         for rid, per_tier in meta.loads.items():
             if rid in meta.sync:
                 continue  # ends in this step's start_load_kv; its failed blocks come as load errors
@@ -75,8 +93,9 @@ class TieredWorker:
         self._forward_start = now
 
     def clear(self) -> None:
-        for tier in self.tiers.values():
+        for tier in self._active.values():
             tier.clear_connector_metadata()
+        self._active = self.tiers  # a hook outside bind .. clear reaches every tier
 
     def handle_preemptions(self, meta) -> None:
         if isinstance(meta, TieredMetadata):
@@ -84,7 +103,7 @@ class TieredWorker:
                 tier.handle_preemptions(meta.tiers.get(name))
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
-        for tier in self.tiers.values():
+        for tier in self._active.values():
             tier.start_load_kv(forward_context, **kwargs)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -97,7 +116,7 @@ class TieredWorker:
 
     def wait_for_save(self) -> None:
         self._forward_done()
-        for tier in self.tiers.values():
+        for tier in self._active.values():
             tier.wait_for_save()
 
     def shutdown(self) -> None:
@@ -117,18 +136,15 @@ class TieredWorker:
 
     def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults(finished_sending=set(), finished_recving=set(), failed_recving=set())
-        now = time.monotonic()
-        for name, tier in self.tiers.items():
+        for name, tier in self._active.items():
             res = tier.get_transfer_results(finished_req_ids)
-            failed = res.failed_recving or set()
-            for rid in failed:
-                self._tier_done(name, rid, now, out, failed=True)
-            for rid in res.finished_recving or ():
-                if rid not in failed:
-                    self._tier_done(name, rid, now, out, failed=False)
-            for rid in res.finished_sending or ():
-                self._released.setdefault(rid, set()).add(name)
-            self._invalid |= tier.get_block_ids_with_load_errors()
+            if res.failed_recving or res.finished_recving or res.finished_sending:  # most steps: none
+                self._join(name, res, out)
+            errors = tier.get_block_ids_with_load_errors()
+            if errors:
+                self._invalid |= errors
+        if not self._released:
+            return out
         # The holders of a request are announced in the metadata of the step after
         # request_finished, before any tier can let go of it.
         for rid, released in list(self._released.items()):
@@ -137,6 +153,18 @@ class TieredWorker:
                 out.finished_sending.add(rid)
                 del self._holders[rid], self._released[rid]
         return out
+
+    def _join(self, name: str, res: KVConnectorTransferResults, out: KVConnectorTransferResults) -> None:
+        """One tier's results of this step into ``out``."""
+        now = time.monotonic()
+        failed = res.failed_recving or set()
+        for rid in failed:
+            self._tier_done(name, rid, now, out, failed=True)
+        for rid in res.finished_recving or ():
+            if rid not in failed:
+                self._tier_done(name, rid, now, out, failed=False)
+        for rid in res.finished_sending or ():
+            self._released.setdefault(rid, set()).add(name)
 
     def _tier_done(self, name: str, rid: str, now: float, out: KVConnectorTransferResults, failed: bool) -> None:
         pending = self._loading.get(rid)
@@ -169,7 +197,7 @@ class TieredWorker:
 
     def worker_meta(self) -> TieredWorkerMeta | None:
         """Each tier's worker -> scheduler metadata of this step, by tier (None when no tier has any)."""
-        metas = {name: m for name, tier in self.tiers.items() if (m := tier.build_connector_worker_meta()) is not None}
+        metas = {name: m for name, tier in self._active.items() if (m := tier.build_connector_worker_meta()) is not None}
         return TieredWorkerMeta(metas) if metas else None
 
     def block_ids_with_load_errors(self) -> set[int]:
@@ -178,7 +206,7 @@ class TieredWorker:
 
     def take_stats(self) -> TieredStats | None:
         """Our counters and samples since the last call, with each tier's worker-side stats."""
-        for name, tier in self.tiers.items():
+        for name, tier in self._active.items():
             s = tier.get_kv_connector_stats()
             if s is not None and not s.is_empty():
                 self.stats.data["tiers"][name] = s.data

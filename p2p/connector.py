@@ -90,6 +90,9 @@ class P2PConnector(KVConnectorBase_V1, SupportsHMA, Tier):
     def take_load_reports(self) -> list[LoadReport]:
         return self.worker.reports.take() if self.worker is not None else []
 
+    def quiet_step(self, meta) -> bool:
+        return self.worker is not None and self.worker.quiet(meta)
+
     # ---------------- scheduler side ----------------
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)

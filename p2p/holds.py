@@ -156,6 +156,10 @@ class SideChannel:
             out, self._finished = self._finished, set()
         return out
 
+    def idle(self) -> bool:
+        """No hold added, held or ended but not taken (read unlocked, from the worker thread)."""
+        return not (self._holds or self._finished) and self._inbox.empty()
+
     def held(self) -> int:
         return len(self._holds)
 
@@ -197,14 +201,14 @@ class SideChannel:
             table.popitem(last=False)
 
     def _release(self, hold: Hold, outcome: str) -> None:
-        if self._holds.get(hold.transfer_id) is hold:
-            del self._holds[hold.transfer_id]
-        # Stats first: the step that reports the request finished must carry them
-        # (the engine may go idle right after it).
+        # Stats first: the step that reports the request finished must carry them (the engine
+        # may go idle right after it); the hold last, so idle() never sees it gone and not finished.
         self._inc(f"holds:{outcome}")
         self._observe("hold", time.monotonic() - hold.opened)
         with self._fin_lock:
             self._finished.add(hold.req_id)
+        if self._holds.get(hold.transfer_id) is hold:
+            del self._holds[hold.transfer_id]
         log = logger.warning if outcome == "expired" else logger.debug
         log("hold %s (%s, %d blocks) %s after %.1fs", hold.transfer_id, hold.req_id, len(hold.block_ids),
             outcome, time.monotonic() - hold.opened)

@@ -134,9 +134,9 @@ class Puller:
             out, self._results = self._results, []
         return out
 
-    def inflight(self) -> int:
-        with self._lock:
-            return len(self._inflight)
+    def idle(self) -> bool:
+        """No pull running and no result to take (read unlocked, from the worker thread)."""
+        return not (self._inflight or self._results)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -169,6 +169,13 @@ class P2PWorker:
         elif meta.recvs:
             logger.error("P2P: %d pulls scheduled on a producer-only worker; ignored", len(meta.recvs))
 
+    def quiet(self, meta) -> bool:
+        """:meth:`kvcore.tier.Tier.quiet_step`: ``meta`` asks nothing, and no hold, pull, result,
+        report or count waits here (read unlocked: what another thread adds now is seen next step)."""
+        return (meta is not None and not (meta.holds or meta.aborted or meta.recvs or self._failed or self.reports)
+                and (self.side is None or self.side.idle()) and (self.puller is None or self.puller.idle())
+                and self.stats.is_empty())
+
     def transfer_results(self) -> KVConnectorTransferResults:
         res = KVConnectorTransferResults()
         if self.side is not None:
@@ -195,6 +202,8 @@ class P2PWorker:
             self.stats.inc(key)
 
     def take_stats(self) -> P2PStats | None:
+        if self.stats.is_empty():  # asked every step: read unlocked, a count added now is taken next time
+            return None
         with self.stats_lock:
             return self.stats.take()
 
