@@ -255,8 +255,9 @@ class StoreWorker(Loads, LayerLoads, Saves, WorkerNews):
         running or waits for its request to finish, no load result or news waits to be taken.
         Read unlocked (the I/O threads add under the lock): what they add now is seen next step."""
         return (meta is not None and not (meta.loads or meta.saves or meta.preempted)
-                and not (self._save_q or self._saving or self._pending_saves or self._done_loads or self._failed_reqs
-                         or self._step_errors or getattr(self, "_unit", None) or self.reports)
+                and self._saving is None and getattr(self, "_unit", None) is None  # a layer-wise load
+                and not (self._save_q or self._pending_saves or self._done_loads or self._failed_reqs
+                         or self._step_errors or self.reports)
                 and not (self._news.stored or self._news.gone or self._news.saved) and self.stats.is_empty())
 
     def next_step(self) -> None:
