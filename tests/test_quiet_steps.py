@@ -13,7 +13,7 @@ from kvcore.metrics import TierStats
 from kvcore.vllm_glue import KVConnectorTransferResults
 from multi.protocol import TieredMetadata
 from multi.worker import TieredWorker
-from tests.test_tier_contract import BS, FakeTier
+from tests.test_tier_contract import FakeTier, store_worker
 
 pytestmark = pytest.mark.unit
 
@@ -133,20 +133,9 @@ def wait_until(cond, what: str, timeout: float = 15.0) -> None:
 
 
 def test_the_store_worker_is_quiet_only_with_nothing_queued_running_or_untaken(store_cluster, monkeypatch):
-    import torch
-
-    from mcstore.config import load_config as store_config
-    from mcstore.keys import KeySpace, fingerprint
     from mcstore.protocol import ChunkIO, LoadJob, SaveJob, StoreMetadata
-    from mcstore.server import CLIENT_ENV
-    from mcstore.worker import StoreWorker
 
-    for k, v in CLIENT_ENV.items():
-        monkeypatch.setenv(k, v)
-    cfg = store_config({"master": store_cluster.master_addr, "chunk_tokens": 2 * BS}, env={})
-    w = StoreWorker(cfg, KeySpace(fingerprint({"t": "quiet-steps"}), 2 * BS), BS, 16, 0, load=True, save=True)
-    buf = torch.zeros(2, 16, 2, BS, 64, dtype=torch.bfloat16)
-    w.register_kv_caches({f"layer{i}": buf[i] for i in range(2)})
+    w = store_worker(store_cluster, monkeypatch, "quiet-steps")
 
     def drained() -> bool:  # what the composite's result hooks take at a step's end
         w.get_transfer_results(set())

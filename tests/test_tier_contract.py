@@ -345,24 +345,31 @@ def test_config_generic_tiers_and_short_form():
 
 
 @pytest.mark.integration
-def test_store_worker_reports_each_load(store_cluster, monkeypatch):
-    """A real store worker ends every load with one LoadReport: bytes and seconds, or not ok."""
-    import time
-
+def store_worker(store_cluster, monkeypatch, namespace: str):
+    """A real store worker of ``store_cluster`` (chunks of 2 blocks) over 16 blocks of 2 bf16 layers."""
     import torch
 
     from mcstore.config import load_config as store_config
     from mcstore.keys import KeySpace, fingerprint
-    from mcstore.protocol import ChunkIO, LoadJob, SaveJob, StoreMetadata
     from mcstore.server import CLIENT_ENV
     from mcstore.worker import StoreWorker
 
     for k, v in CLIENT_ENV.items():
         monkeypatch.setenv(k, v)
     cfg = store_config({"master": store_cluster.master_addr, "chunk_tokens": 2 * BS}, env={})
-    w = StoreWorker(cfg, KeySpace(fingerprint({"t": "tier-contract"}), 2 * BS), BS, 16, 0, load=True, save=True)
+    w = StoreWorker(cfg, KeySpace(fingerprint({"t": namespace}), 2 * BS), BS, 16, 0, load=True, save=True)
     buf = torch.zeros(2, 16, 2, BS, 64, dtype=torch.bfloat16)
     w.register_kv_caches({f"layer{i}": buf[i] for i in range(2)})
+    return w
+
+
+def test_store_worker_reports_each_load(store_cluster, monkeypatch):
+    """A real store worker ends every load with one LoadReport: bytes and seconds, or not ok."""
+    import time
+
+    from mcstore.protocol import ChunkIO, LoadJob, SaveJob, StoreMetadata
+
+    w = store_worker(store_cluster, monkeypatch, "tier-contract")
     try:
         link = f"mct/tier/{time.monotonic_ns()}"
         w.wait_for_save(StoreMetadata(saves=[SaveJob("s", [ChunkIO(link, 0, [1, 2])])]))
