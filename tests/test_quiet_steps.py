@@ -59,7 +59,7 @@ class QuietTier(FakeTier):
         self.calls.append(("clear",))
 
 
-def run_step(w: TieredWorker, meta: TieredMetadata, finished: set[str] = frozenset()):
+def run_step(w: TieredWorker, meta: TieredMetadata):
     """The worker hooks of one step, in vLLM's order (kv_connector_model_runner_mixin)."""
     w.handle_preemptions(meta)
     w.bind(meta)
@@ -67,7 +67,7 @@ def run_step(w: TieredWorker, meta: TieredMetadata, finished: set[str] = frozens
     w.wait_for_layer_load("l0")
     w.save_kv_layer("l0", None, None)
     w.wait_for_save()
-    out = w.transfer_results(set(finished))
+    out = w.transfer_results(set())
     w.block_ids_with_load_errors()
     w.take_stats()
     w.worker_meta()
