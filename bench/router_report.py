@@ -94,6 +94,16 @@ def _paired_median(r: dict, workload: str, deployment: str, a: str, b: dict | No
     return median(q) if q else None
 
 
+def _spread(r: dict, workload: str, deployment: str, best: dict | None, key: str) -> float | None:
+    """How far ``key`` of the policy ``best`` moved between its consecutive rounds: the median
+    of ``|ln(x[k+1] / x[k])|`` as a fraction, the host's own noise beside kv's ratio (None with
+    fewer than two rounds). The rounds are minutes apart, as kv and that policy are not."""
+    runs = _runs(r.get("rows") or [], workload, deployment, best["policy"]) if best else {}
+    xs = [runs[k][key] for k in sorted(runs) if runs[k].get(key)]
+    steps = [abs(math.log(b / a)) for a, b in zip(xs, xs[1:])]
+    return math.expm1(median(steps)) if steps else None
+
+
 def _ratio(a: dict | None, b: dict | None, key: str) -> float | None:
     if not a or not b or not a.get(key) or not b.get(key):
         return None
@@ -148,6 +158,11 @@ def _run_rows(r: dict, rows: list[dict]) -> list[list[str]]:
     return body
 
 
+def _spread_text(r: dict, w: str, dep: str, best: dict | None, best90: dict | None) -> str:
+    m, p = _spread(r, w, dep, best, "mean_ttft_ms"), _spread(r, w, dep, best90, "p90_ttft_ms")
+    return "-" if m is None or p is None else f"+-{m:.0%} / +-{p:.0%}"
+
+
 def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     rows = r.get("rows") or []
     settle = (r.get("scale") or {}).get("settle", 50)
@@ -159,7 +174,8 @@ def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                 f"--max-concurrency {r['concurrency']} except trace and admission)", head, _run_rows(r, rows)))
     pols = ("kv",) + FIXED
     head = ["workload", "deployment", "rounds", "best fixed policy (mean TTFT)", "kv / best fixed: mean TTFT",
-            "kv / best fixed: p90 TTFT"] + [f"{SHORT[p]} / best fixed mean" for p in pols]
+            "kv / best fixed: p90 TTFT", "best fixed, round to round: mean / p90"] \
+        + [f"{SHORT[p]} / best fixed mean" for p in pols]
     body = []
     for w in dict.fromkeys(x["workload"] for x in rows if x["workload"] != "admission"):
         for dep in ("pd", "plain"):
@@ -169,11 +185,13 @@ def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
             body.append([w, DEPLOYMENTS[dep], str(best.get("rounds", 1)),
                          f"{best['policy']} ({best['mean_ttft_ms']:.0f} ms)",
                          _f(_paired_median(r, w, dep, "kv", best, "mean_ttft_ms"), "{:.2f}"),
-                         _f(_paired_median(r, w, dep, "kv", best90, "p90_ttft_ms"), "{:.2f}")]
+                         _f(_paired_median(r, w, dep, "kv", best90, "p90_ttft_ms"), "{:.2f}"),
+                         _spread_text(r, w, dep, best, best90)]
                         + [_f(_paired_median(r, w, dep, p, best, "mean_ttft_ms"), "{:.2f}") for p in pols])
     out.append(("2. Side by side: each policy's mean TTFT over the best fixed policy's on the same deployment "
                 "(< 1: better than the best fixed policy; with rounds, the best by median over rounds and each "
-                "ratio the median of the per-round ratios)", head, body))
+                "ratio the median of the per-round ratios; round to round: how much the best fixed policy's own "
+                "figure moved between consecutive rounds, median, the host's noise)", head, body))
     adm = [x for x in rows if x["workload"] == "admission"]
     if adm:
         head = ["admission", "rate req/s", "TTFT target s", "admitted", "rejected (429)", "other failures",
@@ -232,7 +250,9 @@ def verdicts(r: dict) -> list[str]:
                 if m > WITHIN or p > WITHIN:
                     n = len(_paired(rows, w, (dep, "kv"), (dep, best["policy"]), "mean_ttft_ms"))
                     misses.append(f"{w} {DEPLOYMENTS[dep]}: mean x{m:.2f} of {best['policy']}, p90 x{p:.2f} "
-                                  f"of {best90['policy']}" + (f" (medians of {n} rounds)" if n > 1 else ""))
+                                  f"of {best90['policy']}" + (f" (medians of {n} rounds; the best fixed policy's "
+                                                              f"own round to round {_spread_text(r, w, dep, best, best90)})"
+                                                              if n > 1 else ""))
     lines.append("kv mean and p90 TTFT within 5% of the best fixed policy: "
                  + ("not measured" if not checked else f"{'reached' if not misses else 'NOT reached'}: within in "
                     f"{checked - len(misses)} of {checked} workload-deployments" + (f"; missed in {len(misses)} "

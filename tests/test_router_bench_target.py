@@ -88,9 +88,26 @@ def test_with_rounds_kv_is_judged_on_the_median_of_its_per_round_ratios():
     assert line.endswith("reached: within in 1 of 1 workload-deployments"), line
     rows[4]["mean_ttft_ms"] = 330  # round 1: 1.10, median of 1.20, 1.10, 1.02 is 1.10
     line = next(x for x in verdicts({"rows": rows}) if x.startswith("kv mean and p90"))
-    assert "NOT reached" in line and "mean x1.10 of round-robin, p90 x1.02 of round-robin (medians of 3 rounds)" in line
+    assert "NOT reached" in line and "mean x1.10 of round-robin, p90 x1.02 of round-robin (medians of 3 rounds" in line
+    # Beside it, how far round-robin's own figures moved between its consecutive rounds
+    # (100 -> 300 -> 100 ms mean, 200 -> 600 -> 200 ms p90: 3x each step): the host's noise.
+    assert line.endswith("the best fixed policy's own round to round +-200% / +-200%))"), line
     _, head, body = tables({"rows": rows, "output_tokens": 16, "concurrency": 4})[1]
     got = dict(zip(head, body[0]))
     assert (got["rounds"], got["best fixed policy (mean TTFT)"], got["kv / best fixed: mean TTFT"]) == \
         ("3", "round-robin (100 ms)", "1.10")
     assert got["lo / best fixed mean"] == "1.05"  # 1.05, 0.97, 1.10
+    assert got["best fixed, round to round: mean / p90"] == "+-200% / +-200%"
+
+
+def test_the_round_to_round_spread_is_the_median_step_of_one_policy_over_its_rounds():
+    """Round-robin's mean 100, 110, 99, 100 ms over four rounds: steps of 10%, 10% and 1%,
+    median 10% either way up or down; one round alone has no spread."""
+    from bench.router_report import _spread
+
+    def row(r, mean):
+        return {"workload": "chat", "deployment": "plain", "policy": "round-robin", "round": r, "mean_ttft_ms": mean}
+    r = {"rows": [row(2, 99.0), row(0, 100.0), row(3, 100.0), row(1, 110.0)]}  # in round order: 100, 110, 99, 100
+    assert _spread(r, "chat", "plain", {"policy": "round-robin"}, "mean_ttft_ms") == pytest.approx(0.1, abs=0.002)
+    assert _spread({"rows": [row(0, 100.0)]}, "chat", "plain", {"policy": "round-robin"}, "mean_ttft_ms") is None
+    assert _spread(r, "chat", "plain", None, "mean_ttft_ms") is None

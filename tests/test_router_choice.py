@@ -1,7 +1,8 @@
 """The kv policy's choice among plain instances: its score (the estimate plus what the
-prefill costs the requests waiting there), and among scores within the estimates' accuracy
-of each other (``multi.router.choose.NEAR``, then their measured spread): affinity, then
-balance."""
+prefill costs the requests waiting there); a prompt held nowhere in turn among the scores
+within ``multi.router.choose.NEW_BAND`` of the cheapest; otherwise, among scores within the
+estimates' accuracy of each other (``multi.router.choose.NEAR``, then their measured
+spread): affinity, then balance."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 import pytest
 
 from multi.policy import PolicyConfig
-from multi.router.choose import Candidate, Chooser, Prompt
+from multi.router.choose import NEW_BAND, Candidate, Chooser, Prompt
 from multi.router.index import BlockIndex, chain
 from multi.router.instances import Pool, make
 
@@ -32,30 +33,39 @@ def plain_pair(slower: float) -> tuple[Chooser, Pool]:
     return c, pool
 
 
-def test_a_new_prefix_goes_to_the_less_busy_of_instances_near_the_best():
-    # Nothing cached anywhere: where this prompt lands, its conversation's next turns follow.
-    # e0 is 15% faster by its fit but has a request in flight; e1 is idle: the choice by a
-    # 15% difference (inside the estimates' +-25%) piled conversations on one engine.
+def test_prompts_held_nowhere_go_in_turn_while_within_twice_the_cheapest():
+    # Nothing of these prompts is cached anywhere: where each lands, its conversation's next
+    # turns follow. e1 is 15% slower by its fit, e0 has a request in flight. Placed
+    # by the queue of the moment, consecutive conversations shared an engine and met again at
+    # every turn; in turn, as round-robin's, they alternate (docs/benchmarks/router.md).
     c, pool = plain_pair(1.15)
     e0, e1 = pool.role("plain")
     now = time.monotonic()
     e0.outstanding, e0.inflight["a"] = 1, (0.0, now)
     n = 400
-    est = {i.url: c.direct_estimate(Prompt(n), Candidate(i), now).seconds for i in (e0, e1)}
-    assert est[e0.url] < est[e1.url] <= 1.25 * est[e0.url]
-    assert c.choose(pool, n, lambda i: 0, 0, None, now=now).target is e1
-    # Outside the band the cheaper still wins, busy or not.
-    c2, pool2 = plain_pair(2.0)
+    est = {i.url: c.plain_score(Prompt(n), Candidate(i), now) for i in (e0, e1)}
+    assert est[e0.url] < est[e1.url] <= NEW_BAND * est[e0.url], est
+    routes = [c.choose(pool, n, lambda i: 0, 0, None, now=now) for _ in range(4)]
+    assert [r.target for r in routes] == [e0, e1, e0, e1]
+    assert {r.reason for r in routes} == {"in turn"}  # what the decision log says
+    # A prompt of which e1 holds a prefix, in between, does not move the new prompts' turn.
+    assert c.choose(pool, n, lambda i: BS if i is e1 else 0, 0, None, now=now).target is e1
+    assert c.choose(pool, n, lambda i: 0, 0, None, now=now).target is e0
+    # Beyond twice the cheapest the turn passes to the next within it, busy or not.
+    c2, pool2 = plain_pair(3.0)
     f0, f1 = pool2.role("plain")
     f0.outstanding, f0.inflight["a"] = 1, (0.0, now)
-    assert c2.choose(pool2, n, lambda i: 0, 0, None, now=now).target is f0
+    est = {i.url: c2.plain_score(Prompt(n), Candidate(i), now) for i in (f0, f1)}
+    assert est[f1.url] > NEW_BAND * est[f0.url], est
+    assert [c2.choose(pool2, n, lambda i: 0, 0, None, now=now).target for _ in range(3)] == [f0, f0, f0]
 
 
-def test_near_the_best_a_new_prefix_goes_beside_requests_decoding_rather_than_one_prefilling():
-    # e0 has one request in flight still without its first token, though predicted to have it
-    # by now (so its score does not count it as pending): this prompt would share its steps. e1
-    # has two in flight, both decoding. The scores are within the tie band: fewer in flight
-    # would pick e0 (least-outstanding's choice), fewer without a first token picks e1.
+def test_near_the_best_a_held_prefix_goes_beside_requests_decoding_rather_than_one_prefilling():
+    # Both hold the prompt's first block. e0 has one request in flight still without its first
+    # token, though predicted to have it by now (so its score does not count it as pending):
+    # this prompt would share its steps. e1 has two in flight, both decoding. The scores are
+    # within the tie band: fewer in flight would pick e0 (least-outstanding's choice), fewer
+    # without a first token picks e1.
     c, pool = plain_pair(1.0)
     e0, e1 = pool.role("plain")
     now = time.monotonic()
@@ -63,13 +73,13 @@ def test_near_the_best_a_new_prefix_goes_beside_requests_decoding_rather_than_on
     assert not e0.pending(now)
     e1.outstanding, e1.decoding = 2, {"b", "c"}
     n = 400
-    est = {i.url: c.plain_score(Prompt(n), Candidate(i), now) for i in (e0, e1)}
+    est = {i.url: c.plain_score(Prompt(n), Candidate(i, BS), now) for i in (e0, e1)}
     assert max(est.values()) <= 1.25 * min(est.values()), est
-    assert c.choose(pool, n, lambda i: 0, 0, None, now=now).target is e1
+    assert c.choose(pool, n, lambda i: BS, 0, None, now=now).target is e1
     # Both without requests prefilling: in turn, whatever each has decoding (the score counts
     # what decoding requests cost; fewer in flight broke a closed loop's alternation).
     e0.inflight.clear()
-    picks = [c.choose(pool, n, lambda i: 0, 0, None, now=now).target for _ in range(4)]
+    picks = [c.choose(pool, n, lambda i: BS, 0, None, now=now).target for _ in range(4)]
     assert picks[0] is not picks[1] and picks[:2] == picks[2:], picks
 
 

@@ -61,7 +61,9 @@ estimates in ten measured by the honesty window (:meth:`multi.router.honesty.Hon
 at :data:`NEAR_Q`, clamped to [1, ``NEAR``]), ``NEAR`` (1.25x, their accuracy target) until
 it has measured one (with the median error, a band of 0-9% on the fast CPU class, scores
 apart by the estimates' noise broke the alternation of a closed loop's arrivals,
-docs/benchmarks/router.md). Among them the one holding the longest prefix ``L_e`` wins, then
+docs/benchmarks/router.md). A prompt no instance holds any of goes in turn (its own turn, as
+round-robin's) to the first instance whose score is within :data:`NEW_BAND` of the cheapest.
+Otherwise, among those in the band the one holding the longest prefix ``L_e`` wins, then
 the one with fewer requests still without their first token (``inflight``: beside one still
 prefilling a prompt shares its steps, beside one decoding it waits a token's step; fewer in
 flight alone put each arrival beside the request that had just started,
@@ -120,6 +122,10 @@ WAIT_FLOOR_S = 1.0  # the instance fits' OnlineFit floor (multi.router.fits), re
 # (docs/benchmarks/router.md, multi-turn chat on plain engines).
 NEAR = 1.25
 NEAR_Q = 0.9  # the band: a difference nine estimates in ten are more accurate than
+# A prompt no plain instance holds any of goes in turn, as round-robin's, unless its turn's score
+# is this many times the cheapest: placed by the queue of the moment, new conversations' homes
+# left consecutive ones on one engine, to meet at every turn (docs/benchmarks/router.md).
+NEW_BAND = 2.0
 
 
 @dataclass(frozen=True)
@@ -155,7 +161,7 @@ class Chooser(Ledger):
         # are a request for decisions that depend on the inputs alone).
         self.honesty.enabled = policy == "kv" and self.cfg.calibrate
         self._rr = itertools.count()
-        self._turn = itertools.count()
+        self._turn, self._new = itertools.count(), itertools.count()  # _new: prompts held nowhere (NEW_BAND)
 
     def floor_s(self) -> float:
         return WAIT_FLOOR_S
@@ -368,6 +374,7 @@ class Chooser(Ledger):
         if not plain:
             return None
         est: dict[str, float] = {}
+        held = True  # kv: some instance holds a prefix of the prompt
         if policy == "round-robin":
             e = plain[next(self._rr) % len(plain)]
         elif policy == "least-outstanding":
@@ -377,12 +384,16 @@ class Chooser(Ledger):
             order = [plain[(turn + j) % len(plain)] for j in range(len(plain))]
             if policy == "kv":
                 est = {i.url: self.plain_score(prompt, Candidate(i, match(i)), now) for i in order}
-                e = self._near_best(order, est, match, self.near())
+                if held := any(match(i) for i in order):
+                    e = self._near_best(order, est, match, self.near())
+                else:  # held nowhere: where it lands becomes its home (NEW_BAND)
+                    best, k = min(est.values()), next(self._new) % len(plain)
+                    e = next(i for i in plain[k:] + plain[:k] if est[i.url] <= best * NEW_BAND)
             else:  # direct (and handoff, which a plain pool cannot do)
                 e = min(order, key=lambda i: (i.outstanding, -match(i)))
         l_e = match(e)
         plan = self.direct_estimate(prompt, Candidate(e, l_e), now)
-        reason = policy if policy != "kv" else ("instance's cache" if l_e > 0 else "least queued")
+        reason = policy if policy != "kv" else "instance's cache" if l_e > 0 else "least queued" if held else "in turn"
         route = self._route("direct", None, e, plan, reason, cached_target=l_e, store=store)
         if est:
             route.candidates = {f"direct {u}": s for u, s in est.items()}
