@@ -132,6 +132,7 @@ def wait_until(cond, what: str, timeout: float = 15.0) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.integration
 def test_the_store_worker_is_quiet_only_with_nothing_queued_running_or_untaken(store_cluster, monkeypatch):
     from mcstore.protocol import ChunkIO, LoadJob, SaveJob, StoreMetadata
 

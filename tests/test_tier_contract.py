@@ -344,7 +344,6 @@ def test_config_generic_tiers_and_short_form():
             load_config(bad)
 
 
-@pytest.mark.integration
 def store_worker(store_cluster, monkeypatch, namespace: str):
     """A real store worker of ``store_cluster`` (chunks of 2 blocks) over 16 blocks of 2 bf16 layers."""
     import torch
@@ -363,6 +362,7 @@ def store_worker(store_cluster, monkeypatch, namespace: str):
     return w
 
 
+@pytest.mark.integration
 def test_store_worker_reports_each_load(store_cluster, monkeypatch):
     """A real store worker ends every load with one LoadReport: bytes and seconds, or not ok."""
     import time
