@@ -55,18 +55,17 @@ prefill too, and the one computing is followed by it in the steps that decode it
 that term a conversation's home kept its next turns while its queue cost them less than
 recomputing their prefix elsewhere, and the conversations in flight together piled on one
 engine (multi-turn chat on plain engines: a predicted wait of 31 ms against round-robin's
-9 ms, docs/benchmarks/router.md). Every instance whose score is within a factor ``near``
-of the cheapest counts as equally fast: ``near = exp(spread_0.9)``, the error of nine
-estimates in ten measured by the honesty window (:meth:`multi.router.honesty.Honesty.spread`
-at :data:`NEAR_Q`, clamped to [1, ``NEAR``]), ``NEAR`` (1.25x, their accuracy target) until
-it has measured one (with the median error, a band of 0-9% on the fast CPU class, scores
-apart by the estimates' noise broke the alternation of a closed loop's arrivals,
-docs/benchmarks/router.md). A prompt no instance holds any of goes in turn (its own turn, as
-round-robin's) to the first instance whose score is within :data:`NEW_BAND` of the cheapest.
-Otherwise, among those in the band the one holding the longest prefix ``L_e`` wins, then
-the one with fewer requests still without their first token (``inflight``: beside one still
-prefilling a prompt shares its steps, beside one decoding it waits a token's step; fewer in
-flight alone put each arrival beside the request that had just started,
+9 ms, docs/benchmarks/router.md). Every instance whose score is within a factor ``near`` of the
+cheapest counts as equally fast: ``near = exp(spread_0.9)``, the error of nine estimates in ten
+measured by the honesty window (:meth:`multi.router.honesty.Honesty.spread` at :data:`NEAR_Q`,
+clamped to [1, ``NEAR``]), ``NEAR`` (1.25x, their accuracy target) until it has measured one (with
+the median error, a band of 0-9% on the fast CPU class, scores apart by the estimates' noise broke
+the alternation of a closed loop's arrivals, docs/benchmarks/router.md). A prompt no instance
+holds any of goes in turn (its own, as round-robin's) to the first instance within
+:data:`NEW_BAND` of the cheapest score; of other prompts, among those in the band the one holding
+the longest prefix ``L_e`` wins, then the one with fewer requests still without their first token
+(``inflight``: beside one still prefilling a prompt shares its steps, beside one decoding it waits
+a token's step; fewer in flight alone put each arrival beside the request that had just started,
 docs/benchmarks/router.md), then in turn. Not by fewer in flight: requests decoding cost an
 arrival a token's step, which the score already counts (the wait's ``decoding_i``), and in a
 closed loop that tie-break broke the arrivals' alternation, which keeps a conversation's home
@@ -373,8 +372,7 @@ class Chooser(Ledger):
         plain = pool.role("plain")
         if not plain:
             return None
-        est: dict[str, float] = {}
-        held = True  # kv: some instance holds a prefix of the prompt
+        est, cached = {}, {}  # kv: each instance's score and the prefix it holds (tokens), by URL
         if policy == "round-robin":
             e = plain[next(self._rr) % len(plain)]
         elif policy == "least-outstanding":
@@ -383,17 +381,19 @@ class Chooser(Ledger):
             turn = next(self._turn)
             order = [plain[(turn + j) % len(plain)] for j in range(len(plain))]
             if policy == "kv":
-                est = {i.url: self.plain_score(prompt, Candidate(i, match(i)), now) for i in order}
-                if held := any(match(i) for i in order):
-                    e = self._near_best(order, est, match, self.near())
+                cached = {i.url: match(i) for i in order}  # one index walk per instance
+                est = {i.url: self.plain_score(prompt, Candidate(i, cached[i.url]), now) for i in order}
+                if any(cached.values()):
+                    e = self._near_best(order, est, lambda i: cached[i.url], self.near())
                 else:  # held nowhere: where it lands becomes its home (NEW_BAND)
                     best, k = min(est.values()), next(self._new) % len(plain)
                     e = next(i for i in plain[k:] + plain[:k] if est[i.url] <= best * NEW_BAND)
             else:  # direct (and handoff, which a plain pool cannot do)
                 e = min(order, key=lambda i: (i.outstanding, -match(i)))
-        l_e = match(e)
+        l_e = cached[e.url] if cached else match(e)
         plan = self.direct_estimate(prompt, Candidate(e, l_e), now)
-        reason = policy if policy != "kv" else "instance's cache" if l_e > 0 else "least queued" if held else "in turn"
+        reason = policy if policy != "kv" else \
+            "instance's cache" if l_e > 0 else "least queued" if any(cached.values()) else "in turn"
         route = self._route("direct", None, e, plan, reason, cached_target=l_e, store=store)
         if est:
             route.candidates = {f"direct {u}": s for u, s in est.items()}
